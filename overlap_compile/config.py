@@ -1,0 +1,183 @@
+"""Options of overlap_compile: one validated, frozen dataclass plus thread-local overrides.
+
+    import overlap_compile as oc
+    with oc.config.patch(min_speedup=1.05):      # context manager
+        ...
+    @oc.config.patch(force_template="p2p_ring")  # decorator
+    def f(): ...
+    oc.config.current()                          # the Options in effect on this thread
+
+Every option has an environment override ``OVERLAP_COMPILE_<NAME>`` (read when no patch
+is active on the thread). Bad values raise ``ValueError`` naming the key and what is allowed.
+
+The Options object is immutable; the compiler pass takes a snapshot when the forward graph is
+compiled and keeps it, so the backward graph (compiled later, maybe on another thread) is
+governed by the same options.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import threading
+from typing import Any, Iterator
+
+# Template names known to the library. Kept here (not imported from the registry) so that
+# validating options never imports template code.
+TEMPLATE_NAMES = ("signal_reorder", "p2p_ring", "priority_stream", "tile_fused", "moe_fused")
+SEARCH_MODES = ("predict", "exhaustive")
+ENV_PREFIX = "OVERLAP_COMPILE_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    enabled: bool = True
+    templates: tuple[str, ...] = TEMPLATE_NAMES
+    force_template: str | None = None
+    min_speedup: float = 1.03
+    profile: str = "auto"
+    search: str = "predict"
+    wave_group_first_max: int = 2
+    wave_group_last_max: int = 4
+    comm_priority: str | int = "highest"
+    signal_timeout_ms: int = 10000
+    dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_json(self) -> str:
+        """Stable text form: part of the compiler pass's cache key."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"overlap_compile option {key!r}: got {value!r}; allowed: {allowed}")
+
+
+def _validate(o: Options) -> None:
+    if not isinstance(o.enabled, bool):
+        _fail("enabled", o.enabled, "True or False")
+    if not isinstance(o.templates, tuple) or not all(t in TEMPLATE_NAMES for t in o.templates):
+        _fail("templates", o.templates, f"a subset of {list(TEMPLATE_NAMES)}")
+    if o.force_template is not None and o.force_template not in TEMPLATE_NAMES + ("baseline",):
+        _fail("force_template", o.force_template, f"None, 'baseline' or one of {list(TEMPLATE_NAMES)}")
+    if isinstance(o.min_speedup, bool) or not isinstance(o.min_speedup, (int, float)) or not o.min_speedup > 0:
+        _fail("min_speedup", o.min_speedup, "a number > 0 (1.0 = rewrite whenever predicted faster)")
+    if not isinstance(o.profile, str) or not o.profile:
+        _fail("profile", o.profile, "'auto', a built-in profile name, or a path to a profile JSON file")
+    if o.search not in SEARCH_MODES:
+        _fail("search", o.search, f"one of {list(SEARCH_MODES)}")
+    for key in ("wave_group_first_max", "wave_group_last_max"):
+        v = getattr(o, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _fail(key, v, "an integer >= 1")
+    cp = o.comm_priority
+    if not (cp == "highest" or (isinstance(cp, int) and not isinstance(cp, bool) and cp <= 0)):
+        _fail("comm_priority", cp, "'highest' or an integer <= 0 (CUDA stream priority; lower is higher)")
+    if isinstance(o.signal_timeout_ms, bool) or not isinstance(o.signal_timeout_ms, int) or o.signal_timeout_ms <= 0:
+        _fail("signal_timeout_ms", o.signal_timeout_ms, "an integer number of milliseconds > 0")
+    if o.dump_dir is not None and not isinstance(o.dump_dir, str):
+        _fail("dump_dir", o.dump_dir, "None or a directory path")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Options)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn user input (python values or env-var text) into the field's type, or fail clearly."""
+    if key not in _FIELDS:
+        raise ValueError(f"unknown overlap_compile option {key!r}; allowed: {sorted(_FIELDS)}")
+    if key == "templates":
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if value != "all" else TEMPLATE_NAMES
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return tuple(sorted(value, key=lambda t: TEMPLATE_NAMES.index(t) if t in TEMPLATE_NAMES else 99))
+        return value
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if key == "enabled":
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return text
+    if key in ("force_template", "dump_dir") and text.lower() in ("", "none"):
+        return None
+    if key == "min_speedup":
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    if key in ("wave_group_first_max", "wave_group_last_max", "signal_timeout_ms", "comm_priority"):
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    return text
+
+
+def _from_env() -> Options:
+    kwargs = {}
+    for key in _FIELDS:
+        raw = os.environ.get(ENV_PREFIX + key.upper())
+        if raw is not None:
+            kwargs[key] = _coerce(key, raw)
+    try:
+        return Options(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{e} (from environment variables {ENV_PREFIX}*)") from None
+
+
+_local = threading.local()
+
+
+def _stack() -> list[Options]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def current() -> Options:
+    """The options in effect on this thread: the innermost patch, else the environment."""
+    stack = _stack()
+    return stack[-1] if stack else _from_env()
+
+
+class patch(contextlib.ContextDecorator):
+    """Thread-local override of options; usable as ``with`` block and as a decorator."""
+
+    def __init__(self, **overrides: Any) -> None:
+        for key in overrides:
+            if key not in _FIELDS:
+                raise ValueError(f"unknown overlap_compile option {key!r}; allowed: {sorted(_FIELDS)}")
+        self._overrides = {k: _coerce(k, v) for k, v in overrides.items()}
+        # Validate now, so a bad value fails at the patch site, not at compile time.
+        dataclasses.replace(Options(), **self._overrides)
+
+    def __enter__(self) -> Options:
+        opts = dataclasses.replace(current(), **self._overrides)
+        _stack().append(opts)
+        return opts
+
+    def __exit__(self, *exc: Any) -> None:
+        _stack().pop()
+
+
+@contextlib.contextmanager
+def using(opts: Options) -> Iterator[Options]:
+    """Make a whole Options object current (used to replay a snapshot)."""
+    _stack().append(opts)
+    try:
+        yield opts
+    finally:
+        _stack().pop()
+
+
+@functools.lru_cache(maxsize=None)
+def option_names() -> tuple[str, ...]:
+    return tuple(_FIELDS)

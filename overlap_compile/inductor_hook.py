@@ -1,0 +1,101 @@
+"""The Inductor post-grad pass, and ``enable()`` for the default inductor backend.
+
+``OverlapPass`` is a ``CustomGraphPass``: its ``uuid()`` is a hash of overlap_compile's sources,
+the options snapshot and any chained pass's uuid, so the FX graph cache keeps hitting and is
+invalidated when any of them changes. A post-grad custom pass the user installed before is
+chained (run first), never replaced; torch 2.11 holds one pass, 2.13 may hold a list: both work.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import config as oc_config
+from .report import Report, global_report
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for f in sorted(filenames):
+            if f.endswith((".py", ".json")):
+                path = os.path.join(dirpath, f)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def _as_list(passes: Any) -> list[Any]:
+    if passes is None:
+        return []
+    if isinstance(passes, (list, tuple)):
+        return list(passes)
+    return [passes]
+
+
+class OverlapPass(CustomGraphPass):
+    def __init__(self, options: oc_config.Options, report: Report | None = None, chained: Any = None) -> None:
+        self.options = options
+        self.report = report
+        self.chained = [p for p in _as_list(chained) if not isinstance(p, OverlapPass)]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in self.chained:
+            p(graph)
+        if not self.options.enabled:
+            return
+        from .passes.pipeline import run_on_graph
+
+        record = run_on_graph(graph, self.options)
+        for r in {id(x): x for x in (self.report, global_report()) if x is not None}.values():
+            r.add(record)
+        if self.options.dump_dir:
+            one = Report()
+            one.add(record)
+            one.dump(os.path.join(self.options.dump_dir, record.name + f"_{id(graph):x}"))
+
+    def uuid(self) -> Any:
+        parts = [_source_hash(), self.options.to_json(), torch.__version__]
+        for p in self.chained:
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None  # a plain callable cannot be keyed: let Inductor bypass the cache
+            parts.append(u.hex() if isinstance(u, bytes) else str(u))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def make_pass(options: oc_config.Options | None = None, report: Report | None = None) -> OverlapPass:
+    from torch._inductor import config as inductor_config
+
+    return OverlapPass(options or oc_config.current(), report, chained=inductor_config.post_grad_custom_post_pass)
+
+
+@contextlib.contextmanager
+def enable(report: Report | None = None, **overrides: Any) -> Iterator[OverlapPass]:
+    """Run the overlap pass under the default inductor backend inside this block.
+
+    The options in effect at entry (plus ``overrides``) govern every graph compiled inside,
+    including the backward graphs: AOTAutograd normally compiles backward lazily, at the first
+    ``.backward()``, possibly outside this block and on another thread, so inside the block it
+    is told to compile backward together with forward.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with oc_config.patch(**overrides) as opts:
+        p = make_pass(opts, report)
+    patches = {"post_grad_custom_post_pass": p}
+    eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {}
+    with inductor_config.patch(patches), functorch_config.patch(eager_bw):
+        yield p

@@ -1,0 +1,96 @@
+"""decide: every site of a graph at once -> one Decision per site. Never touches the graph.
+
+For each site the baseline (GEMM then collective, as written) is always a candidate. Each
+template allowed by ``options.templates`` that supports the site contributes its candidate
+configurations with predicted times; the fastest wins only if baseline / best >= min_speedup.
+``force_template`` skips the prediction contest (tests, experiments). Every site left as it is
+gets a reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import Options
+from .. import templates
+from .matches import Match
+
+BASELINE = "baseline"
+
+
+@dataclasses.dataclass
+class Candidate:
+    template: str
+    config: dict | None
+    predicted_ms: float | None
+    note: str = ""  # why a template is not a candidate, or how it was measured
+
+
+@dataclasses.dataclass
+class Decision:
+    match: Match
+    template: str
+    config: dict | None
+    reason: str
+    candidates: list[Candidate]
+
+    @property
+    def rewrites(self) -> bool:
+        return self.template != BASELINE
+
+
+def decide(matches: list[Match], options: Options, profile: Any = None) -> list[Decision]:
+    return [_decide_one(m, options, profile) for m in matches]
+
+
+def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
+    from .. import predictor
+
+    if match.unsupported:
+        return Decision(match, BASELINE, None, match.unsupported, [])
+    base_ms = predictor.predict_baseline(match, profile) if profile is not None else None
+    cands = [Candidate(BASELINE, None, base_ms)]
+
+    forced = options.force_template
+    if forced == BASELINE:
+        return Decision(match, BASELINE, None, "force_template='baseline'", cands)
+    if forced is not None:
+        problem = _why_not(forced, match, options)
+        if problem:
+            return Decision(match, BASELINE, None, f"force_template={forced!r} cannot take this site: {problem}", cands)
+        spec = templates.get_spec(forced)
+        ranked = predictor.rank_configs(spec, match, profile) if profile is not None else []
+        config = ranked[0].config if ranked else spec.default_config(match)
+        cands += ranked or [Candidate(forced, config, None)]
+        return Decision(match, forced, config, f"force_template={forced!r}", cands)
+
+    for name in options.templates:
+        problem = _why_not(name, match, options)
+        if problem:
+            cands.append(Candidate(name, None, None, problem))
+            continue
+        cands += predictor.rank_configs(templates.get_spec(name), match, profile) if profile is not None else [
+            Candidate(name, None, None, "no hardware profile")
+        ]
+    timed = [c for c in cands[1:] if c.predicted_ms is not None]
+    if base_ms is None or not timed:
+        return Decision(match, BASELINE, None, "no prediction available for this site; kept as written", cands)
+    best = min(timed, key=lambda c: c.predicted_ms)
+    gain = base_ms / best.predicted_ms
+    if gain < options.min_speedup:
+        return Decision(
+            match, BASELINE, None,
+            f"best rewrite {best.template} predicted {best.predicted_ms:.3f} ms vs baseline {base_ms:.3f} ms: "
+            f"gain {gain:.2f}x < min_speedup {options.min_speedup}",
+            cands,
+        )
+    return Decision(match, best.template, best.config,
+                    f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
+
+
+def _why_not(name: str, match: Match, options: Options) -> str | None:
+    if name not in templates.names():
+        return f"template {name!r} is not implemented yet (implemented: {', '.join(templates.names())})"
+    if name not in options.templates and options.force_template != name:
+        return f"template {name!r} is not in options.templates"
+    return templates.get_spec(name).supports(match)

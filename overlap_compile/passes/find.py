@@ -1,0 +1,298 @@
+"""find: post-grad FX graph -> list of Match. Pure: never mutates the graph.
+
+Recognised (functional collectives, ``_c10d_functional.*``):
+
+    gemm_allreduce      mm/addmm -> view* -> all_reduce -> wait_tensor
+    gemm_reducescatter  mm/addmm -> view* [-> split(dim d) -> getitem* -> cat(dim 0)] -> reduce_scatter_tensor -> wait
+    gemm_alltoall       mm/addmm -> view* -> all_to_all_single (equal splits) -> wait
+    allgather_gemm      all_gather_into_tensor -> wait [-> split(dim 0) -> getitem* -> cat(dim d)] -> view* -> mm (A operand)
+
+DTensor's ``Shard(d)`` layouts produce exactly the split/cat forms above (see tests/test_find.py).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .graph_utils import (
+    MM_OPS,
+    SUPPORTED_DTYPES,
+    VIEW_OPS,
+    aten,
+    c10d,
+    getitems_of,
+    group_name_of,
+    is_call,
+    is_symbolic,
+    mm_operands,
+    single_user,
+    static_shape,
+    val,
+    world_size_of,
+)
+from .matches import (
+    AllGatherGemmMatch,
+    GemmAllReduceMatch,
+    GemmAllToAllMatch,
+    GemmConsumer,
+    GemmReduceScatterMatch,
+    Match,
+)
+from ..tiling import RowStripes
+
+
+def find(graph: fx.Graph, graph_name: str = "forward") -> list[Match]:
+    matches: list[Match] = []
+    for node in graph.nodes:
+        if is_call(node, c10d.all_reduce.default):
+            m = _gemm_then_collective(node, GemmAllReduceMatch, graph_name)
+        elif is_call(node, c10d.reduce_scatter_tensor.default):
+            m = _gemm_then_collective(node, GemmReduceScatterMatch, graph_name)
+        elif is_call(node, c10d.all_to_all_single.default):
+            m = _gemm_then_collective(node, GemmAllToAllMatch, graph_name)
+        elif is_call(node, c10d.all_gather_into_tensor.default):
+            m = _allgather_gemm(node, graph_name)
+        else:
+            continue
+        if m is not None:
+            matches.append(m)
+    return matches
+
+
+def _wait_of(collective: fx.Node) -> fx.Node | None:
+    u = single_user(collective)
+    return u if is_call(u, c10d.wait_tensor.default) else None
+
+
+def _walk_back_views(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Follow view/reshape producers back; returns (first non-view node, views passed)."""
+    chain = []
+    while is_call(node, VIEW_OPS):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _undo_scatter_split(coll_input: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """``cat([split(x, s, d)[0..W-1]], 0)`` -> (x, d, [cat, getitems, split]); None if not that form."""
+    if not is_call(coll_input, aten.cat.default):
+        return None
+    parts = coll_input.args[0]
+    cat_dim = coll_input.args[1] if len(coll_input.args) > 1 else coll_input.kwargs.get("dim", 0)
+    if cat_dim != 0 or len(parts) != world:
+        return None
+    split = parts[0].args[0] if parts[0].op == "call_function" and parts[0].args else None
+    if not is_call(split, (aten.split.Tensor, aten.split_with_sizes.default)):
+        return None
+    items = getitems_of(split)
+    if items is None or list(parts) != items:
+        return None
+    src = split.args[0]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    shape = static_shape(src)
+    if shape is None:
+        return None
+    dim = dim % len(shape)
+    if shape[dim] % world:
+        return None
+    if split.target == aten.split.Tensor:
+        if split.args[1] != shape[dim] // world:
+            return None
+    elif any(s != shape[dim] // world for s in split.args[1]):
+        return None
+    return src, dim, [coll_input, *items, split]
+
+
+def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | None:
+    wait = _wait_of(coll)
+    if wait is None:
+        return None
+    group = group_name_of(coll.args[-1])
+    if cls is GemmReduceScatterMatch:
+        world, reduce_op = coll.args[2], coll.args[1]
+    elif cls is GemmAllReduceMatch:
+        world, reduce_op = world_size_of(group), coll.args[1]
+    else:
+        world, reduce_op = world_size_of(group), None
+
+    src = coll.args[0]
+    scatter_dim, split_nodes = 0, []
+    if cls is GemmReduceScatterMatch:
+        undone = _undo_scatter_split(src, world)
+        if undone is not None:
+            src, scatter_dim, split_nodes = undone
+    view_shape = static_shape(src)
+    mm, views = _walk_back_views(src)
+    if not is_call(mm, MM_OPS):
+        return None  # a collective not fed by a GEMM is not a site
+
+    a, b, bias, problem = mm_operands(mm)
+    v = val(mm)
+    reasons = []
+    if problem:
+        reasons.append(problem)
+    chain = [*split_nodes, *views]
+    # Every node from the mm to the collective must feed only the next one: otherwise the
+    # plain GEMM output is needed elsewhere and rewriting would compute it twice.
+    for n in [mm, *reversed(views)]:
+        if len(n.users) != 1:
+            reasons.append(f"GEMM output {n.name} is also used by {[u.name for u in n.users if u not in chain and u is not coll]}")
+            break
+    if any(is_symbolic(n) for n in (mm, a, b, coll)) or view_shape is None:
+        reasons.append("symbolic shapes are not handled yet (compile with dynamic=False)")
+    if v is not None and v.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {v.dtype} not supported (float32, bfloat16, float16 are)")
+    if world is None:
+        reasons.append(f"process group {group!r} is not known in this process")
+    elif world < 2:
+        reasons.append("world size 1: nothing to overlap")
+
+    m_, n_, k_ = 0, 0, 0
+    if static_shape(mm) is not None and static_shape(a) is not None:
+        m_, n_ = static_shape(mm)
+        k_ = static_shape(a)[1]
+    stripes = None
+    if not reasons:
+        if view_shape[-1] != n_:
+            reasons.append(f"the collective's view {list(view_shape)} splits the GEMM's N={n_} columns")
+        elif cls is not GemmAllReduceMatch:
+            if len(view_shape) < 2:
+                reasons.append(f"collective input {list(view_shape)} has no row dimension")
+            elif cls is GemmAllToAllMatch and not _equal_splits(coll, view_shape[0], world):
+                reasons.append("all_to_all_single with unequal split sizes is not supported")
+            elif scatter_dim >= len(view_shape) - 1:
+                reasons.append(f"scatter along the GEMM's N dimension (dim {scatter_dim}) is not supported")
+            else:
+                try:
+                    stripes = RowStripes.from_view(view_shape, scatter_dim, world)
+                except ValueError as e:
+                    reasons.append(str(e))
+
+    kw = dict(
+        group_name=group,
+        world_size=world or 0,
+        dtype=v.dtype if v is not None else a.meta.get("val").dtype,
+        graph=graph_name,
+        unsupported="; ".join(reasons) or None,
+        mm_node=mm,
+        a_node=a,
+        b_node=b,
+        bias_node=bias,
+        collective_node=coll,
+        wait_node=wait,
+        chain_nodes=chain,
+        m=m_,
+        n=n_,
+        k=k_,
+        view_shape=view_shape or (),
+        stripes=stripes,
+        reduce_op=reduce_op,
+    )
+    if cls is GemmReduceScatterMatch:
+        kw["scatter_dim"] = scatter_dim
+    return cls(**kw)
+
+
+def _equal_splits(a2a: fx.Node, rows: int, world: int) -> bool:
+    out_splits, in_splits = a2a.args[1], a2a.args[2]
+    want = [rows // world] * world
+    return rows % world == 0 and list(out_splits) == want and list(in_splits) == want
+
+
+def _redo_gather_cat(wait: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
+    """``cat(split(wait, s, 0)[0..W-1], d)`` -> (cat, d, [split, getitems, cat]); else (wait, 0, [])."""
+    split = single_user(wait)
+    if not is_call(split, (aten.split.Tensor, aten.split_with_sizes.default)):
+        return wait, 0, []
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim != 0:
+        return wait, 0, []
+    items = getitems_of(split)
+    if items is None or len(items) != world:
+        return wait, 0, []
+    cat = single_user(items[0])
+    if not is_call(cat, aten.cat.default) or list(cat.args[0]) != items:
+        return wait, 0, []
+    if any(len(i.users) != 1 for i in items):
+        return wait, 0, []
+    shape = static_shape(cat)
+    d = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return cat, d % len(shape) if shape else d, [split, *items, cat]
+
+
+def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
+    wait = _wait_of(ag)
+    if wait is None:
+        return None
+    world = ag.args[1]
+    group = group_name_of(ag.args[2])
+    gathered, gather_dim, chain = _redo_gather_cat(wait, world)
+    gshape = static_shape(gathered)
+
+    # The [M, K] matrix: the gathered tensor itself when 2-D, else its (single) flattening view.
+    matrix = gathered
+    flat_views = [u for u in gathered.users if is_call(u, VIEW_OPS)]
+    if gshape is not None and len(gshape) > 2:
+        want = [_prod(gshape[:-1]), gshape[-1]]
+        flat = [u for u in flat_views if static_shape(u) is not None and list(static_shape(u)) == want]
+        if not flat:
+            return None
+        matrix = flat[0]
+    consumers = []
+    for u in matrix.users:
+        if is_call(u, MM_OPS) and mm_operands(u)[0] is matrix and mm_operands(u)[3] is None:
+            _, b, bias, _ = mm_operands(u)
+            shape = static_shape(u)
+            consumers.append(GemmConsumer(mm_node=u, b_node=b, bias_node=bias, n=shape[1] if shape else 0))
+    if not consumers:
+        return None  # an all-gather that feeds no GEMM rows is not a site
+
+    reasons = []
+    v = val(ag)
+    if gshape is None or any(is_symbolic(c.mm_node) for c in consumers):
+        reasons.append("symbolic shapes are not handled yet (compile with dynamic=False)")
+    if v is not None and v.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {v.dtype} not supported (float32, bfloat16, float16 are)")
+    if world < 2:
+        reasons.append("world size 1: nothing to overlap")
+    dtypes = {val(c.mm_node).dtype for c in consumers if val(c.mm_node) is not None}
+    if len(dtypes) > 1:
+        reasons.append(f"GEMMs of mixed dtypes {sorted(map(str, dtypes))}")
+    stripes = None
+    m_ = k_ = 0
+    if not reasons:
+        m_, k_ = _prod(gshape[:-1]), gshape[-1]
+        if len(gshape) < 2 or gather_dim >= len(gshape) - 1:
+            reasons.append(f"gather along the GEMM's K dimension (dim {gather_dim} of {list(gshape)}) is not supported")
+        else:
+            try:
+                stripes = RowStripes.from_view(gshape, gather_dim, world)
+            except ValueError as e:
+                reasons.append(str(e))
+    if stripes is None:
+        stripes = RowStripes(1, max(world, 1), 1)
+    return AllGatherGemmMatch(
+        group_name=group,
+        world_size=world,
+        dtype=v.dtype if v is not None else None,
+        graph=graph_name,
+        unsupported="; ".join(reasons) or None,
+        ag_node=ag,
+        wait_node=wait,
+        shard_node=ag.args[0],
+        chain_nodes=chain + ([matrix] if matrix is not gathered else []),
+        full_node=gathered,
+        gathered_node=matrix,
+        gathered_shape=gshape or (),
+        gather_dim=gather_dim,
+        consumers=consumers,
+        m=m_,
+        k=k_,
+        stripes=stripes,
+    )
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out

@@ -1,0 +1,137 @@
+"""Small helpers for reading and writing Inductor post-grad FX graphs."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+MM_OPS = (aten.mm.default, aten.addmm.default)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_call(node: Any, ops: Any) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    return node.target in ops if isinstance(ops, tuple) else node.target == ops
+
+
+def val(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The node's shape as ints, or None when unknown or symbolic."""
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        return None
+    if not all(isinstance(s, int) for s in v.shape):
+        return None
+    return tuple(v.shape)
+
+
+def is_symbolic(node: fx.Node) -> bool:
+    v = val(node)
+    return isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)
+
+
+def group_name_of(arg: Any) -> str:
+    """Group names appear as str (2.11) or may be ProcessGroup objects (2.13 schemas say Any)."""
+    if isinstance(arg, str):
+        return arg
+    name = getattr(arg, "group_name", None)
+    if isinstance(name, str):
+        return name
+    raise ValueError(f"cannot read a process-group name from {arg!r}")
+
+
+def world_size_of(group_name: str) -> int | None:
+    """Size of the named group, or None when no such group exists in this process."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group_name).size()
+    except Exception:
+        return None
+
+
+def mm_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str | None]:
+    """(a, b, bias, problem) of an mm/addmm node; problem is a reason when unsupported."""
+    if mm.target == aten.mm.default:
+        return mm.args[0], mm.args[1], None, None
+    bias, a, b = mm.args[:3]
+    beta = mm.kwargs.get("beta", 1)
+    alpha = mm.kwargs.get("alpha", 1)
+    if beta != 1 or alpha != 1:
+        return a, b, bias, f"addmm with beta={beta}, alpha={alpha} (only 1, 1 supported)"
+    bshape = static_shape(bias)
+    if bshape is None or len(bshape) != 1:
+        return a, b, bias, f"addmm bias of shape {bshape} (only a 1-D bias over N supported)"
+    return a, b, bias, None
+
+
+def users(node: fx.Node) -> list[fx.Node]:
+    return list(node.users)
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    us = list(node.users)
+    return us[0] if len(us) == 1 else None
+
+
+def getitems_of(split: fx.Node) -> list[fx.Node] | None:
+    """The getitem users of a split, ordered by index, or None if anything else reads it."""
+    items = {}
+    for u in split.users:
+        if not (u.op == "call_function" and u.target == operator.getitem):
+            return None
+        items[u.args[1]] = u
+    return [items[i] for i in sorted(items)]
+
+
+class GraphEmitter:
+    """Inserts aten calls before an anchor node, filling ``meta['val']`` by running the op on
+    the inputs' fake tensors (as Inductor's own passes do)."""
+
+    def __init__(self, graph: fx.Graph, before: fx.Node) -> None:
+        self.graph = graph
+        self.before = before
+        self.new_nodes: list[fx.Node] = []
+        self._fake_mode = _fake_mode_of(graph)
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(op, tuple(args), dict(kwargs))
+        fake_args = tree_map(lambda a: val(a) if isinstance(a, fx.Node) else a, (args, kwargs))
+        with self._fake_mode:
+            node.meta["val"] = op(*fake_args[0], **fake_args[1])
+        if op is not operator.getitem:
+            node.meta["overlap_compile"] = True
+        self.new_nodes.append(node)
+        return node
+
+
+def _fake_mode_of(graph: fx.Graph) -> Any:
+    from torch._guards import detect_fake_mode
+
+    vals = [val(n) for n in graph.nodes if isinstance(val(n), torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def erase_if_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase the given nodes (in reverse topological order) once nothing reads them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=lambda n: -order.get(n, -1)):
+        if node.graph is graph and not node.users:
+            graph.erase_node(node)

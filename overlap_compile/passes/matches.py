@@ -1,0 +1,163 @@
+"""One dataclass per kind of site the finder recognises, with its FX nodes named by role.
+
+A match is pure data: ``find`` builds them without touching the graph, ``decide`` reads their
+geometry (``gemms``, ``comm_bytes``, ``signature``), ``rewrite`` uses the nodes. A match whose
+``unsupported`` is set was recognised but cannot be rewritten; the reason goes to the Report and
+the graph keeps that site exactly as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.fx as fx
+
+from ..tiling import RowStripes
+
+KINDS = ("gemm_allreduce", "gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "moe")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass
+class Match:
+    kind: ClassVar[str] = ""
+    group_name: str
+    world_size: int
+    dtype: torch.dtype
+    graph: str  # "forward" | "backward" | "inference"
+    unsupported: str | None  # reason the site cannot be rewritten, else None
+
+    def gemms(self) -> list[tuple[int, int, int]]:
+        """The GEMMs of the site as (M, N, K), M = rows of the full (gathered/unscattered) matrix."""
+        raise NotImplementedError
+
+    def comm_bytes(self) -> int:
+        """Bytes one rank puts into the collective (its input size)."""
+        raise NotImplementedError
+
+    def anchor(self) -> fx.Node:
+        """The node the site is reported under (its collective)."""
+        raise NotImplementedError
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def signature(self) -> str:
+        """Stable text that determines the decision: same on every rank of the group."""
+        shapes = ";".join("x".join(map(str, g)) for g in self.gemms())
+        extra = self.signature_extra()
+        return f"{self.kind}|{shapes}|{dtype_name(self.dtype)}|w{self.world_size}|{extra}"
+
+    def signature_extra(self) -> str:
+        return ""
+
+    def name(self) -> str:
+        return self.anchor().name
+
+
+@dataclasses.dataclass
+class GemmThenCollective(Match):
+    """mm/addmm -> (view chain) -> collective -> wait_tensor. Base of AR, RS and A2A sites.
+
+    ``view_shape`` is the shape of the tensor handed to the collective before any per-rank
+    split (the mm output viewed as ``[..., N]``); ``stripes`` says which rows go to which rank
+    (None for all-reduce).
+    """
+
+    mm_node: fx.Node
+    a_node: fx.Node
+    b_node: fx.Node
+    bias_node: fx.Node | None
+    collective_node: fx.Node
+    wait_node: fx.Node
+    chain_nodes: list[fx.Node]  # everything between mm and the collective (views, split/cat)
+    m: int
+    n: int
+    k: int
+    view_shape: tuple[int, ...]
+    stripes: RowStripes | None
+    reduce_op: str | None
+
+    def gemms(self) -> list[tuple[int, int, int]]:
+        return [(self.m, self.n, self.k)]
+
+    def comm_bytes(self) -> int:
+        return self.m * self.n * self.itemsize
+
+    def anchor(self) -> fx.Node:
+        return self.collective_node
+
+    def signature_extra(self) -> str:
+        s = self.stripes
+        stripes = f"{s.outer}x{s.world}x{s.chunk}" if s else "-"
+        return f"{self.reduce_op}|{stripes}|bias={self.bias_node is not None}"
+
+
+@dataclasses.dataclass
+class GemmAllReduceMatch(GemmThenCollective):
+    kind: ClassVar[str] = "gemm_allreduce"
+
+
+@dataclasses.dataclass
+class GemmReduceScatterMatch(GemmThenCollective):
+    kind: ClassVar[str] = "gemm_reducescatter"
+    scatter_dim: int = 0
+
+
+@dataclasses.dataclass
+class GemmAllToAllMatch(GemmThenCollective):
+    kind: ClassVar[str] = "gemm_alltoall"
+
+
+@dataclasses.dataclass
+class GemmConsumer:
+    """One mm/addmm that reads the gathered matrix as its A operand (row-parallel in the gather)."""
+
+    mm_node: fx.Node
+    b_node: fx.Node
+    bias_node: fx.Node | None
+    n: int
+
+
+@dataclasses.dataclass
+class AllGatherGemmMatch(Match):
+    """all_gather_into_tensor -> wait_tensor (-> split/cat for dim > 0) -> view -> one or more mm.
+
+    ``gathered_node`` is the ``[M, K]`` matrix the GEMMs read; its other users (e.g. a saved
+    activation for backward) keep reading it, since the template returns it too.
+    """
+
+    kind: ClassVar[str] = "allgather_gemm"
+    ag_node: fx.Node
+    wait_node: fx.Node
+    shard_node: fx.Node
+    chain_nodes: list[fx.Node]  # split/getitem/cat/views between wait and the gathered matrix
+    full_node: fx.Node  # the gathered tensor (wait, or the cat for dim > 0) before flattening
+    gathered_node: fx.Node  # the [M, K] matrix (full_node itself when already 2-D)
+    gathered_shape: tuple[int, ...]  # the gathered tensor before flattening to [M, K]
+    gather_dim: int
+    consumers: list[GemmConsumer]
+    m: int
+    k: int
+    stripes: RowStripes
+
+    def gemms(self) -> list[tuple[int, int, int]]:
+        return [(self.m, c.n, self.k) for c in self.consumers]
+
+    def comm_bytes(self) -> int:
+        return self.m // self.world_size * self.k * self.itemsize
+
+    def anchor(self) -> fx.Node:
+        return self.ag_node
+
+    def signature_extra(self) -> str:
+        s = self.stripes
+        return f"{s.outer}x{s.world}x{s.chunk}|bias={[c.bias_node is not None for c in self.consumers]}"
+
+
+GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllToAllMatch)

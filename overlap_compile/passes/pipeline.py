@@ -1,0 +1,61 @@
+"""The overlap pass on one graph: find -> decide -> rewrite, and the record of what happened."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..config import Options
+from ..report import GraphRecord, SiteReport
+from .decide import Decision, decide
+from .find import find
+from .matches import dtype_name
+from .rewrite import rewrite
+
+
+def graph_role(graph: fx.Graph) -> str:
+    """AOTAutograd names the backward graph's gradient inputs ``tangents_*``."""
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            return "backward"
+    return "forward"
+
+
+def readable(graph: fx.Graph) -> str:
+    return graph.python_code(root_module="self").src
+
+
+def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = None) -> GraphRecord:
+    name = graph_name or graph_role(graph)
+    before = readable(graph)
+    matches = find(graph, name)
+    profile = None
+    profile_name = None
+    if matches:
+        from .. import predictor
+
+        profile = predictor.load_profile(options.profile)
+        profile_name = getattr(profile, "name", None)
+    decisions = decide(matches, options, profile)
+    sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
+    rewrite(graph, decisions, options.signal_timeout_ms)
+    return GraphRecord(name=name, before=before, after=readable(graph), sites=sites, profile=profile_name)
+
+
+def _site_report(d: Decision, graph_name: str) -> SiteReport:
+    m = d.match
+    predicted = {}
+    for c in d.candidates:
+        label = c.template if c.config is None else f"{c.template}{_short(c.config)}"
+        if c.predicted_ms is not None or c.template == "baseline":
+            predicted[label] = c.predicted_ms
+    return SiteReport(
+        kind=m.kind, graph=graph_name, node=m.name(), template=d.template, config=d.config,
+        predicted_ms=predicted, reason=d.reason, signature=m.signature(), gemms=m.gemms(),
+        world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
+    )
+
+
+def _short(config: dict) -> str:
+    keys = [k for k in ("block_m", "block_n", "wave_groups", "slices", "chunks") if k in config]
+    if not keys:
+        return ""
+    return "[" + ",".join(f"{k}={config[k]}" for k in keys) + "]"

@@ -1,0 +1,75 @@
+"""rewrite: apply decisions to the graph. Never decides: a Decision says what to do.
+
+GEMM -> collective sites::
+
+    mm -> views [-> split/cat] -> collective -> wait -> users
+ becomes
+    <template op>(a, b, bias, group, plan) [-> template glue] -> view(wait's shape) -> users
+
+All-gather -> GEMM sites::
+
+    shard -> all_gather -> wait [-> split/cat] -> view [M, K] -> mm_i(., b_i) -> users_i
+ becomes
+    <template op>(view(shard, [M/W, K]), [b_i], [bias_i], group, plan) -> (gathered, y_0, y_1, ...)
+    gathered -> the other users of the [M, K] matrix (e.g. saved for backward); y_i -> users_i
+
+Nodes of the old site are erased once nothing reads them.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import templates
+from .decide import Decision
+from .graph_utils import GraphEmitter, aten, erase_if_dead, static_shape
+from .matches import AllGatherGemmMatch, GemmThenCollective
+
+
+def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
+    """Apply every rewriting decision; return how many sites were rewritten."""
+    done = 0
+    for d in decisions:
+        if not d.rewrites:
+            continue
+        spec = templates.get_spec(d.template)
+        plan = spec.plan(d.match, d.config, timeout_ms)
+        if isinstance(d.match, AllGatherGemmMatch):
+            _rewrite_allgather_gemm(graph, spec, d.match, plan)
+        else:
+            _rewrite_gemm_collective(graph, spec, d.match, plan)
+        done += 1
+    if done:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)
+        graph.lint()
+    return done
+
+
+def _rewrite_gemm_collective(graph: fx.Graph, spec, m: GemmThenCollective, plan) -> None:
+    emit = GraphEmitter(graph, before=m.mm_node)
+    rows = spec.emit_gemm_collective(emit, m, plan)
+    result = emit(aten.view.default, rows, list(static_shape(m.wait_node)))
+    m.wait_node.replace_all_uses_with(result)
+    erase_if_dead(graph, [m.wait_node, m.collective_node, *m.chain_nodes, m.mm_node])
+
+
+def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) -> None:
+    # Insert after the last input is defined (weights are often permuted after the gather).
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [m.shard_node] + [c.b_node for c in m.consumers] + [c.bias_node for c in m.consumers if c.bias_node]
+    last = max(inputs, key=lambda n: order[n])
+    emit = GraphEmitter(graph, before=last.next)
+    outs = spec.emit_allgather_gemm(emit, m, plan)
+    gathered, ys = outs[0], outs[1:]
+    for c, y in zip(m.consumers, ys):
+        c.mm_node.replace_all_uses_with(y)
+    erase_if_dead(graph, [c.mm_node for c in m.consumers])
+    m.gathered_node.replace_all_uses_with(gathered)
+    if m.full_node is not m.gathered_node and len(m.full_node.users) > 1:
+        # The un-flattened gathered tensor (e.g. [B, S, H]) has readers besides the flattening view.
+        unflat = GraphEmitter(graph, before=gathered.next)(aten.view.default, gathered, list(m.gathered_shape))
+        for user in list(m.full_node.users):
+            if user is not m.gathered_node:
+                user.replace_input_with(m.full_node, unflat)
+    erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])

@@ -1,0 +1,118 @@
+"""What the pass saw and did, per compiled graph and per site: the object ``explain`` returns.
+
+    report = oc.explain(model, x, backward=True)
+    print(report)                          # one row per site
+    report.sites[0].template, .reason, .predicted_ms
+    report.graphs["forward"].before / .after
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass
+class SiteReport:
+    kind: str
+    graph: str
+    node: str  # the collective node's name in the graph before the rewrite
+    template: str  # chosen template, or "baseline"
+    config: dict | None
+    predicted_ms: dict[str, float | None]  # candidate label -> predicted ms ("baseline" included)
+    reason: str
+    signature: str
+    gemms: list[tuple[int, int, int]]
+    world_size: int
+    dtype: str
+
+    @property
+    def rewritten(self) -> bool:
+        return self.template != "baseline"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    name: str  # "forward", "backward" (a repeated name gets a suffix: "forward_1")
+    before: str
+    after: str
+    sites: list[SiteReport]
+    profile: str | None = None
+
+
+@dataclasses.dataclass
+class Report:
+    records: list[GraphRecord] = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, record: GraphRecord) -> None:
+        with self._lock:
+            names = {r.name for r in self.records}
+            base, i = record.name, 1
+            while record.name in names:
+                record.name = f"{base}_{i}"
+                i += 1
+            for s in record.sites:
+                s.graph = record.name
+            self.records.append(record)
+
+    @property
+    def sites(self) -> list[SiteReport]:
+        return [s for r in self.records for s in r.sites]
+
+    @property
+    def graphs(self) -> dict[str, GraphRecord]:
+        return {r.name: r for r in self.records}
+
+    def table(self) -> str:
+        header = ["graph", "kind", "node", "GEMM (MxNxK)", "template", "predicted ms", "reason"]
+        rows = []
+        for s in self.sites:
+            gemm = ", ".join("x".join(map(str, g)) for g in s.gemms)
+            pred = " ".join(f"{k}={v:.3f}" for k, v in s.predicted_ms.items() if v is not None) or "-"
+            rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, s.reason])
+        if not rows:
+            return "overlap_compile: no GEMM/collective sites found"
+        widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header) - 1)]
+        lines = []
+        for r in [header] + rows:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
+        lines.insert(1, "-" * min(160, len(lines[0])))
+        profiles = sorted({r.profile for r in self.records if r.profile})
+        if profiles:
+            lines.append(f"profile: {', '.join(profiles)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"graphs": [{"name": r.name, "profile": r.profile, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
+            indent=2,
+            default=str,
+        )
+
+    def dump(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        for r in self.records:
+            for which in ("before", "after"):
+                with open(os.path.join(directory, f"{r.name}.{which}.py"), "w") as f:
+                    f.write(getattr(r, which))
+        with open(os.path.join(directory, "report.txt"), "w") as f:
+            f.write(self.table() + "\n")
+        with open(os.path.join(directory, "report.json"), "w") as f:
+            f.write(self.to_json())
+
+
+_GLOBAL = Report()
+
+
+def global_report() -> Report:
+    """Everything the pass recorded in this process (``overlap_compile.last_report()``)."""
+    return _GLOBAL

@@ -1,0 +1,36 @@
+"""Registry of overlap templates: name -> TemplateSpec.
+
+Importing this package registers every template's ops (``torch.ops.overlap_compile.*``); it
+touches neither CUDA nor any process group.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .base import TemplateSpec
+
+# name -> module holding ``SPEC`` (and, beside it, ``op`` registering the ops)
+_REGISTRY: dict[str, str] = {
+    "signal_reorder": "overlap_compile.templates.signal_reorder",
+}
+
+
+def register(name: str, package: str) -> None:
+    """Add a template package (``spec.py`` with ``SPEC``, ``op.py`` registering its ops)."""
+    _REGISTRY[name] = package
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_spec(name: str) -> TemplateSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown template {name!r}; implemented: {sorted(_REGISTRY)}")
+    importlib.import_module(_REGISTRY[name] + ".op")
+    return importlib.import_module(_REGISTRY[name] + ".spec").SPEC
+
+
+def load_all_ops() -> None:
+    for pkg in _REGISTRY.values():
+        importlib.import_module(pkg + ".op")

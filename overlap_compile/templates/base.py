@@ -1,0 +1,163 @@
+"""What every template provides, and the shared op plumbing.
+
+A template is a folder ``templates/<name>/`` with
+
+* ``spec.py``: a ``TemplateSpec`` subclass: which match kinds it supports (``supports``), its
+  configurations (``candidates``, ``default_config``), the graph it emits (``emit_*``) and its
+  closed-form latency model (``predict``, used by the predictor);
+* ``op.py``: the ``torch.ops.overlap_compile.<name>_*`` ops (fake impl + device dispatch);
+* ``reference.py``: the decomposed algorithm step by step on any device (CPU/gloo in CI);
+* ``kernels.py``: the GPU implementation (Triton kernels, streams).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..passes.matches import AllGatherGemmMatch, GemmThenCollective, Match
+from .plans import AllGatherGemmPlan, GemmCollectivePlan
+
+LIB = "overlap_compile"
+
+
+class TemplateSpec:
+    name: str = ""
+    kinds: tuple[str, ...] = ()
+
+    # -- what it can do -------------------------------------------------------------------
+    def supports(self, match: Match) -> str | None:
+        """None when this template can rewrite the site, else the reason it cannot."""
+        if match.kind not in self.kinds:
+            return f"{self.name} does not implement {match.kind} (it implements {', '.join(self.kinds)})"
+        return None
+
+    def default_config(self, match: Match) -> dict:
+        raise NotImplementedError
+
+    def candidates(self, match: Match, profile: Any) -> list[dict]:
+        """Configurations worth predicting for this site (the predictor ranks them)."""
+        return [self.default_config(match)]
+
+    def predict(self, match: Match, config: dict, profile: Any) -> float | None:
+        """Predicted milliseconds of the site under ``config`` (None: no model yet)."""
+        return None
+
+    # -- what it emits --------------------------------------------------------------------
+    def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan | AllGatherGemmPlan:
+        """The run-time plan of this site under ``config`` (an op argument, as JSON)."""
+        if isinstance(match, AllGatherGemmMatch):
+            s = match.stripes
+            return AllGatherGemmPlan(
+                template=self.name, m=match.m, k=match.k, ns=tuple(c.n for c in match.consumers),
+                world=match.world_size, outer=s.outer, chunk=s.chunk,
+                has_bias=tuple(c.bias_node is not None for c in match.consumers), config=config,
+                timeout_ms=timeout_ms,
+            )
+        s = match.stripes
+        return GemmCollectivePlan(
+            template=self.name, kind=match.kind, m=match.m, n=match.n, k=match.k, world=match.world_size,
+            reduce_op=match.reduce_op, outer=s.outer if s else 1, chunk=s.chunk if s else match.m,
+            has_bias=match.bias_node is not None, config=config, timeout_ms=timeout_ms,
+        )
+
+    def emit_gemm_collective(self, emit: Callable, match: GemmThenCollective, plan: GemmCollectivePlan) -> fx.Node:
+        """Insert the template's op; return the node holding the collective's result rows
+        as a ``[plan.result_rows, n]`` matrix."""
+        op = getattr(torch.ops.overlap_compile, f"{self.name}_gemm_collective").default
+        return emit(op, match.a_node, match.b_node, match.bias_node, match.group_name, plan.to_json())
+
+    def emit_allgather_gemm(self, emit: Callable, match: AllGatherGemmMatch, plan: AllGatherGemmPlan) -> list[fx.Node]:
+        """Insert the op; return nodes for [gathered matrix, output of consumer 0, 1, ...]."""
+        import operator
+
+        op = getattr(torch.ops.overlap_compile, f"{self.name}_allgather_gemm").default
+        shard = emit(torch.ops.aten.view.default, match.shard_node, [plan.m // plan.world, plan.k])
+        out = emit(
+            op,
+            shard,
+            [c.b_node for c in match.consumers],
+            [c.bias_node for c in match.consumers],
+            match.group_name,
+            plan.to_json(),
+        )
+        return [emit(operator.getitem, out, i) for i in range(1 + len(match.consumers))]
+
+
+# ---- op plumbing shared by every template ------------------------------------------------
+
+Impl = Callable[..., Any]
+
+
+def define_gemm_collective_op(template: str, out_shape: Callable[[GemmCollectivePlan], Sequence[int]],
+                              reference: Impl, cuda: Impl | None = None) -> Any:
+    """Register ``overlap_compile::<template>_gemm_collective(a, b, bias, group_name, plan)``."""
+    qualname = f"{LIB}::{template}_gemm_collective"
+
+    @torch.library.custom_op(qualname, mutates_args=())
+    def op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, plan: str) -> torch.Tensor:
+        p = GemmCollectivePlan.from_json(plan)
+        _check_gemm_inputs(template, p, a, b, bias)
+        from ..runtime.agreement import check_plan_agreement
+
+        check_plan_agreement(group_name, plan, template)
+        if cuda is not None and a.is_cuda:
+            return cuda(a, b, bias, group_name, p)
+        return reference(a, b, bias, group_name, p)
+
+    @op.register_fake
+    def _(a, b, bias, group_name, plan):
+        p = GemmCollectivePlan.from_json(plan)
+        return a.new_empty(tuple(out_shape(p)))
+
+    return op
+
+
+def define_allgather_gemm_op(template: str, reference: Impl, cuda: Impl | None = None) -> Any:
+    """Register ``overlap_compile::<template>_allgather_gemm(shard, bs, biases, group_name, plan)``
+    returning ``[gathered [m, k], out_0 [m, n_0], ...]``."""
+    qualname = f"{LIB}::{template}_allgather_gemm"
+
+    @torch.library.custom_op(qualname, mutates_args=())
+    def op(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None], group_name: str,
+           plan: str) -> list[torch.Tensor]:
+        p = AllGatherGemmPlan.from_json(plan)
+        if tuple(shard.shape) != (p.m // p.world, p.k):
+            raise ValueError(f"{template}: shard shape {tuple(shard.shape)} != plan's {(p.m // p.world, p.k)}")
+        for b, n in zip(bs, p.ns):
+            if tuple(b.shape) != (p.k, n):
+                raise ValueError(f"{template}: weight shape {tuple(b.shape)} != plan's {(p.k, n)}")
+        from ..runtime.agreement import check_plan_agreement
+
+        check_plan_agreement(group_name, plan, template)
+        if cuda is not None and shard.is_cuda:
+            return cuda(shard, bs, biases, group_name, p)
+        return reference(shard, bs, biases, group_name, p)
+
+    @op.register_fake
+    def _(shard, bs, biases, group_name, plan):
+        p = AllGatherGemmPlan.from_json(plan)
+        return [shard.new_empty(p.m, p.k)] + [shard.new_empty(p.m, n) for n in p.ns]
+
+    return op
+
+
+def _check_gemm_inputs(template: str, p: GemmCollectivePlan, a: torch.Tensor, b: torch.Tensor,
+                       bias: torch.Tensor | None) -> None:
+    if tuple(a.shape) != (p.m, p.k) or tuple(b.shape) != (p.k, p.n):
+        raise ValueError(
+            f"{template}: operands {tuple(a.shape)} @ {tuple(b.shape)} do not match the plan's "
+            f"({p.m}, {p.k}) @ ({p.k}, {p.n})"
+        )
+    if (bias is not None) != p.has_bias:
+        raise ValueError(f"{template}: bias given={bias is not None} but plan says has_bias={p.has_bias}")
+
+
+def gemm_tile(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, rows: Any, cols: Any) -> torch.Tensor:
+    """One output block of ``a @ b + bias`` computed with fp32 accumulation, cast back to a's dtype
+    (what a tensor-core GEMM tile does). ``rows``/``cols`` index a and b."""
+    acc = a[rows].float() @ b[:, cols].float()
+    if bias is not None:
+        acc = acc + bias[cols].float()
+    return acc.to(a.dtype)

@@ -1,0 +1,99 @@
+"""Plans: everything a template's op needs to know at run time, as a JSON string op argument.
+
+A plan is built at compile time from a Match and the chosen config. It is a string so that it
+is hashable and printable in the graph (and in the FX graph cache key), and it is the same
+text on every rank, which is how the decision-agreement check compares ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from ..tiling import RowStripes
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCollectivePlan:
+    """GEMM ``[m, k] @ [k, n] (+ bias)`` followed by a collective on its rows.
+
+    ``kind`` is the match kind. For reduce-scatter and all-to-all, ``outer``/``chunk`` give the
+    row stripes (tiling.RowStripes) each rank owns; for all-reduce they are unused (1, m).
+    """
+
+    template: str
+    kind: str
+    m: int
+    n: int
+    k: int
+    world: int
+    reduce_op: str | None
+    outer: int
+    chunk: int
+    has_bias: bool
+    config: dict
+    timeout_ms: int = 10000
+
+    @property
+    def stripes(self) -> RowStripes:
+        return RowStripes(self.outer, self.world, self.chunk)
+
+    @property
+    def result_rows(self) -> int:
+        """Rows of the collective's result matrix on one rank."""
+        if self.kind == "gemm_reducescatter":
+            return self.outer * self.chunk
+        return self.m
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "GemmCollectivePlan":
+        return GemmCollectivePlan(**_load(text, "GemmCollectivePlan"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherGemmPlan:
+    """All-gather of ``[m / world, k]`` row shards (placed by ``outer``/``chunk`` stripes) feeding
+    one GEMM per entry of ``ns`` (``[m, k] @ [k, n_i] (+ bias_i)``)."""
+
+    template: str
+    m: int
+    k: int
+    ns: tuple[int, ...]
+    world: int
+    outer: int
+    chunk: int
+    has_bias: tuple[bool, ...]
+    config: dict
+    timeout_ms: int = 10000
+
+    @property
+    def stripes(self) -> RowStripes:
+        return RowStripes(self.outer, self.world, self.chunk)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "AllGatherGemmPlan":
+        d = _load(text, "AllGatherGemmPlan")
+        d["ns"], d["has_bias"] = tuple(d["ns"]), tuple(d["has_bias"])
+        return AllGatherGemmPlan(**d)
+
+
+def _load(text: str, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed {what} (not JSON: {e}): {text[:200]!r}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed {what}: expected a JSON object, got {text[:200]!r}")
+    return d
+
+
+def plan_digest(plan_json: str) -> str:
+    """Short hash of a plan, compared across ranks before the first run of a rewritten op."""
+    return hashlib.sha256(plan_json.encode()).hexdigest()[:16]

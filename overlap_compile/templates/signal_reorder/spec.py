@@ -1,0 +1,76 @@
+"""signal_reorder (FlashOverlap): what it supports, its configurations and the graph it emits.
+
+Before (all-reduce site)::
+
+    mm = aten.mm(a, b); view = aten.view(mm, [B, S, N])
+    ar = _c10d_functional.all_reduce(view, 'sum', '0'); out = _c10d_functional.wait_tensor(ar)
+
+After::
+
+    buf = overlap_compile.signal_reorder_gemm_collective(a, b, None, '0', '{plan}')   # [T, BM, BN]
+    ... view/permute/clone/cat/slice (tiling.untile) ...                             # [M, N]
+    out = aten.view(rows, [B, S, N])
+
+The glue is plain aten, so Inductor fuses the un-reorder into the consumer's kernel.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...passes.matches import GemmThenCollective, Match
+from ...tiling import TileGrid, cdiv, even_wave_groups, untile
+from ..base import TemplateSpec
+from ..plans import GemmCollectivePlan
+
+
+class SignalReorderSpec(TemplateSpec):
+    name = "signal_reorder"
+    kinds = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall")
+
+    def supports(self, match: Match) -> str | None:
+        reason = super().supports(match)
+        if reason:
+            return reason
+        if match.kind == "gemm_alltoall" and match.stripes.outer != 1:
+            return "signal_reorder all-to-all needs the split along the leading dimension"
+        return None
+
+    def tile_rows(self, match: GemmThenCollective) -> int:
+        return match.m if match.kind == "gemm_allreduce" else match.stripes.stripe_rows
+
+    def default_config(self, match: GemmThenCollective, programs: int | None = None,
+                       groups: int = 4) -> dict:
+        """Tiles of 128x128 on GPU-sized problems; 16x16 on small ones so that even CPU test
+        shapes have several waves. ``programs`` defaults to 4 per rank (CPU) and is set from the
+        SM count by the predictor on GPUs."""
+        rows = self.tile_rows(match)
+        block = 128 if min(rows, match.n) >= 512 else 16
+        stripes = 1 if match.kind == "gemm_allreduce" else match.world_size
+        grid = TileGrid(rows, match.n, block, block, 8)
+        tiles = grid.num_tiles * stripes
+        if programs is None:
+            programs = 4 * stripes
+        programs = max(stripes, min(programs, tiles) // stripes * stripes)
+        waves = cdiv(tiles, programs)
+        return {
+            "block_m": block,
+            "block_n": block,
+            "group_m": 8,
+            "programs": programs,
+            "wave_groups": list(even_wave_groups(waves, groups)),
+        }
+
+    def emit_gemm_collective(self, emit: Any, match: GemmThenCollective, plan: GemmCollectivePlan) -> Any:
+        from . import reference
+
+        buf = super().emit_gemm_collective(emit, match, plan)
+        grid, _ = reference.layout(plan)
+        if plan.kind != "gemm_alltoall":
+            return untile(buf, grid, emit)
+        per_source = [untile(emit(torch.ops.aten.select.int, buf, 0, j), grid, emit) for j in range(plan.world)]
+        return emit(torch.ops.aten.cat.default, per_source, 0)
+
+
+SPEC = SignalReorderSpec()

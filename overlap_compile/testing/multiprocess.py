@@ -1,0 +1,103 @@
+"""Run a function on W processes with an initialised process group (gloo on CPU, nccl on GPUs).
+
+    results = run_distributed(my_module.check, world_size=2, args=(...,), timeout_s=300)
+
+The function must be importable by qualified name (a module-level function). Each rank's return
+value comes back in rank order; an exception on any rank is re-raised here with that rank's
+traceback; a rank that does not finish within ``timeout_s`` fails the run (no hang).
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedFailure(RuntimeError):
+    pass
+
+
+def _worker(rank: int, world: int, port: int, backend: str, target: str, args: tuple, kwargs: dict,
+            queue: Any, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+        module, name = target.rsplit(".", 1)
+        fn = getattr(importlib.import_module(module), name)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
+                    backend: str = "gloo", timeout_s: float = 300, env: dict | None = None) -> list[Any]:
+    target = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, target, args, kwargs or {}, queue, env or {}),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedFailure(
+                    f"{target}: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not finish "
+                    f"within {timeout_s:.0f}s" + (f"; errors so far: {errors}" if errors else "")
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in errors]
+                if dead:
+                    errors.update({i: f"process exited with code {procs[i].exitcode}" for i in dead})
+                continue
+            (results if ok else errors)[rank] = payload
+            if errors:
+                break  # other ranks may now hang in a collective: stop them
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        first = min(errors)
+        raise DistributedFailure(f"{target} failed on rank {first}:\n{errors[first]}")
+    return [results[r] for r in range(world_size)]
