@@ -27,6 +27,7 @@ class SiteReport:
     gemms: list[tuple[int, int, int]]
     world_size: int
     dtype: str
+    comm_bytes: int = 0
 
     @property
     def rewritten(self) -> bool:
