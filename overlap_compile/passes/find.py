@@ -121,21 +121,32 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         if undone is not None:
             src, scatter_dim, split_nodes = undone
     view_shape = static_shape(src)
-    mm, views = _walk_back_views(src)
-    if not is_call(mm, MM_OPS):
+    summed = _gemm_terms(src)
+    if summed is None:
         return None  # a collective not fed by a GEMM is not a site
+    mms, views = summed
+    mm = mms[0]
 
     a, b, bias, problem = mm_operands(mm)
     v = val(mm)
     reasons = []
     if problem:
         reasons.append(problem)
+    extra_terms = []
+    for other in mms[1:]:
+        a2, b2, bias2, _ = mm_operands(other)
+        if bias is not None or bias2 is not None:
+            reasons.append("a sum of GEMMs with bias is not supported")
+        elif static_shape(other) != static_shape(mm) or val(other).dtype != v.dtype:
+            reasons.append("the summed GEMMs differ in shape or dtype")
+        extra_terms.append((other, a2, b2))
     chain = [*split_nodes, *views]
-    # Every node from the mm to the collective must feed only the next one: otherwise the
+    # Every node from the mm(s) to the collective must feed only the next one: otherwise the
     # plain GEMM output is needed elsewhere and rewriting would compute it twice.
-    for n in [mm, *reversed(views)]:
+    for n in [*mms, *views]:
         if len(n.users) != 1:
-            reasons.append(f"GEMM output {n.name} is also used by {[u.name for u in n.users if u not in chain and u is not coll]}")
+            others = [u.name for u in n.users if u not in chain and u is not coll]
+            reasons.append(f"GEMM output {n.name} is also used by {others}")
             break
     if any(is_symbolic(n) for n in (mm, a, b, coll)) or view_shape is None:
         reasons.append("symbolic shapes are not handled yet (compile with dynamic=False)")
@@ -147,9 +158,10 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         reasons.append("world size 1: nothing to overlap")
 
     m_, n_, k_ = 0, 0, 0
-    if static_shape(mm) is not None and static_shape(a) is not None:
+    a_shapes = [static_shape(x) for x in [a] + [t[1] for t in extra_terms]]
+    if static_shape(mm) is not None and all(s is not None for s in a_shapes):
         m_, n_ = static_shape(mm)
-        k_ = static_shape(a)[1]
+        k_ = sum(s[1] for s in a_shapes)
     stripes = None
     if not reasons:
         if view_shape[-1] != n_:
@@ -186,10 +198,24 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         view_shape=view_shape or (),
         stripes=stripes,
         reduce_op=reduce_op,
+        extra_terms=extra_terms,
     )
     if cls is GemmReduceScatterMatch:
         kw["scatter_dim"] = scatter_dim
     return cls(**kw)
+
+
+def _gemm_terms(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """``view*(mm)`` or ``view*(add(view*(mm), view*(mm)), ...)`` -> (mm nodes, views/adds between);
+    None when anything else produces the tensor."""
+    base, views = _walk_back_views(node)
+    if is_call(base, MM_OPS):
+        return [base], views
+    if is_call(base, aten.add.Tensor) and len(base.args) == 2 and base.kwargs.get("alpha", 1) == 1:
+        left, right = (_gemm_terms(x) if isinstance(x, fx.Node) else None for x in base.args)
+        if left and right:
+            return left[0] + right[0], views + [base] + left[1] + right[1]
+    return None
 
 
 def _equal_splits(a2a: fx.Node, rows: int, world: int) -> bool:

@@ -82,6 +82,14 @@ class GemmThenCollective(Match):
     view_shape: tuple[int, ...]
     stripes: RowStripes | None
     reduce_op: str | None
+    # Further summands when the collective reads ``mm(a, b) + mm(a2, b2) + ...`` (backward of
+    # several column-parallel projections sharing one input): (mm_node, a_node, b_node) each.
+    # They are one GEMM over the concatenated K: cat([a, a2], 1) @ cat([b, b2], 0).
+    extra_terms: list[tuple[fx.Node, fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+
+    def operand_nodes(self) -> list[fx.Node]:
+        nodes = [self.a_node, self.b_node] + ([self.bias_node] if self.bias_node is not None else [])
+        return nodes + [n for _, a, b in self.extra_terms for n in (a, b)]
 
     def gemms(self) -> list[tuple[int, int, int]]:
         return [(self.m, self.n, self.k)]
@@ -95,7 +103,7 @@ class GemmThenCollective(Match):
     def signature_extra(self) -> str:
         s = self.stripes
         stripes = f"{s.outer}x{s.world}x{s.chunk}" if s else "-"
-        return f"{self.reduce_op}|{stripes}|bias={self.bias_node is not None}"
+        return f"{self.reduce_op}|{stripes}|bias={self.bias_node is not None}|terms={1 + len(self.extra_terms)}"
 
 
 @dataclasses.dataclass

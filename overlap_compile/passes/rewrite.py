@@ -46,20 +46,24 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
     return done
 
 
+def _after_inputs(graph: fx.Graph, inputs: list[fx.Node]) -> fx.Node:
+    """The node right after the last of ``inputs``: the earliest place the template can start
+    (weights are often permuted only after the gather or the first GEMM)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return max(inputs, key=lambda n: order[n]).next
+
+
 def _rewrite_gemm_collective(graph: fx.Graph, spec, m: GemmThenCollective, plan) -> None:
-    emit = GraphEmitter(graph, before=m.mm_node)
+    emit = GraphEmitter(graph, before=_after_inputs(graph, m.operand_nodes()))
     rows = spec.emit_gemm_collective(emit, m, plan)
     result = emit(aten.view.default, rows, list(static_shape(m.wait_node)))
     m.wait_node.replace_all_uses_with(result)
-    erase_if_dead(graph, [m.wait_node, m.collective_node, *m.chain_nodes, m.mm_node])
+    erase_if_dead(graph, [m.wait_node, m.collective_node, *m.chain_nodes, m.mm_node, *[t[0] for t in m.extra_terms]])
 
 
 def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) -> None:
-    # Insert after the last input is defined (weights are often permuted after the gather).
-    order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = [m.shard_node] + [c.b_node for c in m.consumers] + [c.bias_node for c in m.consumers if c.bias_node]
-    last = max(inputs, key=lambda n: order[n])
-    emit = GraphEmitter(graph, before=last.next)
+    emit = GraphEmitter(graph, before=_after_inputs(graph, inputs))
     outs = spec.emit_allgather_gemm(emit, m, plan)
     gathered, ys = outs[0], outs[1:]
     for c, y in zip(m.consumers, ys):

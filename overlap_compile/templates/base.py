@@ -66,7 +66,8 @@ class TemplateSpec:
         """Insert the template's op; return the node holding the collective's result rows
         as a ``[plan.result_rows, n]`` matrix."""
         op = getattr(torch.ops.overlap_compile, f"{self.name}_gemm_collective").default
-        return emit(op, match.a_node, match.b_node, match.bias_node, match.group_name, plan.to_json())
+        a, b = gemm_operands(emit, match)
+        return emit(op, a, b, match.bias_node, match.group_name, plan.to_json())
 
     def emit_allgather_gemm(self, emit: Callable, match: AllGatherGemmMatch, plan: AllGatherGemmPlan) -> list[fx.Node]:
         """Insert the op; return nodes for [gathered matrix, output of consumer 0, 1, ...]."""
@@ -83,6 +84,15 @@ class TemplateSpec:
             plan.to_json(),
         )
         return [emit(operator.getitem, out, i) for i in range(1 + len(match.consumers))]
+
+
+def gemm_operands(emit: Callable, match: GemmThenCollective) -> tuple[fx.Node, fx.Node]:
+    """A and B of the site's GEMM; a sum of GEMMs becomes one GEMM over the concatenated K."""
+    if not match.extra_terms:
+        return match.a_node, match.b_node
+    a = emit(torch.ops.aten.cat.default, [match.a_node] + [t[1] for t in match.extra_terms], 1)
+    b = emit(torch.ops.aten.cat.default, [match.b_node] + [t[2] for t in match.extra_terms], 0)
+    return a, b
 
 
 # ---- op plumbing shared by every template ------------------------------------------------
