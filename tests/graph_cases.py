@@ -1,0 +1,123 @@
+"""Post-grad-like graphs for finder and rewrite tests, built with make_fx from functional collectives.
+
+Each case is a function of (group_name, world) returning (fn, example input shapes); the fn
+uses ``torch.ops._c10d_functional`` exactly as Inductor's post-grad graphs do.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def wait(t):
+    return c10d.wait_tensor.default(t)
+
+
+def trace(fn, inputs, mode: str = "fake"):
+    return make_fx(fn, tracing_mode=mode)(*inputs)
+
+
+def gemm_allreduce(g, w, m=24, n=20, k=12, bias=False, op="sum"):
+    def fn(a, b, c):
+        y = aten.addmm.default(c, a, b) if bias else aten.mm.default(a, b)
+        y = aten.view.default(y, [2, m // 2, n])
+        return aten.relu.default(wait(c10d.all_reduce.default(y, op, g)))
+
+    return fn, [(m, k), (k, n), (n,)]
+
+
+def gemm_reducescatter_dim0(g, w, m=None, n=20, k=12, bias=False, op="sum"):
+    m = m or 6 * w
+
+    def fn(a, b, c):
+        y = aten.addmm.default(c, a, b) if bias else aten.mm.default(a, b)
+        return wait(c10d.reduce_scatter_tensor.default(y, op, w, g)) * 2
+
+    return fn, [(m, k), (k, n), (n,)]
+
+
+def gemm_reducescatter_dim1(g, w, batch=2, seq=None, n=20, k=12, op="sum"):
+    """DTensor's Shard(1) reduce-scatter: view [B, S, N] -> split(S/W, dim 1) -> cat(dim 0) -> RS."""
+    seq = seq or 3 * w
+
+    def fn(a, b, c):
+        y = aten.view.default(aten.mm.default(a, b), [batch, seq, n])
+        parts = aten.split.Tensor(y, seq // w, 1)
+        x = aten.cat.default(list(parts))
+        return wait(c10d.reduce_scatter_tensor.default(x, op, w, g)) + 1
+
+    return fn, [(batch * seq, k), (k, n), (n,)]
+
+
+def gemm_sum_reducescatter(g, w, m=None, n=20, k1=12, k2=8):
+    """Backward of two column-parallel projections: RS(mm(a1, b1) + mm(a2, b2))."""
+    m = m or 4 * w
+
+    def fn(a1, b1, a2, b2):
+        y = aten.add.Tensor(aten.mm.default(a1, b1), aten.mm.default(a2, b2))
+        return wait(c10d.reduce_scatter_tensor.default(y, "sum", w, g))
+
+    return fn, [(m, k1), (k1, n), (m, k2), (k2, n)]
+
+
+def allgather_gemm_dim0(g, w, m_local=5, k=12, ns=(20, 7), bias=False):
+    def fn(x, b0, b1, c0):
+        full = wait(c10d.all_gather_into_tensor.default(x, w, g))
+        y0 = aten.addmm.default(c0, full, b0) if bias else aten.mm.default(full, b0)
+        y1 = aten.mm.default(full, b1)
+        return y0.sum(1), y1 * 3, full  # full is also returned (as a saved activation would be)
+
+    return fn, [(m_local, k), (k, ns[0]), (k, ns[1]), (ns[0],)]
+
+
+def allgather_gemm_dim1(g, w, batch=2, seq_local=3, k=12, n=20):
+    """DTensor's Shard(1) all-gather: AG on dim 0 -> split(B) -> cat(dim 1) -> view [B*S, K] -> mm."""
+
+    def fn(x, b):
+        full = wait(c10d.all_gather_into_tensor.default(x, w, g))
+        parts = aten.split.Tensor(full, batch)
+        seq = aten.cat.default(list(parts), 1)
+        y = aten.mm.default(aten.view.default(seq, [batch * seq_local * w, k]), b)
+        return y, seq.sum()
+
+    return fn, [(batch, seq_local, k), (k, n)]
+
+
+def gemm_alltoall(g, w, m=None, n=20, k=12, equal=True):
+    m = m or 4 * w
+
+    def fn(a, b):
+        y = aten.mm.default(a, b)
+        splits = [m // w] * w if equal else [m // w + 1] + [m // w] * (w - 2) + [m // w - 1]
+        return wait(c10d.all_to_all_single.default(y, splits, splits, g)) - 1
+
+    return fn, [(m, k), (k, n)]
+
+
+def gemm_used_twice(g, w, m=16, n=20, k=12):
+    def fn(a, b):
+        y = aten.mm.default(a, b)
+        return wait(c10d.all_reduce.default(y, "sum", g)), y.sum()
+
+    return fn, [(m, k), (k, n)]
+
+
+def allreduce_without_gemm(g, w):
+    def fn(a):
+        return wait(c10d.all_reduce.default(a * 2, "sum", g))
+
+    return fn, [(8, 4)]
+
+
+GEMM_COLLECTIVE_CASES = {
+    "gemm_allreduce": gemm_allreduce,
+    "gemm_reducescatter": gemm_reducescatter_dim0,
+    "gemm_reducescatter_dim1": gemm_reducescatter_dim1,
+    "gemm_sum_reducescatter": gemm_sum_reducescatter,
+    "gemm_alltoall": gemm_alltoall,
+    "allgather_gemm": allgather_gemm_dim0,
+    "allgather_gemm_dim1": allgather_gemm_dim1,
+}
