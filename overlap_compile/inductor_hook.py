@@ -65,6 +65,11 @@ class OverlapPass(CustomGraphPass):
             one.add(record)
             one.dump(os.path.join(self.options.dump_dir, record.name + f"_{id(graph):x}"))
 
+    def __deepcopy__(self, memo: dict) -> "OverlapPass":
+        # Inductor deep-copies its config (and so this pass). The copy must keep feeding the same
+        # Report, and the options are immutable: sharing is the correct copy.
+        return self
+
     def uuid(self) -> Any:
         parts = [_source_hash(), self.options.to_json(), torch.__version__]
         for p in self.chained:

@@ -12,6 +12,7 @@ from .base import TemplateSpec
 # name -> module holding ``SPEC`` (and, beside it, ``op`` registering the ops)
 _REGISTRY: dict[str, str] = {
     "signal_reorder": "overlap_compile.templates.signal_reorder",
+    "p2p_ring": "overlap_compile.templates.p2p_ring",
 }
 
 

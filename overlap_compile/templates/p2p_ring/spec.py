@@ -1,0 +1,85 @@
+"""p2p_ring (CommFuse): what it supports, its configurations and the graph it emits.
+
+Before (reduce-scatter site, sequence-parallel row-parallel linear)::
+
+    mm = aten.mm(a, b); view = aten.view(mm, [B, S, N]); split/cat along S
+    rs = _c10d_functional.reduce_scatter_tensor(cat, 'sum', W, '0'); out = _c10d_functional.wait_tensor(rs)
+
+After::
+
+    rows = overlap_compile.p2p_ring_gemm_collective(a, b, None, '0', '{plan}')   # [B*S/W, N]
+    out = aten.view(rows, [B, S/W, N])
+
+All-gather sites become ``p2p_ring_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
+returning the gathered matrix and every consumer's output. Both are the base class's emitters:
+the op already returns rows in the collective's order, so there is no reorder glue.
+
+The latency model (W-1 steps of max(compute slice, P2P chunk)) lives in overlap_compile.predictor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...passes.matches import Match
+from ..base import TemplateSpec
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+from .reference import REDUCE_OPS, check_config
+
+SLICE_CHOICES = (1, 2, 4)
+
+
+class P2PRingSpec(TemplateSpec):
+    name = "p2p_ring"
+    kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
+
+    def supports(self, match: Match) -> str | None:
+        reason = super().supports(match)
+        if reason:
+            if match.kind == "gemm_allreduce":
+                reason += "; an all-reduce has no stripe that stays local, so the ring would leave a tail"
+            return reason
+        if getattr(match, "stripes", None) is None:
+            return "p2p_ring needs the collective's row stripes (the finder did not determine them)"
+        if match.kind == "gemm_reducescatter" and match.reduce_op not in REDUCE_OPS:
+            return f"p2p_ring reduces with {' or '.join(REDUCE_OPS)} only, not {match.reduce_op!r}"
+        if match.kind == "gemm_alltoall" and match.stripes.outer != 1:
+            return "p2p_ring all-to-all needs the split along the leading dimension"
+        return None
+
+    def default_config(self, match: Match) -> dict:
+        return {"slices": 1, "bidirectional": False, "transport": "p2p"}
+
+    def candidates(self, match: Match, profile: Any) -> list[dict]:
+        """Slices 1, 2, 4 where they divide the rows of one ring message; both ring directions at
+        once (reduce-scatter, all-gather) only for W > 2, where the two rings use different links."""
+        out = []
+        for bidir in self._directions(match):
+            sizes = self._message_rows(match, bidir)
+            for slices in SLICE_CHOICES:
+                if all(slices <= rows and rows % slices == 0 for rows in sizes):
+                    out.append({"slices": slices, "bidirectional": bidir, "transport": "p2p"})
+        return out or [self.default_config(match)]
+
+    def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan | AllGatherGemmPlan:
+        check_config(match.kind, config)  # a bad config fails at compile time, naming the key
+        return super().plan(match, config, timeout_ms)
+
+    # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _directions(match: Match) -> tuple[bool, ...]:
+        if match.kind == "gemm_alltoall" or match.world_size <= 2:
+            return (False,)
+        split = match.n if match.kind == "gemm_reducescatter" else match.stripes.stripe_rows
+        return (False, True) if split >= 2 else (False,)
+
+    @staticmethod
+    def _message_rows(match: Match, bidirectional: bool) -> list[int]:
+        """Rows of each ring's messages before slicing: a stripe (reduce-scatter, all-to-all) or a
+        shard (all-gather; its two halves when bidirectional, as reference.lanes cuts it)."""
+        rows = match.stripes.stripe_rows
+        if match.kind == "allgather_gemm" and bidirectional:
+            return [rows // 2, rows - rows // 2]
+        return [rows]
+
+
+SPEC = P2PRingSpec()

@@ -1,0 +1,735 @@
+"""signal_reorder on NVIDIA GPUs: one persistent Triton GEMM that signals per wave group, and a
+high-priority communication stream that waits on those signals and runs the unchanged NCCL
+collective on each group's contiguous slice (FlashOverlap, EuroSys '26).
+
+Layers (kernel -> launcher -> op)::
+
+    _gemm_kernel          persistent GEMM; epilogue = plain store into C, or (SIGNAL) store the
+                          tile at its send slot, CTA barrier, one release atomic on its group counter
+    _wait_kernel          one-thread bounded spin on a group counter (the watchdog), consumes it
+    gemm()                launcher: C = a @ b (+ bias), tile config per shape (cached, JSON)
+    gemm_signal_into()    launcher: the GEMM + signalling epilogue into a send buffer, no waits
+                          (tests compare the layout to reference.py; the benchmark times it)
+    run()                 what op.py calls: GEMM on the compute stream, per group wait +
+                          collective on the comm stream, join; returns reference.run's buffer
+
+Layout contract (reference.py is the oracle): exec id ``e`` runs on program ``e % programs`` in
+wave ``e // programs``; it is local tile ``e // stripes`` (grouped order, tiling.tile_coords) of
+stripe ``e % stripes``; its rows come from tiling.RowStripes.global_row; it is stored at
+``WaveSchedule.send_slot(e)`` with the edge padding zeroed.
+
+Counters without a memset per call. Each (device, plan) owns an int32 counter per wave group,
+zeroed once at allocation. The GEMM adds one per finished tile. The waiter of group ``g`` waits
+until the counter reaches the group's tile count and then *consumes* it (writes 0 back) before
+the collective is issued. So every call leaves the counters at zero for the next one, with no
+host-side value that changes between calls: the whole op is capturable in a CUDA graph and a
+replay is exactly a fresh call. (We chose this over epochs: an epoch compared against would
+have to live on the device and be bumped by an extra kernel for graph replays to stay right,
+and the consume-and-reset costs nothing extra because the waiter is already there.) Calls
+that share a plan are serialised because each call joins the compute stream back onto the
+comm stream before returning.
+
+Bounded waits (never a silent hang). The default waiter is ``_wait_kernel``: one thread polls
+the counter with acquire loads and gives up after ``plan.timeout_ms`` (read off %globaltimer);
+on a timeout, or if the counter overshoots (a bug), it records group, counter value and target
+in a small pinned host buffer and lets the stream go on. The host raises
+``SignalTimeoutError`` (naming template, group and counter) at the next call of any
+signal_reorder op on that device, or from ``check_errors()`` after a synchronisation.
+``OVERLAP_COMPILE_SIGNAL_WAIT=stream`` selects ``cuStreamWaitValue32`` instead (no SM used for
+waiting, but a wait that can never time out: only for experiments).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ...tiling import TileGrid, WaveSchedule, cdiv
+from ..plans import GemmCollectivePlan
+
+try:  # Triton is optional on CPU-only installs; available() then says False.
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+try:  # host-side TMA descriptors: Triton >= 3.3 (3.6 on the GPU machines, 3.9 in CI)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+TEMPLATE = "signal_reorder"
+
+
+class SignalTimeoutError(RuntimeError):
+    """A wait on a wave-group counter ran past its bound (or saw an impossible count)."""
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def tile_coords_jit(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """Twin of tiling.tile_coords (same formula): tile id -> (tile row, tile col)."""
+        width = GROUP_M * tiles_n
+        group = t // width
+        first_m = group * GROUP_M
+        size = tl.minimum(tiles_m - first_m, GROUP_M)
+        local = t % width
+        return first_m + local % size, local // size
+
+    @triton.jit
+    def global_row_jit(stripe, r, stripes, chunk):
+        """Twin of tiling.RowStripes.global_row (local row r of stripe -> row of the matrix)."""
+        return (r // chunk) * (stripes * chunk) + stripe * chunk + r % chunk
+
+    @triton.jit
+    def send_slot_jit(e, programs, stripes, wave_tbl):
+        """(wave group, send slot) of exec id ``e``: WaveSchedule.group_of / send_slot.
+
+        ``wave_tbl[3w : 3w+3]`` = (group, first exec id of the group, tiles per stripe in the
+        group) of wave ``w``; the group's first exec id is a multiple of ``stripes``."""
+        w = e // programs
+        g = tl.load(wave_tbl + 3 * w)
+        lo = tl.load(wave_tbl + 3 * w + 1)
+        per = tl.load(wave_tbl + 3 * w + 2)
+        local = e // stripes
+        k = e - local * stripes
+        return g, lo + k * per + (local - lo // stripes)
+
+    @triton.jit
+    def _gemm_kernel(
+        a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, counter_ptr, wave_tbl,
+        rows, N, K,                       # rows: rows of the tile grid (one stripe's rows when striped)
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        num_exec, programs, stripes, chunk,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr,
+        SIGNAL: tl.constexpr, HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Persistent GEMM: program p computes exec ids p, p + programs, ... (one wave per step).
+
+        A is read by TMA when the rows of a tile are contiguous in A (all-reduce; striped with
+        outer == 1; or chunk % BLOCK_M == 0), else row by row through pointers (A_TMA=False).
+        B is read by TMA as [K, N] row-major or, for a transposed weight, as [N, K] (B_KMAJOR).
+        Out-of-range rows/cols read as zeros (TMA zero padding / masks), so edge tiles are right.
+        """
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # The flattened loop lets Triton pipeline the next tile's loads under this tile's epilogue.
+        for e in tl.range(pid, num_exec, programs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+            local = e // stripes
+            stripe = e - local * stripes
+            tm, tn = tile_coords_jit(local, tiles_m, tiles_n, GROUP_M)
+            r0 = tm * BLOCK_M
+            n0 = tn * BLOCK_N
+            a_row0 = global_row_jit(stripe, r0, stripes, chunk)
+            loc_rows = r0 + offs_m
+            a_rows = global_row_jit(stripe, loc_rows, stripes, chunk).to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                k0 = kk * BLOCK_K
+                if A_TMA:
+                    a = a_desc.load([a_row0, k0])
+                else:
+                    ks = k0 + offs_k
+                    a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                                mask=(loc_rows < rows)[:, None] & (ks < K)[None, :], other=0.0)
+                if B_TMA:
+                    if B_KMAJOR:
+                        b = b_desc.load([n0, k0]).T
+                    else:
+                        b = b_desc.load([k0, n0])
+                else:
+                    ks = k0 + offs_k
+                    cs = n0 + offs_n
+                    b = tl.load(b_ptr + ks[:, None].to(tl.int64) * stride_bk + cs[None, :] * stride_bn,
+                                mask=(ks < K)[:, None] & (cs < N)[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            cols = n0 + offs_n
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            valid = (loc_rows < rows)[:, None] & (cols < N)[None, :]
+            if SIGNAL:
+                g, slot = send_slot_jit(e, programs, stripes, wave_tbl)
+                # Padding rows/cols must be zero (bias, or a neighbouring stripe's rows read by TMA).
+                out = tl.where(valid, acc, 0.0).to(c_ptr.dtype.element_ty)
+                dst = c_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                tl.store(dst + offs_m[:, None] * BLOCK_N + offs_n[None, :], out)
+                # Every thread's stores happen before the one release atomic of this CTA; the
+                # waiter's acquire then makes the whole tile visible to the collective.
+                tl.debug_barrier()
+                tl.atomic_add(counter_ptr + g, 1, sem="release", scope="sys")
+            else:
+                out = acc.to(c_ptr.dtype.element_ty)
+                if C_TMA:
+                    c_desc.store([r0, n0], out)
+                else:
+                    tl.store(c_ptr + loc_rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out, mask=valid)
+
+    @triton.jit
+    def _globaltimer(dep):
+        # %globaltimer: nanoseconds; ``dep`` only orders the read after the preceding poll.
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _nap(dep):
+        # Back off between polls so the poller does not hammer the counter's L2 line.
+        return tl.inline_asm_elementwise("nanosleep.u32 100;\nmov.u32 $0, $1;", "=r,r", [dep],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait_kernel(counter_ptr, group, target, err_ptr, timeout_ns, max_polls, USE_TIMER: tl.constexpr):
+        """Wait until ``counter[group] == target`` (bounded), then consume it (write 0 back).
+
+        On a timeout or an overshoot it records (claimed, group, seen, target, ready) in
+        ``err_ptr`` (first failure wins) and returns, so the stream never hangs.
+        """
+        ptr = counter_ptr + group
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        expired = seen * 0
+        polls = seen * 0
+        if USE_TIMER:
+            start = _globaltimer(seen)
+        # (seen - target) < 0 is a wrap-safe "seen < target" on int32.
+        while ((seen - target) < 0) & (expired == 0):
+            if USE_TIMER:
+                dep = _nap(seen)
+                expired = (_globaltimer(dep) - start > timeout_ns).to(tl.int32)
+            else:
+                polls += 1
+                expired = (polls >= max_polls).to(tl.int32)
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        if seen != target:
+            first = tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys")
+            if first == 0:
+                tl.store(err_ptr + 1, group)
+                tl.store(err_ptr + 2, seen)
+                tl.store(err_ptr + 3, target)
+                tl.atomic_xchg(err_ptr + 4, 1, sem="release", scope="sys")
+        tl.atomic_xchg(ptr, 0, sem="relaxed", scope="gpu")
+
+
+# ------------------------------------------------------------------------------------------
+# Tile configurations: chosen per shape, cached in memory and (when tuned) in a JSON file
+# ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Meta-parameters of _gemm_kernel. block_m/block_n/group_m are fixed by a plan when the
+    GEMM feeds signal_reorder (they define the layout); the rest is free to tune."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    flatten: bool = True
+    warp_specialize: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "GemmConfig":
+        names = {f.name for f in dataclasses.fields(GemmConfig)}
+        return GemmConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def candidate_configs(dtype: torch.dtype) -> list[GemmConfig]:
+    """Configs worth timing on Hopper (DESIGN.md: 128x256x64, 3 stages, 8 warps is the anchor;
+    4 stages at 128x256 exceed shared memory)."""
+    if dtype == torch.float32:
+        return [GemmConfig(128, 128, 32, 8, 3, 8), GemmConfig(128, 256, 32, 8, 3, 8)]
+    return [
+        GemmConfig(128, 256, 64, 8, 3, 8, True, False),
+        GemmConfig(128, 256, 64, 8, 3, 8, True, True),
+        GemmConfig(256, 128, 64, 8, 3, 8, True, False),
+        GemmConfig(128, 128, 64, 8, 4, 8, True, False),
+    ]
+
+
+def default_config(dtype: torch.dtype, block_m: int | None = None, block_n: int | None = None,
+                   group_m: int | None = None) -> GemmConfig:
+    """A safe heuristic when nothing was tuned: 64-wide K steps, as many stages as shared
+    memory allows for the tile (fp32 operands: 32-wide K steps)."""
+    bm = block_m or 128
+    bn = block_n or 256
+    bk = 32 if dtype == torch.float32 else 64
+    item = 4 if dtype == torch.float32 else 2
+    stage_bytes = (bm + bn) * bk * item
+    epilogue = bm * bn * item
+    stages = max(2, min(4, (200 * 1024 - epilogue) // max(stage_bytes, 1)))
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    return GemmConfig(bm, bn, bk, group_m or 8, int(stages), warps, True, False)
+
+
+_cache_lock = threading.Lock()
+_tuned: dict[str, dict] | None = None  # key -> {"best": cfg dict, "timings": [[cfg dict, ms], ...]}
+
+
+def cache_path() -> str:
+    """Where tuned configs persist: $OVERLAP_COMPILE_GEMM_CACHE or ~/.cache/overlap_compile/."""
+    return os.environ.get("OVERLAP_COMPILE_GEMM_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "overlap_compile", "gemm_configs.json")
+
+
+def _cache() -> dict[str, dict]:
+    global _tuned
+    with _cache_lock:
+        if _tuned is None:
+            _tuned = {}
+            try:
+                with open(cache_path()) as f:
+                    data = json.load(f)
+                if isinstance(data, dict):
+                    _tuned = data
+            except (OSError, ValueError):
+                pass
+        return _tuned
+
+
+def _save_cache() -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(_cache(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: concurrent ranks never read half a file
+    except OSError:
+        pass  # a read-only home only loses persistence, not correctness
+
+
+def _shape_key(device: torch.device, m: int, n: int, k: int, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{name}|{str(dtype).replace('torch.', '')}|{m}x{n}x{k}"
+
+
+def choose_config(device: torch.device, m: int, n: int, k: int, dtype: torch.dtype,
+                  block_m: int | None = None, block_n: int | None = None,
+                  group_m: int | None = None) -> GemmConfig:
+    """The tuned config for this shape (restricted to the given block sizes, if any), else the
+    heuristic default."""
+    entry = _cache().get(_shape_key(device, m, n, k, dtype))
+    if entry:
+        if block_m is None and block_n is None:
+            cfg = GemmConfig.from_dict(entry["best"])
+            return dataclasses.replace(cfg, group_m=group_m or cfg.group_m)
+        fits = [(ms, c) for c, ms in entry.get("timings", [])
+                if c.get("block_m") == block_m and c.get("block_n") == block_n and ms is not None]
+        if fits:
+            cfg = GemmConfig.from_dict(min(fits, key=lambda x: x[0])[1])
+            return dataclasses.replace(cfg, group_m=group_m or cfg.group_m)
+    return default_config(dtype, block_m, block_n, group_m)
+
+
+def preferred_blocks(device: torch.device, m: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(block_m, block_n) the spec should put into a plan for this GEMM on this device."""
+    cfg = choose_config(device, m, n, k, dtype)
+    return cfg.block_m, cfg.block_n
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+
+def available() -> bool:
+    """True where the GPU path can run: Triton importable and a CUDA device of sm_80 or newer
+    (TMA is used only on sm_90+, pointer loads elsewhere)."""
+    if not (_HAVE_TRITON and torch.cuda.is_available()):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D view TMA can read: unit last stride, 16-byte aligned base and row stride."""
+    if TensorDescriptor is None or t.dim() != 2 or t.stride(1) != 1:
+        return False
+    if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    item = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * item) % 16 == 0
+
+
+@dataclasses.dataclass
+class _Operands:
+    """How _gemm_kernel reads A and B (TMA descriptors or pointers + strides)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_desc: Any
+    b_desc: Any
+    b_kmajor: bool
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, a_rows_contiguous: bool) -> _Operands:
+    if a.stride(-1) != 1 and a.stride(0) != 1:
+        a = a.contiguous()
+    a_desc = None
+    if a_rows_contiguous and _tma_ok(a):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    b_desc, kmajor = None, False
+    if _tma_ok(b):
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
+    elif b.dim() == 2 and _tma_ok(b.t()):
+        # A transposed weight (nn.Linear's W.t()): read W [N, K] K-major and transpose in smem.
+        b_desc, kmajor = TensorDescriptor.from_tensor(b.t(), [cfg.block_n, cfg.block_k]), True
+    return _Operands(a, b, a_desc, b_desc, kmajor)
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+_compile_fallbacks: dict[tuple, GemmConfig] = {}
+
+
+def _launch(ops: _Operands, bias: torch.Tensor | None, c: torch.Tensor, c_desc: Any, counters: torch.Tensor | None,
+            wave_tbl: torch.Tensor | None, rows: int, n: int, k: int, num_exec: int, programs: int, stripes: int,
+            chunk: int, cfg: GemmConfig, signal: bool) -> GemmConfig:
+    """Launch _gemm_kernel; if this Triton cannot build the config (warp specialization or loop
+    flattening unsupported, shared memory exceeded), retry with the next simpler variant and
+    remember it. Returns the config that ran."""
+    key = (cfg, signal, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None,
+           ops.a.dtype, bias is not None)
+    cfg = _compile_fallbacks.get(key, cfg)
+    tries = [cfg]
+    if cfg.warp_specialize:
+        tries.append(dataclasses.replace(cfg, warp_specialize=False))
+    if cfg.flatten:
+        tries.append(dataclasses.replace(cfg, warp_specialize=False, flatten=False))
+    if cfg.num_stages > 2:
+        tries.append(dataclasses.replace(cfg, warp_specialize=False, flatten=False, num_stages=cfg.num_stages - 1))
+    dummy = counters if counters is not None else c
+    last_error: Exception | None = None
+    for attempt in tries:
+        try:
+            _gemm_kernel[(programs,)](
+                ops.a, ops.a_desc, ops.b, ops.b_desc, bias if bias is not None else c, c, c_desc,
+                counters if counters is not None else dummy, wave_tbl if wave_tbl is not None else dummy,
+                rows, n, k,
+                ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1), c.stride(0) if not signal else 0,
+                num_exec, programs, stripes, chunk,
+                BLOCK_M=attempt.block_m, BLOCK_N=attempt.block_n, BLOCK_K=attempt.block_k, GROUP_M=attempt.group_m,
+                A_TMA=ops.a_desc is not None, B_TMA=ops.b_desc is not None, B_KMAJOR=ops.b_kmajor,
+                C_TMA=c_desc is not None, SIGNAL=signal, HAS_BIAS=bias is not None, FLATTEN=attempt.flatten,
+                WARP_SPEC=attempt.warp_specialize, DOT_PRECISION=_dot_precision(ops.a.dtype),
+                num_warps=attempt.num_warps, num_stages=attempt.num_stages,
+            )
+        except Exception as e:  # compile failures surface as several exception types across versions
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise  # never retry inside a capture; the warm-up run should have compiled it
+            last_error = e
+            continue
+        if attempt != cfg:
+            _compile_fallbacks[key] = attempt
+        return attempt
+    raise RuntimeError(f"{TEMPLATE}: no variant of GEMM config {cfg} compiled on this Triton "
+                       f"({triton.__version__}); last error: {last_error}") from last_error
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None,
+         programs: int | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` with the persistent TMA GEMM (fp32 accumulation, output in a's dtype)."""
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = config or choose_config(a.device, m, n, k, a.dtype)
+    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    ops = _operands(a, b, cfg, a_rows_contiguous=True)
+    c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if _tma_ok(c) else None
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if programs is None:
+        programs = _num_sms(a.device) if a.is_cuda else 4
+    programs = max(1, min(programs, tiles))
+    _launch(ops, bias, c, c_desc, None, None, m, n, k, tiles, programs, 1, max(m, 1), cfg, signal=False)
+    return c
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def layout(plan: GemmCollectivePlan) -> tuple[TileGrid, WaveSchedule]:
+    from .reference import layout as ref_layout
+
+    return ref_layout(plan)
+
+
+def wave_table(sched: WaveSchedule) -> list[int]:
+    """Per wave: (group, first exec id of its group, tiles per stripe in the group), flattened."""
+    ranges = sched.exec_ranges()
+    out: list[int] = []
+    for g in sched.wave_to_group():
+        lo, hi = ranges[g]
+        out += [g, lo, (hi - lo) // sched.stripes]
+    return out
+
+
+def _a_rows_contiguous(plan: GemmCollectivePlan, stripes: int, block_m: int) -> bool:
+    """Whether each tile's rows are one contiguous run of A's rows (so TMA can read them)."""
+    return stripes == 1 or plan.outer == 1 or plan.chunk % block_m == 0
+
+
+def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: GemmCollectivePlan,
+                     send: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                     wave_tbl: torch.Tensor | None = None, config: GemmConfig | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the GEMM and its signalling epilogue: every exec id's tile at its send slot of
+    ``send`` ([num_exec, BM, BN]) and one count per tile on ``counters[group]``; no waits, no
+    collective. Returns (send, counters). Counters are not reset here."""
+    grid, sched = layout(plan)
+    c = plan.config
+    if config is None:
+        config = choose_config(a.device, grid.rows * sched.stripes, plan.n, plan.k, a.dtype,
+                               c["block_m"], c["block_n"], c["group_m"])
+    cfg = dataclasses.replace(config, block_m=c["block_m"], block_n=c["block_n"], group_m=c["group_m"])
+    if send is None:
+        send = torch.empty(sched.num_exec, grid.block_m, grid.block_n, dtype=a.dtype, device=a.device)
+    if counters is None:
+        counters = torch.zeros(len(sched.wave_groups), dtype=torch.int32, device=a.device)
+    if wave_tbl is None:
+        wave_tbl = torch.tensor(wave_table(sched), dtype=torch.int32, device=a.device)
+    stripes = sched.stripes
+    chunk = plan.chunk if stripes > 1 else grid.rows
+    ops = _operands(a, b, cfg, _a_rows_contiguous(plan, stripes, cfg.block_m))
+    _launch(ops, bias, send, None, counters, wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
+            sched.programs, stripes, chunk, cfg, signal=True)
+    return send, counters
+
+
+# ------------------------------------------------------------------------------------------
+# Communication side: streams, waits, collectives
+# ------------------------------------------------------------------------------------------
+
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_errors: dict[int, torch.Tensor] = {}
+_states: dict[tuple[int, str], "_PlanState"] = {}
+_state_lock = threading.Lock()
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The communication stream of this device, at the configured (default: highest) priority:
+    a normal-priority comm stream is starved by the persistent GEMM (ANCHORS.md)."""
+    from ... import config as oc_config
+
+    pr = oc_config.current().comm_priority
+    prio = -1000 if pr == "highest" else int(pr)  # torch clamps to the device's highest priority
+    key = (device.index, prio)
+    with _state_lock:
+        s = _streams.get(key)
+        if s is None:
+            s = _streams[key] = torch.cuda.Stream(device=device, priority=prio)
+        return s
+
+
+def _error_buffer(device: torch.device) -> torch.Tensor:
+    """(claimed, group, counter seen, target, ready) written by _wait_kernel on failure.
+    Pinned host memory (mapped into the GPU's address space), so the host reads it without a
+    synchronisation; falls back to device memory where pinned memory cannot be passed."""
+    with _state_lock:
+        buf = _errors.get(device.index)
+        if buf is None:
+            buf = _errors[device.index] = torch.zeros(5, dtype=torch.int32).pin_memory()
+        return buf
+
+
+def _raise_if_failed(device: torch.device, synchronize: bool) -> None:
+    buf = _errors.get(device.index)
+    if buf is None:
+        return
+    if synchronize:
+        torch.cuda.synchronize(device)
+    if int(buf[4]) == 0:
+        return
+    group, seen, target = int(buf[1]), int(buf[2]), int(buf[3])
+    buf.zero_()
+    what = "overshot" if seen > target else "timed out"
+    raise SignalTimeoutError(
+        f"{TEMPLATE}: the wait on wave group {group} {what}: its tile counter read {seen}, expected {target} "
+        f"(device cuda:{device.index}). The GEMM did not signal every tile of the group within the "
+        f"signal_timeout_ms bound; results of that call are invalid."
+    )
+
+
+def check_errors(device: torch.device | int | None = None, synchronize: bool = True) -> None:
+    """Raise SignalTimeoutError if a bounded wait on ``device`` failed (after a synchronisation
+    unless ``synchronize=False``)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    _raise_if_failed(device, synchronize)
+
+
+def _wait_mode() -> str:
+    mode = os.environ.get("OVERLAP_COMPILE_SIGNAL_WAIT", "spin")
+    if mode not in ("spin", "stream"):
+        raise ValueError(f"OVERLAP_COMPILE_SIGNAL_WAIT: got {mode!r}; allowed: 'spin', 'stream'")
+    return mode
+
+
+def wait_counter(counters: torch.Tensor, group: int, target: int, timeout_ms: int, mode: str | None = None,
+                 max_polls: int = 1 << 30, err: torch.Tensor | None = None) -> None:
+    """Enqueue on the current stream a wait until ``counters[group] == target``, which then
+    resets it to 0. ``mode='spin'``: bounded (see module doc); ``'stream'``: cuStreamWaitValue32.
+    ``err`` overrides the device's error buffer (tests on the interpreter pass a CPU tensor;
+    off the GPU the bound is ``max_polls`` polls instead of a time)."""
+    mode = mode or _wait_mode()
+    if mode == "stream":
+        _stream_wait(counters, group, target)
+        return
+    if err is None:
+        err = _error_buffer(counters.device)
+    use_timer = counters.is_cuda
+    _wait_kernel[(1,)](counters, group, target, err, int(timeout_ms) * 1_000_000, max_polls,
+                       USE_TIMER=use_timer, num_warps=1)
+
+
+_driver_mod: Any = None
+
+
+def _driver() -> Any:
+    global _driver_mod
+    if _driver_mod is None:
+        try:
+            from cuda.bindings import driver  # cuda-bindings >= 12.6
+        except ImportError:  # older cuda-python
+            from cuda import cuda as driver  # type: ignore
+        _driver_mod = driver
+    return _driver_mod
+
+
+def _stream_wait(counters: torch.Tensor, group: int, target: int) -> None:
+    drv = _driver()
+    stream = drv.CUstream(torch.cuda.current_stream(counters.device).cuda_stream)
+    addr = drv.CUdeviceptr(counters.data_ptr() + 4 * group)
+    (err,) = drv.cuStreamWaitValue32(stream, addr, target, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{TEMPLATE}: cuStreamWaitValue32 failed: {err}")
+    (err,) = drv.cuStreamWriteValue32(stream, addr, 0, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{TEMPLATE}: cuStreamWriteValue32 failed: {err}")
+
+
+@dataclasses.dataclass
+class _PlanState:
+    """Per (device, plan): the group counters (zeroed once; the waiters leave them at zero) and
+    the wave table the epilogue reads."""
+
+    counters: torch.Tensor
+    wave_tbl: torch.Tensor
+    grid: TileGrid
+    sched: WaveSchedule
+
+
+def _plan_state(device: torch.device, plan: GemmCollectivePlan) -> _PlanState:
+    key = (device.index, plan.to_json())
+    with _state_lock:
+        st = _states.get(key)
+    if st is None:
+        grid, sched = layout(plan)
+        st = _PlanState(
+            counters=torch.zeros(len(sched.wave_groups), dtype=torch.int32, device=device),
+            wave_tbl=torch.tensor(wave_table(sched), dtype=torch.int32, device=device),
+            grid=grid, sched=sched,
+        )
+        with _state_lock:
+            st = _states.setdefault(key, st)
+    return st
+
+
+_REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "prod": "PRODUCT", "min": "MIN", "max": "MAX",
+               "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+
+
+def _reduce_op(name: str | None) -> Any:
+    import torch.distributed as dist
+
+    key = (name or "sum").lower()
+    if key not in _REDUCE_OPS:
+        raise ValueError(f"{TEMPLATE}: reduce op {name!r} not supported; allowed: {sorted(_REDUCE_OPS)}")
+    return getattr(dist.ReduceOp, _REDUCE_OPS[key])
+
+
+def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
+        plan: GemmCollectivePlan) -> torch.Tensor:
+    """GEMM + collective, overlapped by wave group; returns reference.run's received buffer.
+
+    Compute stream: the signalling GEMM. Comm stream (highest priority), per group g: bounded
+    wait on counter g (consumes it), then the collective on the group's contiguous send slice
+    (all_reduce in place / reduce_scatter_tensor / all_to_all_single, with async_op=False so
+    ProcessGroupNCCL issues it on *this* stream, torch >= 2.7). Finally the compute stream waits
+    for the comm stream, so the result is ready in stream order for the caller.
+    """
+    import torch.distributed as dist
+
+    from ...runtime.comm import resolve_group
+
+    device = a.device
+    capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _raise_if_failed(device, synchronize=False)  # report a failed wait of an earlier call
+    st = _plan_state(device, plan)
+    grid, sched = st.grid, st.sched
+    pg = resolve_group(group_name)
+    compute = torch.cuda.current_stream(device)
+    comm = _comm_stream(device)
+    tiles = (grid.block_m, grid.block_n)
+    send = torch.empty(sched.num_exec, *tiles, dtype=a.dtype, device=device)
+    if plan.kind == "gemm_reducescatter":
+        recv = torch.empty(grid.num_tiles, *tiles, dtype=a.dtype, device=device)
+    elif plan.kind == "gemm_alltoall":
+        recv = torch.empty(plan.world, grid.num_tiles, *tiles, dtype=a.dtype, device=device)
+    else:
+        recv = send
+    # The comm stream may only start after everything the caller queued before this op (and,
+    # inside a capture, this fork makes the comm stream part of the graph).
+    comm.wait_stream(compute)
+    gemm_signal_into(a, b, bias, plan, send=send, counters=st.counters, wave_tbl=st.wave_tbl)
+    op = _reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
+    mode = _wait_mode()
+    with torch.cuda.stream(comm):
+        for g, ((lo, hi), (llo, lhi)) in enumerate(zip(sched.exec_ranges(), sched.local_ranges())):
+            wait_counter(st.counters, g, hi - lo, plan.timeout_ms, mode)
+            part = send[lo:hi]
+            if plan.kind == "gemm_allreduce":
+                dist.all_reduce(part, op=op, group=pg)
+            elif plan.kind == "gemm_reducescatter":
+                dist.reduce_scatter_tensor(recv[llo:lhi], part, op=op, group=pg)
+            else:
+                # Source j's tiles land at recv[j, llo:lhi]: a strided slice, so receive into a
+                # contiguous scratch and place it (still on the comm stream, under the GEMM).
+                scratch = torch.empty_like(part)
+                dist.all_to_all_single(scratch, part, group=pg)
+                recv[:, llo:lhi].copy_(scratch.view(plan.world, lhi - llo, *tiles))
+    compute.wait_stream(comm)
+    # Buffers allocated on the compute stream and touched by the comm stream: keep the caching
+    # allocator from handing them out again before the comm stream is done with them.
+    send.record_stream(comm)
+    if recv is not send:
+        recv.record_stream(comm)
+    return recv
