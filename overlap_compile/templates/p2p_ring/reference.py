@@ -43,7 +43,9 @@ from ..base import gemm_tile
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 
 CONFIG_KEYS = ("slices", "bidirectional", "transport")
-TRANSPORTS = ("p2p",)
+# "p2p": peer copies on GPUs (the predictor models them as copy-engine transfers); "nccl": NCCL
+# send/recv kernels. This reference runs both over torch.distributed isend/irecv.
+TRANSPORTS = ("p2p", "nccl")
 REDUCE_OPS = ("sum", "avg")
 KINDS = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
 
@@ -133,12 +135,22 @@ def gemm_f32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, rows: 
 
 # ---- transport -------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Batch:
+    """The work handles of one posted batch; ``done`` once waited (gloo counts completions, so
+    waiting twice on a send would wait for a second send that never comes)."""
+
+    works: list[Any]
+    what: str
+    done: bool = False
+
+
 class Ring:
     """Point-to-point messages of one op call on the site's process group (group-local ranks).
 
-    ``exchange`` posts one batch (a send and/or a receive) and returns a handle; ``wait`` blocks on
-    it, bounded by the plan's timeout so that a peer that never answers becomes an error, not a
-    hang. ``finish`` waits for everything still in flight (the last sends)."""
+    ``exchange`` posts one batch (a send and/or a receive) and returns it; ``wait`` blocks on it,
+    bounded by the plan's timeout so that a peer that never answers becomes an error, not a hang.
+    ``finish`` waits for everything still in flight (the last sends)."""
 
     def __init__(self, group_name: str, world: int, timeout_ms: int, template: str = "p2p_ring") -> None:
         self.pg = comm.resolve_group(group_name)
@@ -149,13 +161,13 @@ class Ring:
             )
         self.group_name = group_name
         self.timeout = datetime.timedelta(milliseconds=timeout_ms)
-        self.in_flight: list[tuple[list[Any], str]] = []
+        self.in_flight: list[Batch] = []
 
     def peer(self, offset: int) -> int:
         return (self.rank + offset) % self.world
 
     def exchange(self, tag: int, send: tuple[torch.Tensor, int] | None = None,
-                 recv: tuple[torch.Tensor, int] | None = None) -> tuple[list[Any], str]:
+                 recv: tuple[torch.Tensor, int] | None = None) -> Batch:
         ops = []
         if send is not None:
             t, dst = send
@@ -165,25 +177,27 @@ class Ring:
             ops.append(dist.P2POp(dist.irecv, t, group=self.pg, tag=tag, group_peer=src))
         what = (f"message {tag}" + (f", send to rank {send[1]}" if send else "")
                 + (f", receive from rank {recv[1]}" if recv else ""))
-        handle = ([w for w in dist.batch_isend_irecv(ops) if w is not None], what)
-        self.in_flight.append(handle)
-        return handle
+        batch = Batch([w for w in dist.batch_isend_irecv(ops) if w is not None], what)
+        self.in_flight.append(batch)
+        return batch
 
-    def wait(self, handle: tuple[list[Any], str]) -> None:
-        works, what = handle
-        for w in works:
+    def wait(self, batch: Batch) -> None:
+        if batch.done:
+            return
+        for w in batch.works:
             try:
                 w.wait(self.timeout)
             except RuntimeError as e:
                 raise RuntimeError(
-                    f"p2p_ring: rank {self.rank} of group {self.group_name!r} gave up on {what} after "
+                    f"p2p_ring: rank {self.rank} of group {self.group_name!r} gave up on {batch.what} after "
                     f"{self.timeout.total_seconds():.1f}s (signal_timeout_ms); a peer is not running the same "
                     f"plan or has failed"
                 ) from e
+        batch.done = True
 
     def finish(self) -> None:
-        for handle in self.in_flight:
-            self.wait(handle)
+        for batch in self.in_flight:
+            self.wait(batch)
         self.in_flight.clear()
 
 
@@ -198,7 +212,7 @@ def _reduce_scatter(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> to
     out = a.new_empty(plan.result_rows, plan.n)
     parts = bounds(st.stripe_rows, plan.config.get("slices", 1))
     ring_lanes = lanes(plan.n, plan.config.get("bidirectional", False))
-    received: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # (part, lane) -> (running sum, handle)
+    received: dict[tuple[int, int], tuple[torch.Tensor, Batch]] = {}  # (slice, lane) -> (running sum, batch)
     tag = 0
     for s in range(w):
         for q, (lo, hi) in enumerate(parts):
@@ -275,9 +289,9 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
 def _compute_rows(part: torch.Tensor, src: int, lo: int, hi: int, bs, biases, outs, st: RowStripes) -> None:
     """Rows ``[lo, hi)`` of shard ``src``: place them in the gathered matrix and every GEMM output."""
     put_rows(outs[0], st, src, lo, hi, part)
-    cols = slice(None)
+    every = slice(None)
     for b, bias, y in zip(bs, biases, outs[1:]):
-        put_rows(y, st, src, lo, hi, gemm_tile(part, b, bias, slice(None), cols))
+        put_rows(y, st, src, lo, hi, gemm_tile(part, b, bias, every, every))
 
 
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None], group_name: str,
@@ -309,7 +323,7 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     return outs
 
 
-def _forward(ring: Ring, piece: torch.Tensor, lane: Lane, tag: int) -> tuple[torch.Tensor, Any]:
+def _forward(ring: Ring, piece: torch.Tensor, lane: Lane, tag: int) -> tuple[torch.Tensor, Batch]:
     """Send ``piece`` on along ``lane`` and post the receive of the next one from the other side."""
     buf = torch.empty_like(piece)
     handle = ring.exchange(tag, send=(piece, ring.peer(lane.direction)), recv=(buf, ring.peer(-lane.direction)))
