@@ -29,10 +29,10 @@ c10d = torch.ops._c10d_functional
 # Configs each distributed check runs: plain ring, pipelined slices (dividing and not dividing
 # the rows, and more slices than rows, which clamps), and both ring directions.
 CONFIGS = [
-    {"slices": 1, "bidirectional": False, "transport": "p2p"},
-    {"slices": 2, "bidirectional": False, "transport": "p2p"},
-    {"slices": 3, "bidirectional": True, "transport": "p2p"},
-    {"slices": 16, "bidirectional": True, "transport": "p2p"},
+    {"slices": 1, "bidirectional": False, "transport": "nccl"},
+    {"slices": 2, "bidirectional": False, "transport": "nccl"},
+    {"slices": 3, "bidirectional": True, "transport": "nccl"},
+    {"slices": 16, "bidirectional": True, "transport": "nccl"},
 ]
 # (outer, chunk): rows of one rank's stripe come as `outer` blocks of `chunk` rows
 # (outer > 1: a [outer, W*chunk, N] view scattered/gathered along dim 1).
@@ -298,7 +298,7 @@ def test_supports_gives_reasons():
 
 def test_configs():
     rs = _rs_match(world=4, m=16)  # stripes of 4 rows
-    assert SPEC.default_config(rs) == {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    assert SPEC.default_config(rs) == {"slices": 1, "bidirectional": False, "transport": "nccl"}
     got = {(c["slices"], c["bidirectional"]) for c in SPEC.candidates(rs, None)}
     assert got == {(s, bd) for s in (1, 2, 4) for bd in (False, True)}
     odd = {(c["slices"], c["bidirectional"]) for c in SPEC.candidates(_rs_match(world=2, m=10), None)}

@@ -56,7 +56,8 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
 
 
 def _short(config: dict) -> str:
-    keys = [k for k in ("block_m", "block_n", "wave_groups", "slices", "chunks") if k in config]
-    if not keys:
-        return ""
-    return "[" + ",".join(f"{k}={config[k]}" for k in keys) + "]"
+    """Compact label of a configuration: every key, so distinct candidates never collide."""
+    def fmt(v):
+        return "-".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    return "[" + ",".join(f"{k}={fmt(v)}" for k, v in sorted(config.items())) + "]" if config else ""

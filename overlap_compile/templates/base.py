@@ -74,7 +74,7 @@ class TemplateSpec:
         import operator
 
         op = getattr(torch.ops.overlap_compile, f"{self.name}_allgather_gemm").default
-        shard = emit(torch.ops.aten.view.default, match.shard_node, [plan.m // plan.world, plan.k])
+        shard = emit(torch.ops.aten.reshape.default, match.shard_node, [plan.m // plan.world, plan.k])
         out = emit(
             op,
             shard,
@@ -135,9 +135,14 @@ def define_allgather_gemm_op(template: str, reference: Impl, cuda: Impl | None =
         p = AllGatherGemmPlan.from_json(plan)
         if tuple(shard.shape) != (p.m // p.world, p.k):
             raise ValueError(f"{template}: shard shape {tuple(shard.shape)} != plan's {(p.m // p.world, p.k)}")
-        for b, n in zip(bs, p.ns):
+        if len(bs) != len(p.ns) or len(biases) != len(p.ns):
+            raise ValueError(f"{template}: {len(bs)} weights / {len(biases)} biases for {len(p.ns)} GEMMs in the plan")
+        for b, bias, n, has_bias in zip(bs, biases, p.ns, p.has_bias):
             if tuple(b.shape) != (p.k, n):
                 raise ValueError(f"{template}: weight shape {tuple(b.shape)} != plan's {(p.k, n)}")
+            if (bias is not None) != has_bias or (bias is not None and tuple(bias.shape) != (n,)):
+                raise ValueError(f"{template}: bias {None if bias is None else tuple(bias.shape)} does not match "
+                                 f"the plan (has_bias={has_bias}, n={n})")
         from ..runtime.agreement import check_plan_agreement
 
         check_plan_agreement(group_name, plan, template)

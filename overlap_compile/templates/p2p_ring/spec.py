@@ -46,8 +46,12 @@ class P2PRingSpec(TemplateSpec):
             return "p2p_ring all-to-all needs the split along the leading dimension"
         return None
 
+    # The implemented transport is torch.distributed send/recv (NCCL on GPUs, gloo on CPU): the
+    # predictor's "nccl". The copy-engine / symmetric-memory transport ("p2p") is not built yet.
+    TRANSPORT = "nccl"
+
     def default_config(self, match: Match) -> dict:
-        return {"slices": 1, "bidirectional": False, "transport": "p2p"}
+        return {"slices": 1, "bidirectional": False, "transport": self.TRANSPORT}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         """Slices 1, 2, 4 where they divide the rows of one ring message; both ring directions at
@@ -57,7 +61,7 @@ class P2PRingSpec(TemplateSpec):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:
                 if all(slices <= rows and rows % slices == 0 for rows in sizes):
-                    out.append({"slices": slices, "bidirectional": bidir, "transport": "p2p"})
+                    out.append({"slices": slices, "bidirectional": bidir, "transport": self.TRANSPORT})
         return out or [self.default_config(match)]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan | AllGatherGemmPlan:
