@@ -61,6 +61,45 @@ def _verify(rows, world):
     assert ("gemm_alltoall", "signal_reorder") in rewritten
 
 
+def random_case_kwargs(world: int, seed: int) -> list[dict]:
+    """Random geometries (same on every rank): tiny, skinny and odd sizes, never tile multiples
+    by construction alone."""
+    import random
+
+    rng = random.Random(seed)
+    out = [{"gemm_allreduce": {"m": 2, "n": 1, "k": 1}, "gemm_reducescatter": {"m": world, "n": 1, "k": 1},
+            "gemm_alltoall": {"m": world, "n": 1, "k": 3}}]  # the tiniest legal sites
+    for _ in range(3):
+        out.append({
+            "gemm_allreduce": {"m": 2 * rng.randint(1, 40), "n": rng.randint(1, 50), "k": rng.randint(1, 20),
+                               "bias": rng.random() < 0.5},
+            "gemm_reducescatter": {"m": world * rng.randint(1, 25), "n": rng.randint(1, 50), "k": rng.randint(1, 20),
+                                   "bias": rng.random() < 0.5},
+            "gemm_reducescatter_dim1": {"batch": rng.randint(1, 3), "seq": world * rng.randint(1, 9),
+                                        "n": rng.randint(1, 40), "k": rng.randint(1, 16)},
+            "gemm_alltoall": {"m": world * rng.randint(1, 20), "n": rng.randint(1, 40), "k": rng.randint(1, 16)},
+            "allgather_gemm": {"m_local": rng.randint(1, 20), "k": rng.randint(1, 16),
+                               "ns": (rng.randint(1, 30), rng.randint(1, 30)), "bias": rng.random() < 0.5},
+            "allgather_gemm_dim1": {"batch": rng.randint(1, 3), "seq_local": rng.randint(1, 7),
+                                    "k": rng.randint(1, 16), "n": rng.randint(1, 30)},
+        })
+    return out
+
+
+def check_random_cases(seed: int) -> list[dict]:
+    world = dist.get_world_size()
+    rows = []
+    for kwargs in random_case_kwargs(world, seed):
+        rows += check_all_cases(["float32"], kwargs)
+    return rows
+
+
+@pytest.mark.parametrize("world,seed", [(2, 11), (4, 12)])
+def test_random_geometries(world, seed):
+    for rows in run_distributed(check_random_cases, world_size=world, args=(seed,), timeout_s=600):
+        _verify(rows, world)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_template_every_kind(world):
     # odd sizes: rows and columns that are not multiples of any tile
