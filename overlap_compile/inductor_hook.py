@@ -71,7 +71,11 @@ class OverlapPass(CustomGraphPass):
         return self
 
     def uuid(self) -> Any:
-        parts = [_source_hash(), self.options.to_json(), torch.__version__]
+        from . import predictor
+
+        # A profile JSON outside the package is not in the source hash: key on its content too.
+        profile_key = getattr(predictor.load_profile(self.options.profile), "key", "")
+        parts = [_source_hash(), self.options.to_json(), torch.__version__, str(profile_key)]
         for p in self.chained:
             u = p.uuid() if hasattr(p, "uuid") else None
             if u is None:

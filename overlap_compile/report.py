@@ -99,6 +99,14 @@ class Report:
             default=str,
         )
 
+    def timeline(self, site: SiteReport | int, path: str, profile: Any = None, measured_ms: float | None = None) -> str:
+        """PNG Gantt chart of the site's predicted schedule (chosen candidate and baseline)."""
+        from .predictor.timeline import draw_timeline
+
+        s = self.sites[site] if isinstance(site, int) else site
+        record = next((r for r in self.records if s in r.sites), None)
+        return draw_timeline(s, profile or (record.profile if record else None) or "auto", path, measured_ms=measured_ms)
+
     def dump(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         for r in self.records:
@@ -109,6 +117,9 @@ class Report:
             f.write(self.table() + "\n")
         with open(os.path.join(directory, "report.json"), "w") as f:
             f.write(self.to_json())
+        for i, s in enumerate(self.sites):
+            if s.comm_bytes:  # a site that was recognised but not analysable has no schedule to draw
+                self.timeline(s, os.path.join(directory, f"timeline_{s.graph}_{i}_{s.node}.png"))
 
 
 _GLOBAL = Report()

@@ -39,10 +39,10 @@ def forward(self, a_1, b_1, c_1):
     return add""")
 
     def test_signal_reorder_allreduce_full_and_partial_swizzle_groups(self):
-        # 10 tile rows (one full group of 8 + 2), 2 tile cols with padding, 5 waves in 4 groups
+        # 10 tile rows (one full group of 8 + 2), 2 tile cols with padding; the plan is the predictor's (cpu-gloo)
         self.assertExpectedInline(self.rewrite(gc.gemm_allreduce, "signal_reorder", m=150, n=20, k=8), """\
 def forward(self, a_1, b_1, c_1):
-    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":150,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":4,"wave_groups":[1,1,1,2]},"has_bias":false,"k":8,"kind":"gemm_allreduce","m":150,"n":20,"outer":1,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
+    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":150,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":8,"wave_groups":[1,2]},"has_bias":false,"k":8,"kind":"gemm_allreduce","m":150,"n":20,"outer":1,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
     slice_tensor = torch.ops.aten.slice.Tensor(signal_reorder_gemm_collective_default, 0, 0, 16)
     view_default = torch.ops.aten.view.default(slice_tensor, [1, 2, 8, 16, 16]);  slice_tensor = None
     permute_default = torch.ops.aten.permute.default(view_default, [0, 2, 3, 1, 4]);  view_default = None

@@ -48,7 +48,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
 
     if match.unsupported:
         return Decision(match, BASELINE, None, match.unsupported, [])
-    base_ms = predictor.predict_baseline(match, profile) if profile is not None else None
+    base_ms = predictor.predict_baseline(match, profile, options) if profile is not None else None
     cands = [Candidate(BASELINE, None, base_ms)]
 
     forced = options.force_template
@@ -59,7 +59,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         if problem:
             return Decision(match, BASELINE, None, f"force_template={forced!r} cannot take this site: {problem}", cands)
         spec = templates.get_spec(forced)
-        ranked = predictor.rank_configs(spec, match, profile) if profile is not None else []
+        ranked = predictor.rank_configs(spec, match, profile, options) if profile is not None else []
         config = ranked[0].config if ranked else spec.default_config(match)
         cands += ranked or [Candidate(forced, config, None)]
         return Decision(match, forced, config, f"force_template={forced!r}", cands)
@@ -69,7 +69,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         if problem:
             cands.append(Candidate(name, None, None, problem))
             continue
-        cands += predictor.rank_configs(templates.get_spec(name), match, profile) if profile is not None else [
+        cands += predictor.rank_configs(templates.get_spec(name), match, profile, options) if profile is not None else [
             Candidate(name, None, None, "no hardware profile")
         ]
     timed = [c for c in cands[1:] if c.predicted_ms is not None]

@@ -1,20 +1,275 @@
-"""Latency predictor (issue #3 fills this in): hardware profiles and per-template models.
+"""Latency predictor: hardware profiles, per-template models and the per-site ranking.
 
-API used by passes.decide:
-    load_profile(name_or_path) -> HardwareProfile | None
-    predict_baseline(match, profile) -> float | None          (ms)
-    rank_configs(spec, match, profile) -> list[Candidate]     (best first)
+API used by passes.decide::
+
+    load_profile(name_or_path) -> HardwareProfile        ("auto", a built-in name, or a JSON path)
+    predict_baseline(match, profile) -> float | None     (ms of the site as written)
+    rank_configs(spec, match, profile) -> list[Candidate] (best first)
+
+Both prediction functions also take ``options=`` (an ``overlap_compile.Options``; default:
+``config.current()``): it supplies FlashOverlap's pruning bounds and the search mode.
+
+Decisions are deterministic functions of (site signature, profile content, options, launch mode,
+group topology) and are cached on exactly that key (``clear_cache()`` empties it), so recompiles
+do not repeat a search and every rank of a group ranks the same way.
+
+Groups that span nodes (or machines without peer access) get NCCL-transport candidates only:
+a candidate whose transport needs peer access is listed with the reason and no prediction.
 """
 from __future__ import annotations
 
+import copy
+import json
+import os
+import threading
+from typing import Any
 
-def load_profile(name: str):
-    return None
+from .models import MODELS, Ctx, Schedule, Site, baseline, needs_peer_access
+from .profile import (
+    HardwareProfile,
+    ProfileError,
+    builtin_names,
+    builtin_path,
+    detect_profile_name,
+    profile_from_dict,
+    read_profile,
+    roofline_profile,
+)
+
+__all__ = [
+    "load_profile", "predict_baseline", "rank_configs", "clear_cache", "HardwareProfile", "ProfileError",
+    "site_of", "schedule_for", "launch_mode", "loaded_profile", "signal_reorder_candidates",
+]
+
+_lock = threading.RLock()
+_profiles: dict[Any, HardwareProfile] = {}
+_cache: dict[tuple, Any] = {}
 
 
-def predict_baseline(match, profile):
-    return None
+# ---- profiles ---------------------------------------------------------------------------------
 
 
-def rank_configs(spec, match, profile):
-    return []
+def load_profile(name: str | HardwareProfile | None = "auto") -> HardwareProfile:
+    """"auto": the built-in profile of the detected GPU (H200, H100), ``cpu-gloo`` without CUDA,
+    else a roofline from the device's properties (named ``roofline:<gpu>``); a built-in name; or a
+    path to a JSON file. Errors (unknown name, missing or malformed file) raise ProfileError."""
+    if isinstance(name, HardwareProfile):
+        return name
+    if name is None or name == "auto":
+        how, what = detect_profile_name()
+        if how == "roofline":
+            key = ("roofline", str(getattr(what, "name", "")))
+            with _lock:
+                if key not in _profiles:
+                    _profiles[key] = profile_from_dict(roofline_profile(what), source=f"roofline of {key[1]}")
+                return _profiles[key]
+        name = what
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"profile {name!r}: expected 'auto', a built-in name {builtin_names()} or a JSON path")
+    looks_like_path = name.endswith(".json") or os.sep in name or (os.altsep and os.altsep in name)
+    if looks_like_path:
+        path = os.path.abspath(os.path.expanduser(name))
+    elif name in builtin_names():
+        path = builtin_path(name)
+    else:
+        raise ProfileError(f"profile {name!r}: not a built-in profile ({', '.join(builtin_names())}) "
+                           f"and not a path to a .json file")
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    with _lock:
+        if key is not None and key in _profiles:
+            return _profiles[key]
+    prof = read_profile(path)
+    if key is not None:
+        with _lock:
+            _profiles[key] = prof
+    return prof
+
+
+def loaded_profile(name: str) -> HardwareProfile:
+    """A profile by name: built-in, a path, or any profile this process has already loaded under
+    that name (e.g. a JSON file whose ``name`` the Report shows). For tools such as the timeline;
+    the compiler pass always goes through ``load_profile``."""
+    try:
+        return load_profile(name)
+    except ProfileError:
+        with _lock:
+            hits = [p for p in _profiles.values() if p.name == name]
+        if hits:
+            return hits[-1]
+        raise
+
+
+def clear_cache() -> None:
+    """Forget cached decisions and loaded profiles."""
+    with _lock:
+        _cache.clear()
+        _profiles.clear()
+
+
+# ---- context of a decision ---------------------------------------------------------------------
+
+
+def launch_mode() -> str:
+    """"cuda_graph" when Inductor will capture the graph (mode="reduce-overhead"), else "eager"."""
+    try:
+        from torch._inductor import config as ic
+
+        return "cuda_graph" if ic.triton.cudagraphs else "eager"
+    except Exception:
+        return "eager"
+
+
+def group_spans_nodes(group_name: str, profile: HardwareProfile) -> bool:
+    """True when the group's ranks live on more than one node. Nodes hold LOCAL_WORLD_SIZE ranks
+    (torchrun) or, without it, the profile's ``topology.gpus_per_node``."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(group_name)
+        ranks = dist.get_process_group_ranks(pg)
+    except Exception:
+        return False
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or profile.gpus_per_node)
+    return len({r // max(1, per_node) for r in ranks}) > 1
+
+
+def site_of(match: Any, profile: HardwareProfile) -> Site:
+    return Site.from_match(match, cross_node=group_spans_nodes(match.group_name, profile))
+
+
+def _options(options: Any) -> Any:
+    if options is not None:
+        return options
+    from .. import config
+
+    return config.current()
+
+
+def _ctx(opts: Any) -> Ctx:
+    return Ctx(mode=launch_mode(), first_max=opts.wave_group_first_max, last_max=opts.wave_group_last_max)
+
+
+def _key(what: str, match: Any, site: Site, profile: HardwareProfile, opts: Any, ctx: Ctx) -> tuple:
+    return (what, match.signature(), profile.key, ctx, site.cross_node, opts.search)
+
+
+# ---- the API passes.decide uses ---------------------------------------------------------------
+
+
+def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any = None) -> float | None:
+    """Predicted ms of the site as written (GEMM + collective); None without a profile or model.
+    With ``search="exhaustive"`` the measured time where it could be measured."""
+    if profile is None or getattr(match, "unsupported", None):
+        return None
+    opts = _options(options)
+    site = site_of(match, profile)
+    ctx = _ctx(opts)
+    key = _key("baseline", match, site, profile, opts, ctx)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    sched = baseline(site, profile, ctx)
+    ms = None if sched is None else sched.total_ms
+    if opts.search == "exhaustive" and ms is not None:
+        from . import exhaustive
+
+        measured = exhaustive.measure_baseline(match, opts)
+        if isinstance(measured, float):
+            ms = measured
+    with _lock:
+        _cache[key] = ms
+    return ms
+
+
+def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options: Any = None) -> list:
+    """Every configuration ``spec.candidates`` offers for the site with its predicted ms, best
+    first (ties: the order the template listed them). Candidates that cannot run here (peer
+    transport on a group spanning nodes) or have no model come last with the reason in ``note``.
+    """
+    from .. import config
+    from ..passes.decide import Candidate
+
+    if profile is None:
+        return []
+    opts = _options(options)
+    site = site_of(match, profile)
+    ctx = _ctx(opts)
+    key = _key(f"rank:{spec.name}", match, site, profile, opts, ctx)
+    with _lock:
+        if key in _cache:
+            return copy.deepcopy(_cache[key])
+
+    with config.using(opts):  # spec.candidates reads config.current() for its bounds
+        configs = spec.candidates(match, profile)
+    seen, unique = set(), []
+    for cfg in configs:
+        text = json.dumps(cfg, sort_keys=True, default=str)
+        if text not in seen:
+            seen.add(text)
+            unique.append(cfg)
+
+    timed, untimed = [], []
+    for i, cfg in enumerate(unique):
+        if needs_peer_access(spec.name, cfg) and (site.cross_node or not profile.peer_access):
+            why = "the group spans nodes" if site.cross_node else f"profile {profile.name!r} has no peer access"
+            untimed.append(Candidate(spec.name, cfg, None, f"needs peer access but {why}: NCCL transports only"))
+            continue
+        try:
+            sched = schedule_for(spec, match, cfg, profile, ctx, site)
+        except Exception as e:  # a model bug must not break compilation: report it
+            untimed.append(Candidate(spec.name, cfg, None, f"prediction failed: {type(e).__name__}: {e}"))
+            continue
+        if sched is None:
+            untimed.append(Candidate(spec.name, cfg, None, "no latency model for this template/kind"))
+            continue
+        timed.append((sched.total_ms, i, Candidate(spec.name, cfg, sched.total_ms, sched.note)))
+    timed.sort(key=lambda t: (round(t[0], 9), t[1]))  # float noise never beats the template's order
+    ranked = [c for _, _, c in timed]
+    if opts.search == "exhaustive" and ranked:
+        from . import exhaustive
+
+        ranked = exhaustive.measure_candidates(spec, match, ranked, opts)
+    ranked += untimed
+    with _lock:
+        _cache[key] = copy.deepcopy(ranked)
+    return ranked
+
+
+def schedule_for(spec: Any, match: Any, config: dict, profile: HardwareProfile, ctx: Ctx | None = None,
+                 site: Site | None = None) -> Schedule | None:
+    """The predicted schedule of ``match`` under ``spec``'s ``config``: our model when there is one,
+    else the template's own ``spec.predict`` (a bare time, no bars)."""
+    ctx = ctx or _ctx(_options(None))
+    site = site or site_of(match, profile)
+    model = MODELS.get(spec.name)
+    if model is not None:
+        sched = model(site, config, profile, ctx)
+        if sched is not None:
+            return sched
+    ms = spec.predict(match, config, profile)
+    return None if ms is None else Schedule(float(ms), [], None, f"{spec.name}.predict")
+
+
+def signal_reorder_candidates(match: Any, profile: HardwareProfile | None, options: Any = None) -> list[dict] | None:
+    """signal_reorder's candidate configs (FlashOverlap Algorithm 1 wave-group partitions per
+    kernel config); None without a profile (the spec then offers its default)."""
+    if profile is None or getattr(match, "unsupported", None):
+        return None
+    from .models import signal_reorder_configs
+
+    opts = _options(options)
+    site = site_of(match, profile)
+    ctx = _ctx(opts)
+    key = _key("sr-configs", match, site, profile, opts, ctx)
+    with _lock:
+        if key in _cache:
+            return copy.deepcopy(_cache[key])
+    configs = signal_reorder_configs(site, profile, ctx)
+    with _lock:
+        _cache[key] = copy.deepcopy(configs)
+    return configs

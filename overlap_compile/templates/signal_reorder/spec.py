@@ -62,6 +62,16 @@ class SignalReorderSpec(TemplateSpec):
             "wave_groups": list(even_wave_groups(waves, groups)),
         }
 
+    def candidates(self, match: GemmThenCollective, profile: Any) -> list[dict]:
+        """FlashOverlap Algorithm 1 (predictor.models): per kernel config of the profile, programs =
+        (SMs - NCCL SMs) x blocks/SM (a multiple of the stripe count) and the best wave-group
+        partition per group count with |G1| <= wave_group_first_max, |GP| <= wave_group_last_max
+        (config.current()). Without a profile: the default config."""
+        from ...predictor import signal_reorder_candidates
+
+        configs = signal_reorder_candidates(match, profile)
+        return configs if configs else [self.default_config(match)]
+
     def emit_gemm_collective(self, emit: Any, match: GemmThenCollective, plan: GemmCollectivePlan) -> Any:
         from . import reference
 

@@ -1,0 +1,212 @@
+"""``search="exhaustive"``: measure the baseline and every predicted candidate of a site, once.
+
+It runs inside the decision, i.e. while the first call of the compiled function compiles its
+graph, on every rank of the site's group at the same point (all ranks compile the same graph and
+rank the same candidates in the same order, so their collectives pair up):
+
+1. each rank builds random operands of the site's shapes on the group's device (CUDA for NCCL
+   groups, CPU for gloo), runs the baseline (mm + the collective, as written) or the candidate's
+   op (``torch.ops.overlap_compile.<template>_gemm_collective`` / ``_allgather_gemm`` with the
+   plan of that config) ``WARMUP`` + ``ITERS`` times and keeps the median (CUDA events on GPU);
+2. the group all-reduces the times with MAX (a step takes as long as its slowest rank), so every
+   rank holds the same numbers;
+3. candidates are re-ranked by measured time; rank 0 broadcasts the index of its best and every
+   rank checks it has the same one (``DecisionMismatchError`` otherwise, never a hang later).
+
+The Candidate keeps both numbers: ``predicted_ms`` becomes the measured time (the decision uses
+it) and ``note`` says "measured X ms (predicted Y ms)". Results are cached with the decision, so
+recompiles do not measure again. Groups whose backend is neither NCCL nor gloo (e.g. the fake
+backend of tests) are not measured: the note says so and the predictions stand.
+
+Tests replace the timing with ``set_measure(fn)``; ``fn(template, match, config, options)``
+returns ms (template "baseline" for the site as written).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+WARMUP = 2
+ITERS = 5
+MAX_MEASURED = 32  # per template: the best predicted ones if a template offers more
+FAILED_MS = 1e9  # a candidate that failed to run on some rank (kept comparable across ranks)
+
+_measure_hook: Callable[..., float] | None = None
+
+
+def set_measure(fn: Callable[..., float] | None) -> None:
+    """Replace the timing function (tests); None restores the real one."""
+    global _measure_hook
+    _measure_hook = fn
+
+
+def _group(match: Any) -> Any:
+    from ..runtime.comm import resolve_group
+
+    return resolve_group(match.group_name)
+
+
+def _device_of(pg: Any) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(pg)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    if backend == "gloo":
+        return "cpu"
+    return None
+
+
+def _agree_max(values: list[float], pg: Any, device: str) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return [float(v) for v in t.cpu()]
+
+
+def _broadcast_choice(index: int, pg: Any, device: str, what: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.agreement import DecisionMismatchError
+
+    t = torch.tensor([index], dtype=torch.int64, device=device)
+    src = dist.get_global_rank(pg, 0) if hasattr(dist, "get_global_rank") else 0
+    dist.broadcast(t, src=src, group=pg)
+    if int(t.item()) != index:
+        raise DecisionMismatchError(
+            f"overlap_compile: search='exhaustive' chose candidate {index} of {what} on rank "
+            f"{dist.get_rank(pg)} but rank 0 chose {int(t.item())}; use the same options and profile everywhere")
+
+
+def _time(fn: Callable[[], Any], device: str) -> float:
+    import torch
+
+    for _ in range(WARMUP):
+        fn()
+    samples = []
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        for _ in range(ITERS):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            samples.append(s.elapsed_time(e))
+    else:
+        for _ in range(ITERS):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _real_measure(template: str, match: Any, config: dict | None, options: Any, device: str) -> float:
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from .. import templates
+    from ..passes.matches import AllGatherGemmMatch
+    from ..runtime import comm
+
+    c10d = torch.ops._c10d_functional
+    with unset_fake_temporarily(), torch.no_grad():
+        gen = torch.Generator(device=device).manual_seed(0)
+        dt, g, W = match.dtype, match.group_name, match.world_size
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt) * 0.1
+
+        if isinstance(match, AllGatherGemmMatch):
+            shard = rnd(match.m // W, match.k)
+            bs = [rnd(match.k, c.n) for c in match.consumers]
+            biases = [rnd(c.n) if c.bias_node is not None else None for c in match.consumers]
+            if template == "baseline":
+                def fn() -> Any:
+                    full = comm.wait(comm.start_all_gather(shard, W, g))
+                    return [full @ b if bias is None else torch.addmm(bias, full, b) for b, bias in zip(bs, biases)]
+            else:
+                spec = templates.get_spec(template)
+                plan = spec.plan(match, config, options.signal_timeout_ms).to_json()
+                op = getattr(torch.ops.overlap_compile, f"{template}_allgather_gemm").default
+
+                def fn() -> Any:
+                    return op(shard, bs, biases, g, plan)
+        else:
+            a, b = rnd(match.m, match.k), rnd(match.k, match.n)
+            bias = rnd(match.n) if match.bias_node is not None else None
+            if template == "baseline":
+                def fn() -> Any:
+                    y = a @ b if bias is None else torch.addmm(bias, a, b)
+                    if match.kind == "gemm_allreduce":
+                        return comm.wait(c10d.all_reduce.default(y, match.reduce_op, g))
+                    if match.kind == "gemm_reducescatter":
+                        return comm.wait(comm.start_reduce_scatter(y, match.reduce_op, W, g))
+                    return comm.wait(comm.start_all_to_all(y, W, g))
+            else:
+                spec = templates.get_spec(template)
+                plan = spec.plan(match, config, options.signal_timeout_ms).to_json()
+                op = getattr(torch.ops.overlap_compile, f"{template}_gemm_collective").default
+
+                def fn() -> Any:
+                    return op(a, b, bias, g, plan)
+        return _time(fn, device)
+
+
+def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any) -> list[float] | str:
+    """Measured ms per (template, config), agreed across the group; or the reason it was not measured."""
+    if _measure_hook is not None:
+        return [float(_measure_hook(t, match, c, options)) for t, c in items]
+    try:
+        pg = _group(match)
+    except Exception as e:
+        return f"not measured: {e}"
+    device = _device_of(pg)
+    if device is None:
+        import torch.distributed as dist
+
+        return f"not measured: process-group backend {dist.get_backend(pg)!r} (exhaustive search needs nccl or gloo)"
+    local = []
+    for t, c in items:
+        try:
+            local.append(_real_measure(t, match, c, options, device))
+        except Exception:
+            local.append(FAILED_MS)
+    return _agree_max(local, pg, device)
+
+
+def measure_baseline(match: Any, options: Any) -> float | str:
+    res = _measure_all([("baseline", None)], match, options)
+    return res if isinstance(res, str) else res[0]
+
+
+def measure_candidates(spec: Any, match: Any, ranked: list, options: Any) -> list:
+    """Re-rank ``ranked`` (predicted, best first) by measured time; see the module docstring."""
+    todo, rest = ranked[:MAX_MEASURED], ranked[MAX_MEASURED:]
+    res = _measure_all([(c.template, c.config) for c in todo], match, options)
+    if isinstance(res, str):
+        for c in todo:
+            c.note = f"{res}; predicted. {c.note}".strip()
+        return todo + rest
+    out = []
+    for c, ms in zip(todo, res):
+        pred = c.predicted_ms
+        if ms >= FAILED_MS:
+            c.note = f"failed to run when measured on some rank (predicted {pred:.4f} ms). {c.note}".strip()
+            c.predicted_ms = None
+        else:
+            c.note = f"measured {ms:.4f} ms (predicted {pred:.4f} ms). {c.note}".strip()
+            c.predicted_ms = ms
+        out.append(c)
+    order = sorted(range(len(out)), key=lambda i: (out[i].predicted_ms is None, out[i].predicted_ms or 0.0, i))
+    if _measure_hook is None:
+        pg = _group(match)
+        device = _device_of(pg)
+        if device is not None:
+            _broadcast_choice(order[0], pg, device, f"{spec.name} at {match.signature()}")
+    return [out[i] for i in order] + rest

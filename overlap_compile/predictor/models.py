@@ -1,0 +1,610 @@
+"""Closed-form latency models: a site under a template configuration -> a predicted schedule.
+
+Every model returns a ``Schedule``: the predicted end time, the bars of a two-lane Gantt chart
+(``compute`` lane: the GEMM or its pieces; ``comm`` lane: each collective call) and the overlap
+bound. All times are milliseconds; all inputs come from the ``HardwareProfile``:
+
+* ``profile.gemm.ms(M, N, K, dtype, kernel)``: GEMM time (table / interpolation / roofline);
+* ``profile.comm_ms(collective, bytes, world, cross_node)``: one collective call (curves);
+* ``profile.launch(mode)``: per-call cost on top of a curve (``mode`` "eager" or "cuda_graph");
+* ``profile.contention``: ``gemm_slowdown`` (a full-grid GEMM beside a collective),
+  ``gemm_slowdown_reserved`` (a GEMM that leaves the collective's SMs free, or beside copy-engine
+  traffic), ``comm_slowdown`` (a collective beside a GEMM).
+
+Models
+------
+baseline
+    The site as written: GEMM(s), then one collective call (all-gather: the collective first).
+    ``T = g + c``. Launch costs: a site's first collective call is enqueued while its GEMM runs
+    and pays nothing extra; every further call (a template's groups, chunks, ring steps) pays
+    ``profile.launch(mode)``.
+
+signal_reorder  (FlashOverlap, Hong et al., EuroSys '26 / arXiv 2504.19519, §4 Algorithm 1)
+    One persistent GEMM of ``programs = (SMs - NCCL SMs) * blocks/SM`` programs (rounded down to a
+    multiple of the stripe count: 1 for all-reduce, W for reduce-scatter / all-to-all) walks
+    ``tiles`` output tiles in ``T = ceil(tiles / programs)`` waves. Waves are cut into groups
+    ``G1..GP``; group i's collective starts when its last wave is done and the previous group's
+    collective has finished::
+
+        t_p += |G_i| * t_wave                    # compute time when group i is complete
+        t_m  = max(t_p, t_m) + comm(bytes(G_i))  # its collective, serialised on the comm stream
+
+    and the prediction is the final ``t_m``. ``t_wave`` is the kernel's full-occupancy GEMM time
+    over its full-occupancy wave count (the wave model), times ``gemm_slowdown_reserved``;
+    ``comm`` is the curve at the group's bytes (padded tiles, as sent) times ``comm_slowdown``
+    (not for the last group, which runs alone) plus the launch cost (not for the first group).
+    Candidates are partitions with ``|G1| <= wave_group_first_max`` and ``|GP| <= wave_group_last_max``;
+    ``best_wave_partitions`` finds the minimum over all of them exactly (dynamic programming
+    over (groups, waves done): ``t_m`` is non-decreasing in the previous ``t_m``, so keeping the
+    smallest one per state loses nothing; tests check it against enumeration).
+
+p2p_ring  (CommFuse, arXiv 2604.24013)   config: slices, bidirectional, transport ("p2p"|"nccl")
+    Reduce-scatter / all-to-all: the GEMM is cut into W row chunks (one per destination rank),
+    each into ``slices`` pieces; the chunks for the W-1 peers are computed first, each piece sent
+    (RS: with the partial sum received from the previous neighbour added) as soon as it is done,
+    the chunk that stays local last, so no transfer trails the GEMM (RS adds the last received
+    partial: one elementwise pass). All-gather: the local shard's GEMM runs while the shards
+    travel the ring; the piece of step i waits for its shard. Transfers are serialised on the
+    comm lane: ``t_x = max(t_p, t_x) + xfer`` (RS/A2A) or ``t_p = max(t_p, t_x) + piece`` (AG).
+    ``xfer`` is the ``copy_engine`` curve (transport "p2p": peer copies, no SMs; GEMM slowdown
+    ``gemm_slowdown_reserved``) or the ``p2p`` curve (transport "nccl": send/recv kernels; GEMM
+    slowdown ``gemm_slowdown``) at the piece's bytes (halved when bidirectional: two rings in
+    opposite directions on full-duplex links), plus the launch cost.
+
+priority_stream  (resource-aware overlap)   config: chunks, optional block_m/block_n/stages
+    The GEMM is cut into ``chunks`` row chunks on the compute stream; chunk i's collective runs
+    on a high-priority stream as soon as chunk i is done (all-gather: chunk i of the gather,
+    then its GEMMs). Same max-plus recursion; each call pays the launch cost; GEMM pieces pay
+    ``gemm_slowdown`` (cuBLAS at full grid) or, with an explicit tile config chosen to leave
+    shared-memory slack for the collective, that kernel's time and ``gemm_slowdown_reserved``.
+
+Adding a model (tile_fused, moe_fused): write ``def model(site, config, profile, ctx) -> Schedule``
+from the template's schedule (use ``pipeline`` for a chain of pieces) and register it in
+``MODELS`` under the template's name. Until then ``rank_configs`` falls back to the template's
+own ``spec.predict`` and, failing that, reports the candidate without a prediction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from ..tiling import cdiv
+from .profile import HardwareProfile, Kernel
+
+COLLECTIVE_OF = {
+    "gemm_allreduce": "all_reduce",
+    "gemm_reducescatter": "reduce_scatter",
+    "gemm_alltoall": "all_to_all",
+    "allgather_gemm": "all_gather",
+    "moe": "all_to_all",
+}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+MAX_LISTED_GROUPS = 6  # signal_reorder: best partition listed per group count up to this
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """The geometry of a site, all the models need (built from a Match or a SiteReport)."""
+
+    kind: str
+    gemms: tuple[tuple[int, int, int], ...]
+    world: int
+    dtype: str
+    cross_node: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.gemms[0][0]
+
+    @property
+    def n(self) -> int:
+        return self.gemms[0][1]
+
+    @property
+    def k(self) -> int:
+        return self.gemms[0][2]
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE.get(self.dtype, 2)
+
+    @property
+    def collective(self) -> str:
+        return COLLECTIVE_OF[self.kind]
+
+    def coll_bytes(self) -> int:
+        """Bytes of the collective in the curves' convention (the full, unsplit buffer)."""
+        if self.kind == "allgather_gemm":
+            return self.m * self.k * self.itemsize
+        if self.kind == "moe":
+            return self.m * self.k * self.itemsize  # tokens x hidden dispatched
+        return self.m * self.n * self.itemsize
+
+    @staticmethod
+    def from_match(match: Any, cross_node: bool = False) -> "Site":
+        from ..passes.matches import dtype_name
+
+        return Site(match.kind, tuple(tuple(g) for g in match.gemms()), int(match.world_size),
+                    dtype_name(match.dtype), cross_node)
+
+    @staticmethod
+    def from_report(site: Any, cross_node: bool = False) -> "Site":
+        return Site(site.kind, tuple(tuple(g) for g in site.gemms), int(site.world_size), site.dtype, cross_node)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    """What the models need besides the site and the profile."""
+
+    mode: str = "eager"  # "eager" | "cuda_graph": which per-call launch cost applies
+    first_max: int = 2  # FlashOverlap S1
+    last_max: int = 4  # FlashOverlap SP
+
+
+@dataclasses.dataclass
+class Event:
+    lane: str  # "compute" | "comm"
+    label: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class Schedule:
+    total_ms: float
+    events: list[Event]
+    bound_ms: float | None = None
+    note: str = ""
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+
+
+def gemm_ms(site: Site, profile: HardwareProfile, m: int | None = None, kernel: str | None = None) -> float:
+    """Sum of the site's GEMMs (rows ``m`` instead of the site's M when given)."""
+    return sum(profile.gemm.ms(m if m is not None else gm, gn, gk, site.dtype, kernel) for gm, gn, gk in site.gemms)
+
+
+def comm_call_ms(site: Site, profile: HardwareProfile, nbytes: float, ctx: Ctx, collective: str | None = None,
+                 contended: bool = False, launch: bool = True) -> float:
+    """One collective call: the curve, times ``comm_slowdown`` when a GEMM runs beside it, plus the
+    per-call launch cost when ``launch`` (every call of a site but its first: the first one is
+    enqueued while the GEMM runs, as in the baseline, whose single call pays none)."""
+    t = profile.comm_ms(collective or site.collective, nbytes, site.world, site.cross_node)
+    if contended:
+        t *= profile.contention["comm_slowdown"]
+    return t + (profile.launch(ctx.mode) if launch else 0.0)
+
+
+def overlap_bound(g: float, c: float, first_compute: float, last_comm: float) -> float:
+    """FlashOverlap §6.4 / ANCHORS "The limit": max(g, c) plus what cannot overlap: the last
+    group's communication when g >= c, else the first group's GEMM."""
+    return max(g, c) + (last_comm if g >= c else first_compute)
+
+
+def pipeline(compute: list[float], comm: list[float | None], comm_first: bool = False,
+             compute_labels: list[str] | None = None, comm_labels: list[str] | None = None,
+             tail: float = 0.0) -> tuple[float, list[Event]]:
+    """A chain of pieces on two lanes (the max-plus recursion every model uses).
+
+    ``comm_first=False``: piece i is computed, then its transfer ``comm[i]`` (None: no transfer)
+    starts at ``max(compute end i, previous transfer end)``. ``comm_first=True``: transfers run
+    back to back from t=0; piece i is computed at ``max(previous compute end, transfer i end)``.
+    ``tail`` is added after both lanes end (e.g. a final add). Returns (end time, events).
+    """
+    n = len(compute)
+    cl = compute_labels or [f"GEMM {i}" for i in range(n)]
+    ml = comm_labels or [f"comm {i}" for i in range(n)]
+    events: list[Event] = []
+    t_p = t_m = 0.0
+    if not comm_first:
+        for i in range(n):
+            events.append(Event("compute", cl[i], t_p, t_p + compute[i]))
+            t_p += compute[i]
+            if comm[i] is not None:
+                start = max(t_p, t_m)
+                t_m = start + comm[i]
+                events.append(Event("comm", ml[i], start, t_m))
+    else:
+        for i in range(n):
+            if comm[i] is not None:
+                events.append(Event("comm", ml[i], t_m, t_m + comm[i]))
+                t_m += comm[i]
+                ready = t_m
+            else:
+                ready = 0.0
+            start = max(t_p, ready)
+            t_p = start + compute[i]
+            events.append(Event("compute", cl[i], start, t_p))
+    end = max(t_p, t_m)
+    if tail:
+        events.append(Event("compute", "final add", end, end + tail))
+        end += tail
+    return end, events
+
+
+# ---- baseline ---------------------------------------------------------------------------------
+
+
+def baseline(site: Site, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind not in COLLECTIVE_OF:
+        return None
+    g = gemm_ms(site, profile)
+    c = comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    name = site.collective
+    if site.kind == "allgather_gemm":
+        ev = [Event("comm", name, 0.0, c), Event("compute", "GEMM", c, c + g)]
+    elif site.kind == "moe":
+        c2 = comm_call_ms(site, profile, site.coll_bytes(), ctx)  # a second call
+        ev = [Event("comm", "dispatch all_to_all", 0.0, c), Event("compute", "experts", c, c + g),
+              Event("comm", "combine all_to_all", c + g, c + g + c2)]
+        return Schedule(c + g + c2, ev, max(g, c + c2), "dispatch + expert GEMMs + combine")
+    else:
+        ev = [Event("compute", "GEMM", 0.0, g), Event("comm", name, g, g + c)]
+    return Schedule(g + c, ev, max(g, c), f"GEMM {g:.3f} ms + {name} {c:.3f} ms")
+
+
+# ---- signal_reorder (FlashOverlap Algorithm 1) ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveGeometry:
+    """Tiles, programs and waves of the signal_reorder GEMM for one kernel config."""
+
+    block_m: int
+    block_n: int
+    stripes: int
+    num_exec: int  # tiles over all stripes
+    programs: int
+    full_programs: int  # programs at full occupancy (no SMs left to NCCL)
+    kernel: str | None
+    gemm_full_ms: float  # the kernel's GEMM time at full occupancy
+
+    @property
+    def waves(self) -> int:
+        return cdiv(self.num_exec, self.programs)
+
+    @property
+    def full_waves(self) -> int:
+        return cdiv(self.num_exec, self.full_programs)
+
+    def tiles_in(self, first_wave: int, end_wave: int) -> int:
+        return min(end_wave * self.programs, self.num_exec) - first_wave * self.programs
+
+
+def _generic_kernel(block_m: int, block_n: int) -> Kernel:
+    return Kernel(name=f"{block_m}x{block_n}", block_m=block_m, block_n=block_n)
+
+
+def sr_programs(site: Site, profile: HardwareProfile, kernel: Kernel) -> tuple[int, int]:
+    """(programs, full-occupancy programs) of the persistent kernel: (SMs - NCCL SMs) x blocks/SM,
+    rounded down to a multiple of the stripe count, at most the tile count."""
+    stripes = 1 if site.kind == "gemm_allreduce" else site.world
+    bps = kernel.blocks_per_sm(profile, site.itemsize)
+    sms = max(1, profile.sm_count - profile.sms_of(site.collective))
+    full = profile.sm_count * bps
+    return max(stripes, sms * bps // stripes * stripes), max(stripes, full // stripes * stripes)
+
+
+def sr_geometry(site: Site, config: dict, profile: HardwareProfile) -> WaveGeometry:
+    bm, bn = int(config["block_m"]), int(config["block_n"])
+    stripes = 1 if site.kind == "gemm_allreduce" else site.world
+    rows = site.m if stripes == 1 else site.m // site.world
+    num_exec = cdiv(rows, bm) * cdiv(site.n, bn) * stripes
+    kern = profile.gemm.kernel_for(bm, bn)
+    if kern is None:
+        kern_obj, gemm_full = _generic_kernel(bm, bn), gemm_ms(site, profile) / 0.9
+        kname = None
+    else:
+        kern_obj, kname = kern, kern.name
+        gemm_full = gemm_ms(site, profile, kernel=kern.name)
+    _, full = sr_programs(site, profile, kern_obj)
+    return WaveGeometry(bm, bn, stripes, num_exec, int(config["programs"]), min(full, max(num_exec, stripes)),
+                        kname, gemm_full)
+
+
+def sr_wave_ms(geo: WaveGeometry, profile: HardwareProfile) -> float:
+    """Time of one wave of the persistent kernel beside the collectives.
+
+    At full occupancy the kernel runs ``full_waves`` waves in ``gemm_full_ms``; a wave of
+    ``programs`` programs, more than fit at once, takes proportionally longer."""
+    per_wave = geo.gemm_full_ms / geo.full_waves
+    return per_wave * max(1.0, geo.programs / geo.full_programs) * profile.contention["gemm_slowdown_reserved"]
+
+
+def sr_comm_fn(site: Site, geo: WaveGeometry, profile: HardwareProfile, ctx: Ctx) -> Callable[[int, int, bool], float]:
+    tile_bytes = geo.block_m * geo.block_n * site.itemsize
+    memo: dict = {}
+
+    def comm(a: int, b: int, last: bool) -> float:
+        key = (b - a, b == geo.waves, last, a == 0)
+        if key not in memo:
+            memo[key] = comm_call_ms(site, profile, geo.tiles_in(a, b) * tile_bytes, ctx, contended=not last,
+                                     launch=a > 0)
+        return memo[key]
+
+    return comm
+
+
+def algorithm1(groups: list[int] | tuple[int, ...], wave_ms: float,
+               comm: Callable[[int, int, bool], float]) -> tuple[float, list[Event]]:
+    """FlashOverlap Algorithm 1 for one partition: accumulate t_p (compute) and t_m (comm).
+
+    ``comm(first_wave, end_wave, is_last_group)`` is the group's collective time."""
+    t_p = t_m = 0.0
+    w = 0
+    events = []
+    for i, g in enumerate(groups):
+        events.append(Event("compute", f"waves {w}-{w + g - 1}" if g > 1 else f"wave {w}", t_p, t_p + g * wave_ms))
+        t_p += g * wave_ms
+        start = max(t_p, t_m)
+        t_m = start + comm(w, w + g, i == len(groups) - 1)
+        events.append(Event("comm", f"group {i} ({g} wave{'s' if g > 1 else ''})", start, t_m))
+        w += g
+    return t_m, events
+
+
+def valid_partition(groups: tuple[int, ...] | list[int], waves: int, first_max: int, last_max: int) -> bool:
+    if not groups or any(g < 1 for g in groups) or sum(groups) != waves:
+        return False
+    return groups[0] <= first_max and groups[-1] <= last_max
+
+
+def enumerate_partitions(waves: int, first_max: int, last_max: int, limit: int = 100_000):
+    """Every composition of ``waves`` with |G1| <= first_max and |GP| <= last_max (for tests and
+    small searches; raises past ``limit``)."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(prefix: list[int], left: int) -> None:
+        if left == 0:
+            if valid_partition(prefix, waves, first_max, last_max):
+                out.append(tuple(prefix))
+                if len(out) > limit:
+                    raise ValueError(f"more than {limit} partitions of {waves} waves")
+            return
+        hi = min(left, first_max) if not prefix else left
+        for g in range(1, hi + 1):
+            rec(prefix + [g], left - g)
+
+    rec([], waves)
+    return out
+
+
+def best_wave_partitions(waves: int, wave_ms: float, comm: Callable[[int, int, bool], float], first_max: int,
+                         last_max: int, max_groups: int | None = None) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """For every group count P (up to ``max_groups``), the partition minimising Algorithm 1's t_m
+    among those with |G1| <= first_max and |GP| <= last_max: {P: (t_m, groups)}.
+
+    Dynamic programming over (groups so far, waves done) keeping the smallest t_m: exact because
+    t_m' = max(t_p, t_m) + comm is non-decreasing in t_m. Ties keep the earlier-found partition
+    (smaller last group, then smaller groups first): deterministic.
+    """
+    T = waves
+    P = T if max_groups is None else min(T, max_groups)
+    INF = math.inf
+    out: dict[int, tuple[float, tuple[int, ...]]] = {}
+    if T <= first_max and T <= last_max:
+        out[1] = (T * wave_ms + comm(0, T, True), (T,))
+    # best[p][w]: min t_m after p non-final groups covering waves [0, w); back[p][w] = last group size
+    best = [[INF] * (T + 1) for _ in range(P + 1)]
+    back = [[0] * (T + 1) for _ in range(P + 1)]
+    for w in range(1, min(first_max, T - 1) + 1):
+        best[1][w] = w * wave_ms + comm(0, w, False)
+        back[1][w] = w
+    for p in range(2, P):
+        for w in range(p, T):
+            bw, bs, tp = INF, 0, w * wave_ms
+            for s in range(1, w - p + 2):
+                prev = best[p - 1][w - s]
+                if prev == INF:
+                    continue
+                v = max(tp, prev) + comm(w - s, w, False)
+                if v < bw:
+                    bw, bs = v, s
+            best[p][w], back[p][w] = bw, bs
+    for p in range(2, P + 1):
+        bv, bsz, tp = INF, 0, T * wave_ms
+        for s in range(1, min(last_max, T - p + 1) + 1):
+            prev = best[p - 1][T - s]
+            if prev == INF:
+                continue
+            v = max(tp, prev) + comm(T - s, T, True)
+            if v < bv:
+                bv, bsz = v, s
+        if bv == INF:
+            continue
+        groups = [bsz]
+        w, q = T - bsz, p - 1
+        while q >= 1:
+            s = back[q][w]
+            groups.append(s)
+            w, q = w - s, q - 1
+        out[p] = (bv, tuple(reversed(groups)))
+    return out
+
+
+def best_any_count(waves: int, wave_ms: float, comm: Callable[[int, int, bool], float], first_max: int,
+                   last_max: int) -> tuple[float, tuple[int, ...]] | None:
+    """The minimum over all group counts at once (O(T^2)): (t_m, groups) or None if none is valid."""
+    T = waves
+    INF = math.inf
+    best = [INF] * (T + 1)  # min t_m with [0, w) covered by non-final groups
+    back = [0] * (T + 1)
+    cands = []
+    if T <= first_max and T <= last_max:
+        cands.append((T * wave_ms + comm(0, T, True), (T,)))
+    for w in range(1, T):
+        if w <= first_max:
+            best[w], back[w] = w * wave_ms + comm(0, w, False), w
+        for s in range(1, w):
+            if best[w - s] == INF:
+                continue
+            v = max(w * wave_ms, best[w - s]) + comm(w - s, w, False)
+            if v < best[w]:
+                best[w], back[w] = v, s
+    bv, bs = INF, 0
+    for s in range(1, min(last_max, T - 1) + 1):
+        if best[T - s] == INF:
+            continue
+        v = max(T * wave_ms, best[T - s]) + comm(T - s, T, True)
+        if v < bv:
+            bv, bs = v, s
+    if bv < INF:
+        groups = [bs]
+        w = T - bs
+        while w > 0:
+            groups.append(back[w])
+            w -= back[w]
+        cands.append((bv, tuple(reversed(groups))))
+    return min(cands, key=lambda c: (c[0], len(c[1]))) if cands else None
+
+
+def signal_reorder_configs(site: Site, profile: HardwareProfile, ctx: Ctx, group_m: int = 8) -> list[dict]:
+    """signal_reorder's candidates: for each kernel config of the profile that fits the site, the
+    best wave-group partition per group count (Algorithm 1 within the S1/SP bounds), plus the best
+    over any group count when it needs more than MAX_LISTED_GROUPS groups."""
+    stripes = 1 if site.kind == "gemm_allreduce" else site.world
+    rows = site.m if stripes == 1 else site.m // site.world
+    kernels = sorted(profile.gemm.kernels, key=lambda k: (k.block_m * k.block_n, k.name)) or [_generic_kernel(16, 16)]
+    fitting = [k for k in kernels if k.block_m <= rows and k.block_n <= site.n] or kernels[:1]
+    configs = []
+    for kern in fitting:
+        programs, _ = sr_programs(site, profile, kern)
+        base = {"block_m": kern.block_m, "block_n": kern.block_n, "group_m": group_m}
+        num_exec = cdiv(rows, kern.block_m) * cdiv(site.n, kern.block_n) * stripes
+        programs = max(stripes, min(programs, num_exec) // stripes * stripes)
+        cfg0 = dict(base, programs=programs, wave_groups=[1])
+        geo = sr_geometry(site, cfg0, profile)
+        wave = sr_wave_ms(geo, profile)
+        comm = sr_comm_fn(site, geo, profile, ctx)
+        found = best_wave_partitions(geo.waves, wave, comm, ctx.first_max, ctx.last_max, MAX_LISTED_GROUPS)
+        parts = [g for _, (_, g) in sorted(found.items())]
+        if geo.waves > MAX_LISTED_GROUPS:
+            anyc = best_any_count(geo.waves, wave, comm, ctx.first_max, ctx.last_max)
+            listed = min((t for t, _ in found.values()), default=math.inf)
+            if anyc is not None and len(anyc[1]) > MAX_LISTED_GROUPS and anyc[0] < listed:
+                parts.append(anyc[1])
+        for g in parts:
+            configs.append(dict(base, programs=programs, wave_groups=list(g)))
+    return configs
+
+
+def signal_reorder(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind not in ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall"):
+        return None
+    geo = sr_geometry(site, config, profile)
+    groups = tuple(int(g) for g in config["wave_groups"])
+    if sum(groups) != geo.waves:
+        raise ValueError(f"signal_reorder config wave_groups {list(groups)} do not sum to the {geo.waves} waves of "
+                         f"{geo.num_exec} tiles / {geo.programs} programs")
+    wave = sr_wave_ms(geo, profile)
+    comm = sr_comm_fn(site, geo, profile, ctx)
+    total, events = algorithm1(groups, wave, comm)
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    first_compute = groups[0] * wave
+    last_comm = comm(geo.waves - groups[-1], geo.waves, True)
+    note = (f"{geo.num_exec} tiles of {geo.block_m}x{geo.block_n} on {geo.programs} programs = {geo.waves} waves "
+            f"of {wave:.4f} ms; groups {list(groups)}")
+    return Schedule(total, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+# ---- p2p_ring (CommFuse) -------------------------------------------------------------------------
+
+
+def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind not in ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall"):
+        return None
+    W = site.world
+    s = max(1, int(config.get("slices", 1)))
+    bidir = bool(config.get("bidirectional", False))
+    transport = config.get("transport", "nccl")
+    curve = "copy_engine" if transport == "p2p" else "p2p"
+    slow = profile.contention["gemm_slowdown_reserved" if transport == "p2p" else "gemm_slowdown"]
+    rows = max(1, site.m // (W * s))
+    piece = gemm_ms(site, profile, m=rows) * slow
+    width = site.k if site.kind == "allgather_gemm" else site.n
+    nbytes = rows * width * site.itemsize / (2 if bidir else 1)
+    xfer = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=True)
+    xfer0 = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=True, launch=False)
+    n_remote = (W - 1) * s
+    compute = [piece] * (W * s)
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    if site.kind == "allgather_gemm":
+        # local shard first (no transfer), then step i's pieces wait for shard i
+        comm: list[float | None] = [None] * s + [xfer0] + [xfer] * (n_remote - 1)
+        end, events = pipeline(compute, comm, comm_first=True,
+                               compute_labels=[f"GEMM shard {i // s}.{i % s}" for i in range(W * s)],
+                               comm_labels=[f"recv {i // s}.{i % s}" if i >= s else "" for i in range(W * s)])
+        first_compute, last_comm = piece, xfer
+    else:
+        comm = [xfer0] + [xfer] * (n_remote - 1) + [None] * s
+        tail = 0.0
+        if site.kind == "gemm_reducescatter":  # the local chunk + the last received partial
+            tail = 3 * rows * s * site.n * site.itemsize / (profile.gemm.mem_gbps * 1e9) * 1e3
+        end, events = pipeline(compute, comm, comm_first=False, tail=tail,
+                               compute_labels=[f"GEMM chunk {i // s}.{i % s}" for i in range(W * s)],
+                               comm_labels=[f"send {i // s}.{i % s}" for i in range(W * s)])
+        first_compute, last_comm = piece, 0.0
+    note = f"{W}x{s} pieces of {rows} rows: GEMM {piece:.4f} ms, {curve} {xfer:.4f} ms each"
+    return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+# ---- priority_stream ------------------------------------------------------------------------------
+
+
+def priority_stream(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind not in ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall", "allgather_gemm"):
+        return None
+    c = max(1, int(config.get("chunks", 1)))
+    rows = max(1, site.m // c)
+    kern = None
+    if config.get("block_m") and config.get("block_n"):
+        k = profile.gemm.kernel_for(int(config["block_m"]), int(config["block_n"]))
+        kern = k.name if k else None
+    slow = profile.contention["gemm_slowdown_reserved" if config.get("block_m") else "gemm_slowdown"]
+    piece = gemm_ms(site, profile, m=rows, kernel=kern)
+    if config.get("block_m") and kern is None:
+        piece /= 0.9  # a tile config the profile does not know: a generic Triton kernel
+    comm_full = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True)
+    comm_last = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False)
+    comm_alone_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False, launch=False)
+    comm_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True, launch=False)
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    if site.kind == "allgather_gemm":
+        compute = [piece * slow] * (c - 1) + [piece]  # the last chunk's GEMM runs alone
+        comm = [comm_alone_first] + [comm_full] * (c - 1)  # the first gather runs alone
+        end, events = pipeline(compute, comm, comm_first=True,
+                               compute_labels=[f"GEMM chunk {i}" for i in range(c)],
+                               comm_labels=[f"{site.collective} {i}" for i in range(c)])
+        first_compute, last_comm = piece, comm_full
+    else:
+        compute = [piece] + [piece * slow] * (c - 1)  # the first chunk runs alone
+        comm = ([comm_first] + [comm_full] * (c - 2) + [comm_last]) if c > 1 else [comm_alone_first]
+        end, events = pipeline(compute, comm, comm_first=False,
+                               compute_labels=[f"GEMM chunk {i}" for i in range(c)],
+                               comm_labels=[f"{site.collective} {i}" for i in range(c)])
+        first_compute, last_comm = piece, comm_last
+    note = f"{c} chunks of {rows} rows: GEMM {piece:.4f} ms, {site.collective} {comm_full:.4f} ms each"
+    return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+Model = Callable[[Site, dict, HardwareProfile, Ctx], "Schedule | None"]
+
+# template name -> model. tile_fused and moe_fused: not written yet (see the module docstring).
+MODELS: dict[str, Model] = {
+    "signal_reorder": signal_reorder,
+    "p2p_ring": p2p_ring,
+    "priority_stream": priority_stream,
+}
+
+# Transports that need every rank of the group on one node with peer access (symmetric memory,
+# peer copies). A config is judged by its "transport" key; these templates need it always.
+PEER_TRANSPORTS = ("p2p", "symm_mem", "copy_engine")
+PEER_ONLY_TEMPLATES = ("tile_fused", "moe_fused")
+
+
+def needs_peer_access(template: str, config: dict | None) -> bool:
+    if template in PEER_ONLY_TEMPLATES:
+        return not (config and config.get("transport") == "nccl")
+    return bool(config) and config.get("transport") in PEER_TRANSPORTS
