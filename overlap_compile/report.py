@@ -75,7 +75,7 @@ class Report:
         rows = []
         for s in self.sites:
             gemm = ", ".join("x".join(map(str, g)) for g in s.gemms)
-            pred = " ".join(f"{k}={v:.3f}" for k, v in s.predicted_ms.items() if v is not None) or "-"
+            pred = _best_per_template(s.predicted_ms)
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, s.reason])
         if not rows:
             return "overlap_compile: no GEMM/collective sites found"
@@ -120,6 +120,16 @@ class Report:
         for i, s in enumerate(self.sites):
             if s.comm_bytes:  # a site that was recognised but not analysable has no schedule to draw
                 self.timeline(s, os.path.join(directory, f"timeline_{s.graph}_{i}_{s.node}.png"))
+
+
+def _best_per_template(predicted: dict[str, float | None]) -> str:
+    """Baseline and the best prediction of each template (the JSON keeps every candidate)."""
+    best: dict[str, float] = {}
+    for label, ms in predicted.items():
+        if ms is not None:
+            name = label.split("[", 1)[0]
+            best[name] = min(ms, best.get(name, ms))
+    return " ".join(f"{k}={v:.3f}" for k, v in best.items()) or "-"
 
 
 _GLOBAL = Report()

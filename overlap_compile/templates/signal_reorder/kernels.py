@@ -109,6 +109,13 @@ if _HAVE_TRITON:
         return g, lo + k * per + (local - lo // stripes)
 
     @triton.jit
+    def _cta_barrier(dep):
+        # bar.sync 0 for all threads of the CTA (no warp specialization in the signalling kernel);
+        # ``dep`` threads a value through so the barrier stays between the stores and the atomic.
+        return tl.inline_asm_elementwise("bar.sync 0;\nmov.u32 $0, $1;", "=r,r", [dep], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
     def _gemm_kernel(
         a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, counter_ptr, wave_tbl,
         rows, N, K,                       # rows: rows of the tile grid (one stripe's rows when striped)
@@ -117,7 +124,7 @@ if _HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr,
         SIGNAL: tl.constexpr, HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HW_BARRIER: tl.constexpr, SIGNAL_SCOPE: tl.constexpr,
     ):
         """Persistent GEMM: program p computes exec ids p, p + programs, ... (one wave per step).
 
@@ -127,9 +134,11 @@ if _HAVE_TRITON:
         Out-of-range rows/cols read as zeros (TMA zero padding / masks), so edge tiles are right.
         """
         pid = tl.program_id(0)
-        tiles_m = tl.cdiv(rows, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        k_tiles = tl.cdiv(K, BLOCK_K)
+        # (not tl.cdiv: only core builtins, so the interpreter runs this whatever order
+        # triton.language and TRITON_INTERPRET were set up in)
+        tiles_m = (rows + BLOCK_M - 1) // BLOCK_M
+        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -140,10 +149,14 @@ if _HAVE_TRITON:
             tm, tn = tile_coords_jit(local, tiles_m, tiles_n, GROUP_M)
             r0 = tm * BLOCK_M
             n0 = tn * BLOCK_N
+            if SIGNAL:
+                # Read the wave table before the K loop: its latency hides under the MMAs instead
+                # of stalling the epilogue.
+                g, slot = send_slot_jit(e, programs, stripes, wave_tbl)
             a_row0 = global_row_jit(stripe, r0, stripes, chunk)
             loc_rows = r0 + offs_m
             a_rows = global_row_jit(stripe, loc_rows, stripes, chunk).to(tl.int64)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for kk in range(k_tiles):
                 k0 = kk * BLOCK_K
                 if A_TMA:
@@ -168,15 +181,20 @@ if _HAVE_TRITON:
                 acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             valid = (loc_rows < rows)[:, None] & (cols < N)[None, :]
             if SIGNAL:
-                g, slot = send_slot_jit(e, programs, stripes, wave_tbl)
                 # Padding rows/cols must be zero (bias, or a neighbouring stripe's rows read by TMA).
                 out = tl.where(valid, acc, 0.0).to(c_ptr.dtype.element_ty)
                 dst = c_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
                 tl.store(dst + offs_m[:, None] * BLOCK_N + offs_n[None, :], out)
-                # Every thread's stores happen before the one release atomic of this CTA; the
-                # waiter's acquire then makes the whole tile visible to the collective.
-                tl.debug_barrier()
-                tl.atomic_add(counter_ptr + g, 1, sem="release", scope="sys")
+                # CTA barrier: every thread's stores happen before the one release atomic of this
+                # CTA; the waiter's acquire then makes the whole tile visible to the collective.
+                # On the GPU it is a plain bar.sync in inline asm: tl.debug_barrier() inside the
+                # flattened persistent loop stops Triton from multi-buffering the operand loads
+                # (seen compiling for sm_90: 49 KB of shared memory instead of 180 KB).
+                if HW_BARRIER:
+                    g = _cta_barrier(g)
+                else:
+                    tl.debug_barrier()
+                tl.atomic_add(counter_ptr + g, 1, sem="release", scope=SIGNAL_SCOPE)
             else:
                 out = acc.to(c_ptr.dtype.element_ty)
                 if C_TMA:
@@ -200,8 +218,10 @@ if _HAVE_TRITON:
     def _wait_kernel(counter_ptr, group, target, err_ptr, timeout_ns, max_polls, USE_TIMER: tl.constexpr):
         """Wait until ``counter[group] == target`` (bounded), then consume it (write 0 back).
 
-        On a timeout or an overshoot it records (claimed, group, seen, target, ready) in
-        ``err_ptr`` (first failure wins) and returns, so the stream never hangs.
+        On a timeout or an overshoot it records (failed, group, seen, target, ready) in
+        ``err_ptr`` and returns, so the stream never hangs. Only plain stores touch ``err_ptr``:
+        it is pinned host memory, where atomics are not guaranteed (no PCIe atomics in a VM).
+        Waiters run one after another on one stream, so records never interleave.
         """
         ptr = counter_ptr + group
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
@@ -219,12 +239,12 @@ if _HAVE_TRITON:
                 expired = (polls >= max_polls).to(tl.int32)
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         if seen != target:
-            first = tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys")
-            if first == 0:
-                tl.store(err_ptr + 1, group)
-                tl.store(err_ptr + 2, seen)
-                tl.store(err_ptr + 3, target)
-                tl.atomic_xchg(err_ptr + 4, 1, sem="release", scope="sys")
+            tl.store(err_ptr, 1)
+            tl.store(err_ptr + 1, group)
+            tl.store(err_ptr + 2, seen)
+            tl.store(err_ptr + 3, target)
+            tl.debug_barrier()
+            tl.store(err_ptr + 4, 1)
         tl.atomic_xchg(ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -405,60 +425,79 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-_compile_fallbacks: dict[tuple, GemmConfig] = {}
+_compile_fallbacks: dict[tuple, tuple[GemmConfig, bool]] = {}
 
 
 def _launch(ops: _Operands, bias: torch.Tensor | None, c: torch.Tensor, c_desc: Any, counters: torch.Tensor | None,
             wave_tbl: torch.Tensor | None, rows: int, n: int, k: int, num_exec: int, programs: int, stripes: int,
-            chunk: int, cfg: GemmConfig, signal: bool) -> GemmConfig:
+            chunk: int, cfg: GemmConfig, signal: bool, scope: str = "gpu") -> GemmConfig:
     """Launch _gemm_kernel; if this Triton cannot build the config (warp specialization or loop
-    flattening unsupported, shared memory exceeded), retry with the next simpler variant and
-    remember it. Returns the config that ran."""
-    key = (cfg, signal, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None,
+    flattening unsupported, shared memory exceeded, a TMA box it rejects), retry with the next
+    simpler variant (last: no TMA at all), warn once, and remember the variant that ran.
+    Returns the config that ran."""
+    if signal and cfg.warp_specialize:
+        # The epilogue's CTA barrier needs every warp of the CTA; specialised producer warps
+        # never reach it.
+        cfg = dataclasses.replace(cfg, warp_specialize=False)
+    uses_tma = ops.a_desc is not None or ops.b_desc is not None or c_desc is not None
+    key = (cfg, signal, scope, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None,
            ops.a.dtype, bias is not None)
-    cfg = _compile_fallbacks.get(key, cfg)
-    tries = [cfg]
-    if cfg.warp_specialize:
-        tries.append(dataclasses.replace(cfg, warp_specialize=False))
-    if cfg.flatten:
-        tries.append(dataclasses.replace(cfg, warp_specialize=False, flatten=False))
-    if cfg.num_stages > 2:
-        tries.append(dataclasses.replace(cfg, warp_specialize=False, flatten=False, num_stages=cfg.num_stages - 1))
+    if key in _compile_fallbacks:
+        tries = [_compile_fallbacks[key]]
+    else:
+        tries = [(cfg, True)]
+        if cfg.warp_specialize:
+            tries.append((dataclasses.replace(cfg, warp_specialize=False), True))
+        if cfg.flatten:
+            tries.append((dataclasses.replace(cfg, warp_specialize=False, flatten=False), True))
+        if cfg.num_stages > 2:
+            tries.append((dataclasses.replace(cfg, warp_specialize=False, flatten=False,
+                                              num_stages=cfg.num_stages - 1), True))
+        if uses_tma:
+            tries.append((dataclasses.replace(cfg, warp_specialize=False, flatten=False), False))
     dummy = counters if counters is not None else c
-    last_error: Exception | None = None
-    for attempt in tries:
+    errors: list[str] = []
+    for attempt, tma in tries:
+        a_desc, b_desc, kmajor, cd = (ops.a_desc, ops.b_desc, ops.b_kmajor, c_desc) if tma else (None, None, False, None)
         try:
             _gemm_kernel[(programs,)](
-                ops.a, ops.a_desc, ops.b, ops.b_desc, bias if bias is not None else c, c, c_desc,
+                ops.a, a_desc, ops.b, b_desc, bias if bias is not None else c, c, cd,
                 counters if counters is not None else dummy, wave_tbl if wave_tbl is not None else dummy,
                 rows, n, k,
                 ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1), c.stride(0) if not signal else 0,
                 num_exec, programs, stripes, chunk,
                 BLOCK_M=attempt.block_m, BLOCK_N=attempt.block_n, BLOCK_K=attempt.block_k, GROUP_M=attempt.group_m,
-                A_TMA=ops.a_desc is not None, B_TMA=ops.b_desc is not None, B_KMAJOR=ops.b_kmajor,
-                C_TMA=c_desc is not None, SIGNAL=signal, HAS_BIAS=bias is not None, FLATTEN=attempt.flatten,
+                A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_KMAJOR=kmajor,
+                C_TMA=cd is not None, SIGNAL=signal, HAS_BIAS=bias is not None, FLATTEN=attempt.flatten,
                 WARP_SPEC=attempt.warp_specialize, DOT_PRECISION=_dot_precision(ops.a.dtype),
-                num_warps=attempt.num_warps, num_stages=attempt.num_stages,
+                HW_BARRIER=c.is_cuda, SIGNAL_SCOPE=scope, num_warps=attempt.num_warps, num_stages=attempt.num_stages,
             )
         except Exception as e:  # compile failures surface as several exception types across versions
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise  # never retry inside a capture; the warm-up run should have compiled it
-            last_error = e
+            errors.append(f"{type(e).__name__}: {str(e)[:300]}")
             continue
-        if attempt != cfg:
-            _compile_fallbacks[key] = attempt
+        if key not in _compile_fallbacks:
+            _compile_fallbacks[key] = (attempt, tma)
+            if errors:
+                import warnings
+
+                warnings.warn(f"{TEMPLATE}: GEMM config {cfg} fell back to {attempt} (tma={tma and uses_tma}) "
+                              f"after: {errors}")
         return attempt
-    raise RuntimeError(f"{TEMPLATE}: no variant of GEMM config {cfg} compiled on this Triton "
-                       f"({triton.__version__}); last error: {last_error}") from last_error
+    raise RuntimeError(f"{TEMPLATE}: no variant of GEMM config {cfg} ran on Triton {triton.__version__}: {errors}")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None,
-         programs: int | None = None) -> torch.Tensor:
-    """``a @ b (+ bias)`` with the persistent TMA GEMM (fp32 accumulation, output in a's dtype)."""
+         programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` with the persistent TMA GEMM (fp32 accumulation, output in a's dtype).
+    ``out``: a contiguous [m, n] tensor to write into (tests poison it first)."""
     m, k = a.shape
     n = b.shape[1]
     cfg = config or choose_config(a.device, m, n, k, a.dtype)
-    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    c = out if out is not None else torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if tuple(c.shape) != (m, n) or c.stride(1) != 1:
+        raise ValueError(f"gemm: out must be a row-major [{m}, {n}] tensor, got {tuple(c.shape)} {c.stride()}")
     ops = _operands(a, b, cfg, a_rows_contiguous=True)
     c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if _tma_ok(c) else None
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
@@ -494,30 +533,59 @@ def _a_rows_contiguous(plan: GemmCollectivePlan, stripes: int, block_m: int) -> 
     return stripes == 1 or plan.outer == 1 or plan.chunk % block_m == 0
 
 
+@dataclasses.dataclass
+class _Layout:
+    """Per (device, plan): tile grid, schedule, the wave table on the device and the resolved
+    kernel config per dtype; built once so a call does no host->device copies or lookups."""
+
+    grid: TileGrid
+    sched: WaveSchedule
+    wave_tbl: torch.Tensor
+    configs: dict
+
+
+_layouts: dict[tuple[int, str], _Layout] = {}
+
+
+def _layout(device: torch.device, plan: GemmCollectivePlan) -> _Layout:
+    key = (device.index if device.type == "cuda" else -1, plan.to_json())
+    lay = _layouts.get(key)
+    if lay is None:
+        grid, sched = layout(plan)
+        lay = _layouts[key] = _Layout(grid, sched, torch.tensor(wave_table(sched), dtype=torch.int32, device=device),
+                                      {})
+    return lay
+
+
 def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: GemmCollectivePlan,
                      send: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                     wave_tbl: torch.Tensor | None = None, config: GemmConfig | None = None,
+                     config: GemmConfig | None = None, scope: str = "gpu",
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the GEMM and its signalling epilogue: every exec id's tile at its send slot of
     ``send`` ([num_exec, BM, BN]) and one count per tile on ``counters[group]``; no waits, no
-    collective. Returns (send, counters). Counters are not reset here."""
-    grid, sched = layout(plan)
+    collective. Returns (send, counters). Counters are not reset here.
+
+    ``scope``: memory scope of the per-tile release atomic. "gpu" when the waiter is a kernel on
+    this GPU (the spin waiter; NCCL then runs after it in stream order); "sys" when the
+    waiter is the stream front end (cuStreamWaitValue32), as measured in DESIGN.md."""
+    lay = _layout(a.device, plan)
+    grid, sched = lay.grid, lay.sched
     c = plan.config
     if config is None:
-        config = choose_config(a.device, grid.rows * sched.stripes, plan.n, plan.k, a.dtype,
-                               c["block_m"], c["block_n"], c["group_m"])
+        config = lay.configs.get(a.dtype)
+        if config is None:
+            config = lay.configs[a.dtype] = choose_config(a.device, grid.rows * sched.stripes, plan.n, plan.k,
+                                                          a.dtype, c["block_m"], c["block_n"], c["group_m"])
     cfg = dataclasses.replace(config, block_m=c["block_m"], block_n=c["block_n"], group_m=c["group_m"])
     if send is None:
         send = torch.empty(sched.num_exec, grid.block_m, grid.block_n, dtype=a.dtype, device=a.device)
     if counters is None:
         counters = torch.zeros(len(sched.wave_groups), dtype=torch.int32, device=a.device)
-    if wave_tbl is None:
-        wave_tbl = torch.tensor(wave_table(sched), dtype=torch.int32, device=a.device)
     stripes = sched.stripes
     chunk = plan.chunk if stripes > 1 else grid.rows
     ops = _operands(a, b, cfg, _a_rows_contiguous(plan, stripes, cfg.block_m))
-    _launch(ops, bias, send, None, counters, wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
-            sched.programs, stripes, chunk, cfg, signal=True)
+    _launch(ops, bias, send, None, counters, lay.wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
+            sched.programs, stripes, chunk, cfg, signal=True, scope=scope)
     return send, counters
 
 
@@ -527,7 +595,7 @@ def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 _errors: dict[int, torch.Tensor] = {}
-_states: dict[tuple[int, str], "_PlanState"] = {}
+_states: dict[tuple[int, str], torch.Tensor] = {}
 _state_lock = threading.Lock()
 
 
@@ -547,13 +615,19 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _error_buffer(device: torch.device) -> torch.Tensor:
-    """(claimed, group, counter seen, target, ready) written by _wait_kernel on failure.
+    """(failed, group, counter seen, target, ready) written by _wait_kernel on failure.
     Pinned host memory (mapped into the GPU's address space), so the host reads it without a
-    synchronisation; falls back to device memory where pinned memory cannot be passed."""
+    synchronisation; device memory where a launch refuses the pinned pointer."""
     with _state_lock:
         buf = _errors.get(device.index)
         if buf is None:
             buf = _errors[device.index] = torch.zeros(5, dtype=torch.int32).pin_memory()
+        return buf
+
+
+def _use_device_error_buffer(device: torch.device) -> torch.Tensor:
+    with _state_lock:
+        buf = _errors[device.index] = torch.zeros(5, dtype=torch.int32, device=device)
         return buf
 
 
@@ -563,15 +637,18 @@ def _raise_if_failed(device: torch.device, synchronize: bool) -> None:
         return
     if synchronize:
         torch.cuda.synchronize(device)
-    if int(buf[4]) == 0:
+    elif buf.is_cuda:
+        return  # reading device memory would synchronise; leave it to check_errors()
+    vals = buf.tolist()
+    if vals[4] == 0:
         return
-    group, seen, target = int(buf[1]), int(buf[2]), int(buf[3])
+    group, seen, target = vals[1], vals[2], vals[3]
     buf.zero_()
     what = "overshot" if seen > target else "timed out"
     raise SignalTimeoutError(
         f"{TEMPLATE}: the wait on wave group {group} {what}: its tile counter read {seen}, expected {target} "
-        f"(device cuda:{device.index}). The GEMM did not signal every tile of the group within the "
-        f"signal_timeout_ms bound; results of that call are invalid."
+        f"(device cuda:{device.index}). The GEMM did not signal exactly the group's tiles within the "
+        f"signal_timeout_ms bound; the results of that call are invalid."
     )
 
 
@@ -602,11 +679,20 @@ def wait_counter(counters: torch.Tensor, group: int, target: int, timeout_ms: in
     if mode == "stream":
         _stream_wait(counters, group, target)
         return
-    if err is None:
-        err = _error_buffer(counters.device)
     use_timer = counters.is_cuda
-    _wait_kernel[(1,)](counters, group, target, err, int(timeout_ms) * 1_000_000, max_polls,
-                       USE_TIMER=use_timer, num_warps=1)
+    args = (counters, group, target, None, int(timeout_ms) * 1_000_000, max_polls)
+    if err is not None:
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
+        return
+    err = _error_buffer(counters.device)
+    try:
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
+    except Exception as e:
+        if err.is_cuda or "ointer" not in str(e):
+            raise
+        # This Triton refused the pinned host pointer: keep the record in device memory.
+        err = _use_device_error_buffer(counters.device)
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
 
 
 _driver_mod: Any = None
@@ -635,31 +721,15 @@ def _stream_wait(counters: torch.Tensor, group: int, target: int) -> None:
         raise RuntimeError(f"{TEMPLATE}: cuStreamWriteValue32 failed: {err}")
 
 
-@dataclasses.dataclass
-class _PlanState:
-    """Per (device, plan): the group counters (zeroed once; the waiters leave them at zero) and
-    the wave table the epilogue reads."""
-
-    counters: torch.Tensor
-    wave_tbl: torch.Tensor
-    grid: TileGrid
-    sched: WaveSchedule
-
-
-def _plan_state(device: torch.device, plan: GemmCollectivePlan) -> _PlanState:
+def _counters(device: torch.device, plan: GemmCollectivePlan) -> torch.Tensor:
+    """Per (device, plan): one int32 counter per wave group, zeroed once; the waiters leave them
+    at zero after every call."""
     key = (device.index, plan.to_json())
     with _state_lock:
-        st = _states.get(key)
-    if st is None:
-        grid, sched = layout(plan)
-        st = _PlanState(
-            counters=torch.zeros(len(sched.wave_groups), dtype=torch.int32, device=device),
-            wave_tbl=torch.tensor(wave_table(sched), dtype=torch.int32, device=device),
-            grid=grid, sched=sched,
-        )
-        with _state_lock:
-            st = _states.setdefault(key, st)
-    return st
+        cnt = _states.get(key)
+        if cnt is None:
+            cnt = _states[key] = torch.zeros(len(plan.config["wave_groups"]), dtype=torch.int32, device=device)
+        return cnt
 
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "prod": "PRODUCT", "min": "MIN", "max": "MAX",
@@ -693,8 +763,9 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     capturing = torch.cuda.is_current_stream_capturing()
     if not capturing:
         _raise_if_failed(device, synchronize=False)  # report a failed wait of an earlier call
-    st = _plan_state(device, plan)
-    grid, sched = st.grid, st.sched
+    counters = _counters(device, plan)
+    lay = _layout(device, plan)
+    grid, sched = lay.grid, lay.sched
     pg = resolve_group(group_name)
     compute = torch.cuda.current_stream(device)
     comm = _comm_stream(device)
@@ -709,12 +780,12 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     # The comm stream may only start after everything the caller queued before this op (and,
     # inside a capture, this fork makes the comm stream part of the graph).
     comm.wait_stream(compute)
-    gemm_signal_into(a, b, bias, plan, send=send, counters=st.counters, wave_tbl=st.wave_tbl)
-    op = _reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
     mode = _wait_mode()
+    gemm_signal_into(a, b, bias, plan, send=send, counters=counters, scope="sys" if mode == "stream" else "gpu")
+    op = _reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
     with torch.cuda.stream(comm):
         for g, ((lo, hi), (llo, lhi)) in enumerate(zip(sched.exec_ranges(), sched.local_ranges())):
-            wait_counter(st.counters, g, hi - lo, plan.timeout_ms, mode)
+            wait_counter(counters, g, hi - lo, plan.timeout_ms, mode)
             part = send[lo:hi]
             if plan.kind == "gemm_allreduce":
                 dist.all_reduce(part, op=op, group=pg)
