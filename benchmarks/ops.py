@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,27 +45,36 @@ def sequential_fn(kind: str, group: str, world: int):
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
-    """Median of per-iteration CUDA-event times, ranks synchronised before each iteration;
-    the slowest rank's median is the result."""
+    """Median of per-iteration times (CUDA events; host clock on the CPU dry run), ranks
+    synchronised before each iteration; the slowest rank's median is the result."""
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         dist.barrier()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    med = torch.tensor([statistics.median(times)], device="cuda")
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
 
 
 def graphed(fn):
     """Capture fn (GEMM + NCCL) in a CUDA graph; returns the replay callable."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a GPU")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -96,15 +106,18 @@ def rewritten(kind: str, template: str, a: torch.Tensor, b: torch.Tensor, group:
 def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str]) -> list[dict]:
     rank = dist.get_rank()
     group = dist.group.WORLD.group_name
-    dev = torch.cuda.get_device_name()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dev = torch.cuda.get_device_name() if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
     date = datetime.date.today().isoformat()
     for kind in kinds:
         for shape in shapes[kind]:
             m, n, k = shape
             torch.manual_seed(rank)
-            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k**0.25
-            b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.25
+            a = torch.randn(m, k, device=device, dtype=dtype) / k**0.25
+            b = torch.randn(k, n, device=device, dtype=dtype) / k**0.25
             seq = sequential_fn(kind, group, world)
             ref = seq(a, b)
             gemm_ms = time_ms(lambda: a @ b)
@@ -112,9 +125,10 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
             comm_ms = time_ms(lambda: _comm_only(kind, y, group, world))
             base = {"benchmark": "ops", "device": dev, "world_size": world, "torch": torch.__version__, "date": date,
                     "kind": kind, "shape": shape}
+            modes = ("eager", "cuda_graph") if cuda else ("eager",)
             seq_eager = time_ms(lambda: seq(a, b))
-            seq_graph = time_ms(graphed(lambda: seq(a, b)))
-            for mode, ms in (("eager", seq_eager), ("cuda_graph", seq_graph)):
+            seq_graph = time_ms(graphed(lambda: seq(a, b))) if cuda else float("nan")
+            for mode, ms in (("eager", seq_eager), ("cuda_graph", seq_graph))[: len(modes)]:
                 rows.append({**base, "method": "sequential", "config": None, "mode": mode, "ms": ms,
                              "gemm_ms": gemm_ms, "comm_ms": comm_ms, "correct": True})
             for name in templates_to_run:
@@ -126,7 +140,7 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 groups = len(config.get("wave_groups", [])) or config.get("chunks") or config.get("slices") or world
                 bound = max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / max(groups, 1)
-                for mode in ("eager", "cuda_graph"):
+                for mode in modes:
                     try:
                         ms = time_ms(fn if mode == "eager" else graphed(fn))
                     except Exception as e:  # a template that cannot be captured is reported, not hidden
@@ -163,7 +177,7 @@ def worker(kinds, shapes, templates_to_run, out_dir):
     world = dist.get_world_size()
     rows = bench(kinds, shapes, world, templates_to_run)
     if dist.get_rank() == 0 and out_dir:
-        dev = torch.cuda.get_device_name().replace(" ", "_")
+        dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "_")
         path = os.path.join(out_dir, f"ops-{dev}-w{world}-{datetime.date.today().isoformat()}.json")
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -173,22 +187,23 @@ def worker(kinds, shapes, templates_to_run, out_dir):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--world", type=int, default=max(torch.cuda.device_count(), 2))
     ap.add_argument("--kinds", default="gemm_allreduce,gemm_reducescatter")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--limit", type=int, default=0, help="first N shapes of each kind (0 = all)")
     ap.add_argument("--templates", default=",".join(templates.names()))
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--scale", type=int, default=1, help="divide every shape dim by this (CPU dry runs)")
     args = ap.parse_args()
     with open(args.shapes) as f:
         shapes = json.load(f)
     kinds = args.kinds.split(",")
-    if args.limit:
-        shapes = {k: shapes[k][: args.limit] for k in kinds}
+    shapes = {k: [[d // args.scale for d in sh] for sh in shapes[k][: args.limit or None]] for k in kinds}
     from overlap_compile.testing.multiprocess import run_distributed
 
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     run_distributed(worker, world_size=args.world, args=(kinds, shapes, args.templates.split(","), args.out),
-                    backend="nccl", timeout_s=3000)
+                    backend=backend, timeout_s=3000)
 
 
 if __name__ == "__main__":
