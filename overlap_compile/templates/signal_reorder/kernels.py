@@ -4,8 +4,10 @@ collective on each group's contiguous slice (FlashOverlap, EuroSys '26).
 
 Layers (kernel -> launcher -> op)::
 
-    _gemm_kernel          persistent GEMM; epilogue = plain store into C, or (SIGNAL) store the
-                          tile at its send slot, CTA barrier, one release atomic on its group counter
+    _gemm_kernel          persistent GEMM (TMA loads, software pipelining, grouped tile order);
+                          epilogue = plain store into C, or (SIGNAL) store the tile at its send
+                          slot and, at a program's last tile of a wave group, CTA barrier + one
+                          release atomic adding that program's tile count to the group counter
     _wait_kernel          one-thread bounded spin on a group counter (the watchdog), consumes it
     gemm()                launcher: C = a @ b (+ bias), tile config per shape (cached, JSON)
     gemm_signal_into()    launcher: the GEMM + signalling epilogue into a send buffer, no waits
@@ -18,25 +20,35 @@ wave ``e // programs``; it is local tile ``e // stripes`` (grouped order, tiling
 stripe ``e % stripes``; its rows come from tiling.RowStripes.global_row; it is stored at
 ``WaveSchedule.send_slot(e)`` with the edge padding zeroed.
 
-Counters without a memset per call. Each (device, plan) owns an int32 counter per wave group,
-zeroed once at allocation. The GEMM adds one per finished tile. The waiter of group ``g`` waits
-until the counter reaches the group's tile count and then *consumes* it (writes 0 back) before
-the collective is issued. So every call leaves the counters at zero for the next one, with no
-host-side value that changes between calls: the whole op is capturable in a CUDA graph and a
-replay is exactly a fresh call. (We chose this over epochs: an epoch compared against would
-have to live on the device and be bumped by an extra kernel for graph replays to stay right,
-and the consume-and-reset costs nothing extra because the waiter is already there.) Calls
-that share a plan are serialised because each call joins the compute stream back onto the
-comm stream before returning.
+Signalling granularity. A group's collective can start only when its *last* tile lands, so a
+program counts its tiles of a group once, at its last tile of that group (after waiting for
+that tile's TMA store to complete, a CTA barrier and a release atomic). Counting every tile as
+it finishes would make every tile wait for its store to land. Measured on one H100 (CUDA
+graph, same tiles): the signalling kernel is +1.5% (geomean, all-reduce set) to +3.9% (all
+sets) over the plain kernel, within the run-to-run spread of about 5%.
 
-Bounded waits (never a silent hang). The default waiter is ``_wait_kernel``: one thread polls
-the counter with acquire loads and gives up after ``plan.timeout_ms`` (read off %globaltimer);
-on a timeout, or if the counter overshoots (a bug), it records group, counter value and target
-in a small pinned host buffer and lets the stream go on. The host raises
-``SignalTimeoutError`` (naming template, group and counter) at the next call of any
-signal_reorder op on that device, or from ``check_errors()`` after a synchronisation.
-``OVERLAP_COMPILE_SIGNAL_WAIT=stream`` selects ``cuStreamWaitValue32`` instead (no SM used for
-waiting, but a wait that can never time out: only for experiments).
+Counters without a memset per call. Each (device, plan) owns an int32 counter per wave group,
+zeroed once at allocation. The GEMM adds the group's tile count. The waiter of group ``g`` waits
+until the counter reaches it and then *consumes* it (writes 0 back) before the collective is
+issued. So every call leaves the counters at zero for the next one, with no host-side value
+that changes between calls: the whole op is capturable in a CUDA graph and a replay is exactly
+a fresh call. (We chose this over epochs: an epoch compared against would have to live on the
+device and be bumped by an extra kernel for graph replays to stay right, and the
+consume-and-reset costs nothing extra because the waiter is already there.) Calls that share a
+plan are serialised because each call joins the compute stream back onto the comm stream.
+
+Waiters (``OVERLAP_COMPILE_SIGNAL_WAIT``, see choose_wait_mode; default ``auto``):
+* ``spin``: ``_wait_kernel``, one thread polls the counter and gives up after
+  ``plan.timeout_ms`` (read off %globaltimer); on a timeout, or if the counter overshoots (a
+  bug), it records group, counter value and target in a small pinned host buffer and lets the
+  stream go on: never a silent hang. The host raises ``SignalTimeoutError`` (naming template,
+  group and counter) at the next call of a signal_reorder op on that device, or from
+  ``check_errors()`` after a synchronisation. It needs an SM slot of its own.
+* ``stream``: ``cuStreamWaitValue32`` (cuda-bindings), done by the stream's front end with no
+  SM, then ``cuStreamWriteValue32`` resets the counter. Cannot time out.
+* ``auto`` (default): spin, the bounded waiter (stream only when asked for: it cannot time out).
+The release is at GPU scope for the spin waiter (a kernel on the same GPU; NCCL runs
+after it in stream order) and at system scope for the stream waiter (what DESIGN.md measured).
 """
 from __future__ import annotations
 
@@ -96,7 +108,8 @@ if _HAVE_TRITON:
 
     @triton.jit
     def send_slot_jit(e, programs, stripes, wave_tbl):
-        """(wave group, send slot) of exec id ``e``: WaveSchedule.group_of / send_slot.
+        """(wave group, send slot, the group's exec range [lo, hi)) of exec id ``e``:
+        WaveSchedule.group_of / send_slot / exec_ranges()[group].
 
         ``wave_tbl[3w : 3w+3]`` = (group, first exec id of the group, tiles per stripe in the
         group) of wave ``w``; the group's first exec id is a multiple of ``stripes``."""
@@ -106,7 +119,16 @@ if _HAVE_TRITON:
         per = tl.load(wave_tbl + 3 * w + 2)
         local = e // stripes
         k = e - local * stripes
-        return g, lo + k * per + (local - lo // stripes)
+        return g, lo + k * per + (local - lo // stripes), lo, lo + per * stripes
+
+    @triton.jit
+    def _bulk_store_wait(dep):
+        # Wait until this thread's TMA (bulk async) stores have completed, not only read their
+        # shared memory: the writes must be in global memory before the tile counts as signalled.
+        # Completion of a bulk async copy implies a generic-async proxy fence, so the CTA barrier
+        # and release that follow publish them like ordinary stores.
+        return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\nmov.u32 $0, $1;", "=r,r", [dep],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _cta_barrier(dep):
@@ -152,7 +174,7 @@ if _HAVE_TRITON:
             if SIGNAL:
                 # Read the wave table before the K loop: its latency hides under the MMAs instead
                 # of stalling the epilogue.
-                g, slot = send_slot_jit(e, programs, stripes, wave_tbl)
+                g, slot, group_lo, group_hi = send_slot_jit(e, programs, stripes, wave_tbl)
             a_row0 = global_row_jit(stripe, r0, stripes, chunk)
             loc_rows = r0 + offs_m
             a_rows = global_row_jit(stripe, loc_rows, stripes, chunk).to(tl.int64)
@@ -183,18 +205,32 @@ if _HAVE_TRITON:
             if SIGNAL:
                 # Padding rows/cols must be zero (bias, or a neighbouring stripe's rows read by TMA).
                 out = tl.where(valid, acc, 0.0).to(c_ptr.dtype.element_ty)
-                dst = c_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                tl.store(dst + offs_m[:, None] * BLOCK_N + offs_n[None, :], out)
-                # CTA barrier: every thread's stores happen before the one release atomic of this
-                # CTA; the waiter's acquire then makes the whole tile visible to the collective.
-                # On the GPU it is a plain bar.sync in inline asm: tl.debug_barrier() inside the
-                # flattened persistent loop stops Triton from multi-buffering the operand loads
-                # (seen compiling for sm_90: 49 KB of shared memory instead of 180 KB).
-                if HW_BARRIER:
-                    g = _cta_barrier(g)
+                if C_TMA:
+                    # c_desc views the send buffer as [num_exec * BM, BN]: slot s = rows s*BM...
+                    c_desc.store([slot * BLOCK_M, 0], out)
                 else:
-                    tl.debug_barrier()
-                tl.atomic_add(counter_ptr + g, 1, sem="release", scope=SIGNAL_SCOPE)
+                    dst = c_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                    tl.store(dst + offs_m[:, None] * BLOCK_N + offs_n[None, :], out)
+                # Signal once per program and wave group, at this program's last tile of the
+                # group, counting all its tiles of the group (one per wave; group_lo is a wave
+                # start): a group completes only when its last tiles are counted, so counting
+                # earlier ones early buys nothing, while it would make every tile wait for its
+                # own store to land. No loop-carried counter: Triton 3.6's loop flattening
+                # rejects extra loop-carried values (its FuseNestedLoops pass fails).
+                if e + programs >= group_hi:
+                    mine = e // programs - group_lo // programs + 1
+                    # CTA barrier: every thread's stores happen before the one release atomic of
+                    # this CTA; the waiter's acquire then makes the tiles visible to the
+                    # collective. On the GPU a plain bar.sync in inline asm: tl.debug_barrier()
+                    # inside the flattened persistent loop stops Triton from multi-buffering
+                    # the operand loads (sm_90 build: 49 KB of shared memory instead of 180 KB).
+                    if HW_BARRIER:
+                        if C_TMA:
+                            g = _bulk_store_wait(g)
+                        g = _cta_barrier(g)
+                    else:
+                        tl.debug_barrier()
+                    tl.atomic_add(counter_ptr + g, mine, sem="release", scope=SIGNAL_SCOPE)
             else:
                 out = acc.to(c_ptr.dtype.element_ty)
                 if C_TMA:
@@ -210,8 +246,10 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _nap(dep):
-        # Back off between polls so the poller does not hammer the counter's L2 line.
-        return tl.inline_asm_elementwise("nanosleep.u32 100;\nmov.u32 $0, $1;", "=r,r", [dep],
+        # Back off between polls: the poller shares an SM with a GEMM CTA (and the counter's L2
+        # line with the GEMM's atomics); a group takes tens of microseconds, so 0.5 us of
+        # extra latency is nothing.
+        return tl.inline_asm_elementwise("nanosleep.u32 500;\nmov.u32 $0, $1;", "=r,r", [dep],
                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
@@ -224,7 +262,10 @@ if _HAVE_TRITON:
         Waiters run one after another on one stream, so records never interleave.
         """
         ptr = counter_ptr + group
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        # Poll with relaxed (volatile) loads and acquire once at the end: an acquire load per
+        # poll invalidates the SM's L1 each time, which slowed the GEMM CTA sharing the SM
+        # (measured on H100: the whole op 40-50% slower than with cuStreamWaitValue32).
+        seen = tl.load(ptr, volatile=True)
         expired = seen * 0
         polls = seen * 0
         if USE_TIMER:
@@ -237,7 +278,10 @@ if _HAVE_TRITON:
             else:
                 polls += 1
                 expired = (polls >= max_polls).to(tl.int32)
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            seen = tl.load(ptr, volatile=True)
+        # Synchronises with the GEMM's release atomics: the group's tiles are visible from here,
+        # and (stream order) to the collective launched after this kernel.
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         if seen != target:
             tl.store(err_ptr, 1)
             tl.store(err_ptr + 1, group)
@@ -584,7 +628,9 @@ def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     stripes = sched.stripes
     chunk = plan.chunk if stripes > 1 else grid.rows
     ops = _operands(a, b, cfg, _a_rows_contiguous(plan, stripes, cfg.block_m))
-    _launch(ops, bias, send, None, counters, lay.wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
+    flat = send.view(-1, grid.block_n)  # slot s = rows [s*BM, (s+1)*BM) of this view
+    send_desc = TensorDescriptor.from_tensor(flat, [grid.block_m, grid.block_n]) if _tma_ok(flat) else None
+    _launch(ops, bias, send, send_desc, counters, lay.wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
             sched.programs, stripes, chunk, cfg, signal=True, scope=scope)
     return send, counters
 
@@ -662,11 +708,43 @@ def check_errors(device: torch.device | int | None = None, synchronize: bool = T
     _raise_if_failed(device, synchronize)
 
 
-def _wait_mode() -> str:
-    mode = os.environ.get("OVERLAP_COMPILE_SIGNAL_WAIT", "spin")
-    if mode not in ("spin", "stream"):
-        raise ValueError(f"OVERLAP_COMPILE_SIGNAL_WAIT: got {mode!r}; allowed: 'spin', 'stream'")
-    return mode
+WAIT_MODES = ("auto", "spin", "stream")
+
+
+def choose_wait_mode(requested: str, programs: int, sms: int, have_stream_wait: bool) -> str:
+    """Which waiter a call uses (``OVERLAP_COMPILE_SIGNAL_WAIT``: auto | spin | stream).
+
+    ``auto``: always the bounded spin waiter: no wait on a GPU signal may hang forever, and
+    cuStreamWaitValue32 cannot time out, so it is used only when asked for explicitly
+    (``stream``, experiments). The spin waiter needs a free SM: the predictor plans
+    programs < SMs (NCCL needs SMs too). Measured on one H100 (1-rank NCCL group, CUDA graph):
+    with programs == SMs the spin waiter made the whole op 1.2-1.5x slower than mm +
+    all_reduce, cuStreamWaitValue32 0.94-1.04x. ``programs``/``sms``/``have_stream_wait`` are
+    kept in the signature for callers that log the choice."""
+    if requested not in WAIT_MODES:
+        raise ValueError(f"OVERLAP_COMPILE_SIGNAL_WAIT: got {requested!r}; allowed: {list(WAIT_MODES)}")
+    if requested == "stream" and not have_stream_wait:
+        raise RuntimeError(f"{TEMPLATE}: OVERLAP_COMPILE_SIGNAL_WAIT=stream needs cuda-bindings (cuda.bindings.driver)")
+    if requested != "auto":
+        return requested
+    return "spin"
+
+
+def _have_stream_wait() -> bool:
+    try:
+        _driver()
+        return True
+    except ImportError:
+        return False
+
+
+def _wait_mode(programs: int | None = None, device: torch.device | None = None) -> str:
+    requested = os.environ.get("OVERLAP_COMPILE_SIGNAL_WAIT", "auto")
+    if requested == "auto" and programs is not None and device is not None:
+        return choose_wait_mode(requested, programs, _num_sms(device), _have_stream_wait())
+    if requested == "auto":
+        return "spin"
+    return choose_wait_mode(requested, 0, 1, requested != "stream" or _have_stream_wait())
 
 
 def wait_counter(counters: torch.Tensor, group: int, target: int, timeout_ms: int, mode: str | None = None,
@@ -780,7 +858,7 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     # The comm stream may only start after everything the caller queued before this op (and,
     # inside a capture, this fork makes the comm stream part of the graph).
     comm.wait_stream(compute)
-    mode = _wait_mode()
+    mode = _wait_mode(plan.config["programs"], device)
     gemm_signal_into(a, b, bias, plan, send=send, counters=counters, scope="sys" if mode == "stream" else "gpu")
     op = _reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
     with torch.cuda.stream(comm):
