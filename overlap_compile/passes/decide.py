@@ -65,7 +65,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         return Decision(match, forced, config, f"force_template={forced!r}", cands)
 
     for name in options.templates:
-        problem = _why_not(name, match, options)
+        problem = _why_not(name, match, options) or _no_gpu_path(name, profile)
         if problem:
             cands.append(Candidate(name, None, None, problem))
             continue
@@ -86,6 +86,14 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         )
     return Decision(match, best.template, best.config,
                     f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
+
+
+def _no_gpu_path(name: str, profile: Any) -> str | None:
+    """Under a GPU profile, a template with no GPU implementation is no candidate."""
+    gpu = str(getattr(profile, "gpu", "") or "")
+    if profile is not None and not gpu.upper().startswith("CPU") and not templates.get_spec(name).gpu_implemented:
+        return f"template {name!r} has no GPU implementation yet (its reference runs, slowly)"
+    return None
 
 
 def _why_not(name: str, match: Match, options: Options) -> str | None:

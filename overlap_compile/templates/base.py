@@ -25,6 +25,9 @@ LIB = "overlap_compile"
 class TemplateSpec:
     name: str = ""
     kinds: tuple[str, ...] = ()
+    # False while the template runs on GPUs only through its step-by-step reference: the
+    # predictor then offers it no candidates under a GPU profile (force_template still can).
+    gpu_implemented: bool = True
 
     # -- what it can do -------------------------------------------------------------------
     def supports(self, match: Match) -> str | None:

@@ -31,6 +31,9 @@ SLICE_CHOICES = (1, 2, 4)
 class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
+    # Its GPU path is the reference (torch.distributed send/recv from Python): measured 0.06-0.12x
+    # of sequential on H200x4 (benchmarks/results/ops-NVIDIA_H200-w4-*). Not a candidate on GPUs.
+    gpu_implemented = False
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)

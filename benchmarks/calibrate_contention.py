@@ -1,0 +1,86 @@
+"""Fit the profile's contention factors to measured signal_reorder runs (breakdown JSON).
+
+    python benchmarks/calibrate_contention.py benchmarks/results/breakdown-*.json --profile h200
+
+Builds each measured site the way the compiler does (make_fx + find on a fake process group),
+predicts the measured configuration with candidate (gemm_slowdown_reserved, comm_slowdown)
+values, and prints the pair with the smallest mean |error| and the per-config errors.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def site(kind, m, n, k, world):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlap_compile.passes.find import find
+
+    c10d = torch.ops._c10d_functional
+    g = dist.group.WORLD.group_name
+
+    def fn(a, b):
+        y = a @ b
+        if kind == "gemm_allreduce":
+            return c10d.wait_tensor(c10d.all_reduce(y, "sum", g))
+        if kind == "gemm_alltoall":
+            rows = [m // world] * world
+            return c10d.wait_tensor(c10d.all_to_all_single(y, rows, rows, g))
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, g))
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16))
+    return find(gm.graph)[0]
+
+
+def main() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from overlap_compile import predictor, templates
+    from overlap_compile.predictor.profile import profile_from_dict
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--profile", default="h200")
+    args = ap.parse_args()
+    # breakdown rows ("op_P.._G.._mode") or ops-benchmark rows (method signal_reorder, CUDA graph)
+    rows = [r for p in args.results for r in json.load(open(p))
+            if (r["method"].startswith("op_") or (r["method"] == "signal_reorder" and r["mode"] == "cuda_graph"))
+            and r["ms"] == r["ms"]]
+    world = rows[0]["world_size"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    base = predictor.load_profile(args.profile)
+    spec = templates.get_spec("signal_reorder")
+    sites = {}
+    best = None
+    for gr, cs in itertools.product([1.0, 1.05, 1.1, 1.15, 1.2, 1.3], [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.6, 3.0]):
+        raw = copy.deepcopy(base.raw)
+        raw["contention"]["gemm_slowdown_reserved"], raw["contention"]["comm_slowdown"] = gr, cs
+        prof = profile_from_dict(raw, source="calibration")
+        errs = []
+        for r in rows:
+            key = (r["kind"], tuple(r["shape"]))
+            if key not in sites:
+                sites[key] = site(r["kind"], *r["shape"], world)
+            sched = predictor.schedule_for(spec, sites[key], r["config"], prof)
+            errs.append((sched.total_ms - r["ms"]) / r["ms"])
+        score = sum(abs(e) for e in errs) / len(errs)
+        if best is None or score < best[0]:
+            best = (score, gr, cs, errs)
+    score, gr, cs, errs = best
+    print(f"best gemm_slowdown_reserved={gr} comm_slowdown={cs}: mean |error| {score:.1%}")
+    for r, e in zip(rows, errs):
+        print(f"  {r['kind']:>20} {r['shape']} {r['method']:>22} measured {r['ms']:.3f} error {e:+.1%}")
+
+
+if __name__ == "__main__":
+    main()

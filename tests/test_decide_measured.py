@@ -1,0 +1,71 @@
+"""Decisions under the built-in H200 profile against what was measured on 4x H200
+(benchmarks/results/ops-NVIDIA_H200-w4-*.json): wherever every measured rewrite of a shape was
+slower than the sequential baseline, the decision must keep the baseline."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from overlap_compile import config, predictor
+from overlap_compile.passes.decide import decide
+from overlap_compile.passes.find import find
+
+RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "ops-NVIDIA_H200-w4-*.json")))
+c10d = torch.ops._c10d_functional
+
+
+def _site(kind, m, n, k, world):
+    g = dist.group.WORLD.group_name
+
+    def fn(a, b):
+        y = a @ b
+        if kind == "gemm_allreduce":
+            return c10d.wait_tensor(c10d.all_reduce(y, "sum", g))
+        if kind == "gemm_alltoall":
+            return c10d.wait_tensor(c10d.all_to_all_single(y, [m // world] * world, [m // world] * world, g))
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, g))
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16))
+    return find(gm.graph)[0]
+
+
+@pytest.fixture
+def fake4():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not RESULTS, reason="no H200x4 ops results committed")
+def test_baseline_kept_where_every_rewrite_measured_slower(fake4):
+    rows = json.load(open(RESULTS[-1]))
+    by_shape = {}
+    for r in rows:
+        if r["mode"] == "cuda_graph" and r["ms"] == r["ms"]:
+            by_shape.setdefault((r["kind"], tuple(r["shape"])), {})[r["method"]] = r["ms"]
+    checked = 0
+    profile = predictor.load_profile("h200")
+    for (kind, shape), ms in sorted(by_shape.items()):
+        rewrites = {k: v for k, v in ms.items() if k != "sequential"}
+        if not rewrites or min(rewrites.values()) < ms["sequential"]:
+            continue
+        (d,) = decide([_site(kind, *shape, 4)], config.current(), profile)
+        assert d.template == "baseline", f"{kind} {shape}: chose {d.template} ({d.reason}); measured {ms}"
+        checked += 1
+    assert checked >= 10
+
+
+def test_reference_only_templates_are_no_gpu_candidates(fake4):
+    (d,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), predictor.load_profile("h200"))
+    notes = {c.template: c.note for c in d.candidates}
+    assert "no GPU implementation" in notes["p2p_ring"]
+    with config.patch(force_template="p2p_ring"):  # an explicit request still gets it
+        (forced,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), predictor.load_profile("h200"))
+    assert forced.template == "p2p_ring"
