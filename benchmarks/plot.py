@@ -1,0 +1,105 @@
+"""One plotter for every results file of the common schema (DESIGN.md, "Benchmark results").
+
+    python benchmarks/plot.py benchmarks/results/ops-NVIDIA_H200-w4-*.json [--out DIR] [--markdown]
+
+Per (kind, mode): speedup over the method "sequential" (or "cublas", or "inductor") of the same
+shape, one bar per method, with the overlap bound's speedup drawn as a tick where rows carry
+``bound_ms``. ``--markdown`` also prints a table of the same numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections import defaultdict
+
+BASELINES = ("sequential", "cublas", "inductor")
+
+
+def speedups(rows: list[dict]) -> dict:
+    """(kind, mode) -> shape label -> method -> (speedup, bound speedup or None)."""
+    base = {}
+    for r in rows:
+        if r["method"] in BASELINES and r["ms"] == r["ms"]:
+            base[(r["kind"], json.dumps(r["shape"]), r["mode"])] = r["ms"]
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        key = (r["kind"], json.dumps(r["shape"]), r["mode"])
+        if r["method"] in BASELINES or key not in base or not (r["ms"] == r["ms"]):
+            continue
+        bound = base[key] / r["bound_ms"] if r.get("bound_ms") else None
+        label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
+        out[(r["kind"], r["mode"])][label][r["method"]] = (base[key] / r["ms"], bound)
+    return out
+
+
+def plot(rows: list[dict], out_dir: str, stem: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (kind, mode), shapes in sorted(speedups(rows).items()):
+        methods = sorted({m for d in shapes.values() for m in d})
+        labels = list(shapes)
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+        width = 0.8 / max(len(methods), 1)
+        for i, m in enumerate(methods):
+            xs = [j + i * width for j in range(len(labels))]
+            ys = [shapes[l].get(m, (math.nan, None))[0] for l in labels]
+            ax.bar(xs, ys, width, label=m)
+            for x, l in zip(xs, labels):
+                b = shapes[l].get(m, (None, None))[1]
+                if b:
+                    ax.plot([x - width / 2, x + width / 2], [b, b], color="k", lw=1)
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("speedup over sequential (black tick: bound)")
+        ax.set_title(f"{kind} ({mode}) — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}-{kind}-{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = []
+    for (kind, mode), shapes in sorted(speedups(rows).items()):
+        methods = sorted({m for d in shapes.values() for m in d})
+        lines += [f"\n**{kind}, {mode}** (speedup over sequential; bound in parentheses)\n",
+                  "| shape | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+        for label, d in shapes.items():
+            cells = []
+            for m in methods:
+                s, b = d.get(m, (None, None))
+                cells.append("-" if s is None else f"{s:.2f}x" + (f" ({b:.2f}x)" if b else ""))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        for m in methods:
+            vals = [d[m][0] for d in shapes.values() if m in d and d[m][0] > 0]
+            if vals:
+                lines.append(f"| geomean {m} | {math.exp(sum(map(math.log, vals)) / len(vals)):.2f}x | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    for path in args.files:
+        rows = json.load(open(path))
+        out_dir = args.out or os.path.dirname(path) or "."
+        for p in plot(rows, out_dir, os.path.splitext(os.path.basename(path))[0]):
+            print("wrote", p)
+        if args.markdown:
+            print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
