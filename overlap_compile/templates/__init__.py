@@ -13,6 +13,7 @@ from .base import TemplateSpec
 _REGISTRY: dict[str, str] = {
     "signal_reorder": "overlap_compile.templates.signal_reorder",
     "p2p_ring": "overlap_compile.templates.p2p_ring",
+    "priority_stream": "overlap_compile.templates.priority_stream",
 }
 
 

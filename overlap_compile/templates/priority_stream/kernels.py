@@ -1,0 +1,203 @@
+"""priority_stream on NVIDIA GPUs: cuBLAS chunks on the compute stream, NCCL collectives on a
+high-priority communication stream, ordered by events (resource-aware overlap).
+
+reference.py is the algorithm (chunk bounds, segments, the GEMM of a chunk); this module only
+decides where each piece runs:
+
+    compute stream   chunk c's GEMM (reference.compute_chunk: mm/addmm or bmm/baddbmm, i.e.
+                     cuBLAS) into its contiguous slice of the send buffer
+    comm stream      waits for chunk c (an event recorded on the compute stream right after the
+                     GEMM), then issues chunk c's collective (ProcessGroupNCCL with
+                     async_op=False enqueues the NCCL kernel on the *current* stream, i.e. this
+                     one, torch >= 2.7)
+    join             the compute stream waits for the comm stream before the op returns, so the
+                     caller sees a ready result in stream order, with no host synchronisation
+
+All-gather runs the other way round: the comm stream issues every chunk's gather back to back and
+records an event after each; the compute stream waits for event c, then computes chunk c's
+GEMMs. The gathered rows are copied into place on the comm stream, off the GEMM's critical path.
+
+Why a high-priority stream: the chunked GEMM fills every SM; a collective on a normal-priority
+stream gets its blocks scheduled only as GEMM blocks retire, i.e. it is starved and the overlap
+disappears (DESIGN.md). The stream's priority is ``oc.config``'s ``comm_priority`` ("highest":
+the greatest priority the device offers, the low end of torch.cuda.Stream.priority_range()).
+
+CUDA graphs: everything here is stream/event work (fork with wait_stream, events, join) and
+NCCL calls, which capture; there is no host synchronisation and no host-to-device copy.
+
+Importing this module touches no CUDA state: streams are created on first use.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from . import reference as ref
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+
+_streams: dict[tuple[int, int], Any] = {}
+_lock = threading.Lock()
+
+# functional-collective reduce op names (plan.reduce_op) -> torch.distributed.ReduceOp attribute
+_REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX",
+               "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+
+
+# ---- where to run ----------------------------------------------------------------------------
+
+def usable(group_name: str, device: torch.device) -> bool:
+    """True when this path can run: a CUDA tensor and an NCCL backend for it in the group.
+    (gloo on CUDA tensors blocks the host per call and cannot be captured: reference.py then.)"""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    from ...runtime.comm import resolve_group
+
+    try:
+        backend = resolve_group(group_name)._get_backend(device)
+    except (RuntimeError, AttributeError):
+        return False
+    return type(backend).__name__ == "ProcessGroupNCCL"
+
+
+def stream_priority(option: str | int) -> int:
+    """The CUDA stream priority for the ``comm_priority`` option: "highest" is the greatest
+    priority the device has (the numerically lowest end of the range); an integer is clamped
+    into the range."""
+    least, greatest = _priority_range()
+    if option == "highest":
+        return greatest
+    return max(greatest, min(int(option), least))
+
+
+def _priority_range() -> tuple[int, int]:
+    """(least, greatest) priority; lower numbers are higher priorities."""
+    lo, hi = torch.cuda.Stream.priority_range()
+    return max(lo, hi), min(lo, hi)
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """This device's communication stream at the configured priority. One per (device, priority)
+    for the whole process, so that all of this template's collectives are issued on one stream,
+    in program order (the order every rank issues them in)."""
+    from ... import config as oc_config
+
+    prio = stream_priority(oc_config.current().comm_priority)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, prio)
+    with _lock:
+        s = _streams.get(key)
+        if s is None:
+            s = _streams[key] = torch.cuda.Stream(device=index, priority=prio)
+        return s
+
+
+def reduce_op(name: str | None) -> Any:
+    import torch.distributed as dist
+
+    key = (name or "sum").lower()
+    if key not in _REDUCE_OPS:
+        raise ValueError(f"{ref.TEMPLATE}: reduce op {name!r} is not supported on NCCL; allowed: {sorted(_REDUCE_OPS)}")
+    return getattr(dist.ReduceOp, _REDUCE_OPS[key])
+
+
+# ---- GEMM -> collective ----------------------------------------------------------------------
+
+def _collective(plan: GemmCollectivePlan, lay: ref.Layout, c: int, send_c: torch.Tensor, result: torch.Tensor,
+                pg: Any, op: Any) -> None:
+    """Chunk c's collective, issued on the current (comm) stream."""
+    import torch.distributed as dist
+
+    lo, hi = lay.chunks[c]
+    if plan.kind == "gemm_allreduce":
+        dist.all_reduce(send_c, op=op, group=pg)  # in place: send is the result
+    elif plan.kind == "gemm_reducescatter":
+        dist.reduce_scatter_tensor(result[lo:hi], send_c, op=op, group=pg)
+    elif len(lay.chunks) == 1:
+        dist.all_to_all_single(result, send_c, group=pg)  # one chunk: source-major is the result
+    else:
+        # Source j's rows land at result rows j*R + [lo, hi): strided, so receive into a scratch
+        # buffer (allocated on this stream, so the allocator reuses it only after this stream's
+        # work) and place it, still under the next chunk's GEMM.
+        recv_c = torch.empty_like(send_c)
+        dist.all_to_all_single(recv_c, send_c, group=pg)
+        ref.place_received(result, recv_c, lay, c)
+
+
+def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
+        plan: GemmCollectivePlan) -> torch.Tensor:
+    """Chunked GEMM on the compute stream, chunk c's collective on the comm stream as soon as
+    chunk c is done. Returns reference.run's result (``[result_rows, n]``)."""
+    from ...runtime.comm import resolve_group
+
+    lay = ref.gemm_layout(plan)
+    pg = resolve_group(group_name)
+    op = reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
+    compute = torch.cuda.current_stream(a.device)
+    side = comm_stream(a.device)
+    send = a.new_empty(plan.m, plan.n)  # chunk-major: chunk c is send[W*lo : W*hi]
+    result = send if plan.kind == "gemm_allreduce" else a.new_empty(plan.result_rows, plan.n)
+    for c in range(len(lay.chunks)):
+        send_c = send[slice(*lay.buffer_rows(c))]
+        ref.compute_chunk(a, b, bias, lay, c, send_c)
+        # Event on the compute stream after chunk c; the comm stream waits for it (this also
+        # orders the first collective after everything the caller queued before the op, and
+        # inside a CUDA graph capture it forks the comm stream into the graph).
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            _collective(plan, lay, c, send_c, result, pg, op)
+    compute.wait_stream(side)  # join: the result is ready in the caller's stream order
+    _used_on(side, send, result)
+    return result
+
+
+# ---- all-gather -> GEMM ----------------------------------------------------------------------
+
+def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
+                  group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
+    """Every chunk's all-gather on the comm stream (an event after each), chunk c's GEMMs on the
+    compute stream once event c has fired. Returns ``[gathered, y_0, y_1, ...]``."""
+    import torch.distributed as dist
+
+    from ...runtime.comm import resolve_group
+
+    lay = ref.allgather_layout(plan)
+    pg = resolve_group(group_name)
+    compute = torch.cuda.current_stream(shard.device)
+    side = comm_stream(shard.device)
+    shard = shard.contiguous()  # NCCL reads contiguous rows
+    gathered = shard.new_empty(plan.m, plan.k)
+    ys = [shard.new_empty(plan.m, n) for n in plan.ns]
+    # One chunk with outer == 1: the gather's source-major rows are the gathered matrix itself.
+    direct = len(lay.chunks) == 1 and lay.stripes.outer == 1
+    gath = gathered if direct else shard.new_empty(plan.m, plan.k)  # chunk-major scratch
+
+    side.wait_stream(compute)  # the shard (and the buffers) exist before the first gather
+    landed = []
+    with torch.cuda.stream(side):
+        for c, (lo, hi) in enumerate(lay.chunks):
+            gath_c = gath[slice(*lay.buffer_rows(c))]
+            dist.all_gather_into_tensor(gath_c, shard[lo:hi], group=pg)
+            ev = torch.cuda.Event()
+            ev.record(side)
+            landed.append((ev, gath_c))
+            if not direct:
+                ref.place_gathered(gathered, gath_c, lay, c)  # after the event: not on the GEMM's path
+    for c, (ev, gath_c) in enumerate(landed):
+        compute.wait_event(ev)
+        ref.gemm_gathered(gath_c, bs, biases, ys, lay, c)
+    compute.wait_stream(side)  # join: the placed gathered rows too
+    _used_on(side, shard, gath, gathered)
+    return [gathered] + ys
+
+
+def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
+    """Tell the caching allocator these compute-stream buffers were used on ``stream``, so a block
+    is not handed out again before that stream's work on it is done. (The join already orders
+    later compute-stream work after it; this keeps that true for any other stream as well.)"""
+    seen = set()
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            t.record_stream(stream)

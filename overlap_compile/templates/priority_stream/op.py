@@ -1,0 +1,35 @@
+"""torch.ops.overlap_compile.priority_stream_gemm_collective(a, b, bias, group_name, plan) -> [result_rows, n]
+and torch.ops.overlap_compile.priority_stream_allgather_gemm(shard, bs, biases, group_name, plan)
+-> [gathered, y_0, y_1, ...].
+
+Dispatch: CUDA tensors on an NCCL group run kernels.py (chunks on the compute stream, collectives
+on a high-priority stream, ordered by events); everything else runs reference.py, the same chunk
+schedule with asynchronous functional collectives.
+"""
+from __future__ import annotations
+
+from ..base import define_allgather_gemm_op, define_gemm_collective_op
+from . import reference
+
+
+def _cuda(a, b, bias, group_name, plan):
+    from . import kernels
+
+    if kernels.usable(group_name, a.device):
+        return kernels.run(a, b, bias, group_name, plan)
+    return reference.run(a, b, bias, group_name, plan)
+
+
+def _cuda_allgather(shard, bs, biases, group_name, plan):
+    from . import kernels
+
+    if kernels.usable(group_name, shard.device):
+        return kernels.run_allgather(shard, bs, biases, group_name, plan)
+    return reference.run_allgather(shard, bs, biases, group_name, plan)
+
+
+priority_stream_gemm_collective = define_gemm_collective_op(
+    "priority_stream", reference.out_shape, reference.run, cuda=_cuda
+)
+priority_stream_allgather_gemm = define_allgather_gemm_op("priority_stream", reference.run_allgather,
+                                                          cuda=_cuda_allgather)
