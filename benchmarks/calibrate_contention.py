@@ -53,31 +53,33 @@ def main() -> None:
     ap.add_argument("--profile", default="h200")
     args = ap.parse_args()
     # breakdown rows ("op_P.._G.._mode") or ops-benchmark rows (method signal_reorder, CUDA graph)
+    fitted = ("signal_reorder", "priority_stream")
     rows = [r for p in args.results for r in json.load(open(p))
-            if (r["method"].startswith("op_") or (r["method"] == "signal_reorder" and r["mode"] == "cuda_graph"))
+            if (r["method"].startswith("op_") or (r["method"] in fitted and r["mode"] == "cuda_graph"))
             and r["ms"] == r["ms"]]
     world = rows[0]["world_size"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     base = predictor.load_profile(args.profile)
-    spec = templates.get_spec("signal_reorder")
     sites = {}
     best = None
-    for gr, cs in itertools.product([1.0, 1.05, 1.1, 1.15, 1.2, 1.3], [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.6, 3.0]):
+    grid = itertools.product([1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4])
+    for gs, gr, cs in grid:
         raw = copy.deepcopy(base.raw)
-        raw["contention"]["gemm_slowdown_reserved"], raw["contention"]["comm_slowdown"] = gr, cs
+        raw["contention"].update(gemm_slowdown=gs, gemm_slowdown_reserved=gr, comm_slowdown=cs)
         prof = profile_from_dict(raw, source="calibration")
         errs = []
         for r in rows:
             key = (r["kind"], tuple(r["shape"]))
             if key not in sites:
                 sites[key] = site(r["kind"], *r["shape"], world)
+            spec = templates.get_spec("signal_reorder" if r["method"].startswith("op_") else r["method"])
             sched = predictor.schedule_for(spec, sites[key], r["config"], prof)
             errs.append((sched.total_ms - r["ms"]) / r["ms"])
         score = sum(abs(e) for e in errs) / len(errs)
         if best is None or score < best[0]:
-            best = (score, gr, cs, errs)
-    score, gr, cs, errs = best
-    print(f"best gemm_slowdown_reserved={gr} comm_slowdown={cs}: mean |error| {score:.1%}")
+            best = (score, gs, gr, cs, errs)
+    score, gs, gr, cs, errs = best
+    print(f"best gemm_slowdown={gs} gemm_slowdown_reserved={gr} comm_slowdown={cs}: mean |error| {score:.1%}")
     for r, e in zip(rows, errs):
         print(f"  {r['kind']:>20} {r['shape']} {r['method']:>22} measured {r['ms']:.3f} error {e:+.1%}")
 

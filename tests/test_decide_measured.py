@@ -45,21 +45,27 @@ def fake4():
 
 @pytest.mark.skipif(not RESULTS, reason="no H200x4 ops results committed")
 def test_baseline_kept_where_every_rewrite_measured_slower(fake4):
-    rows = json.load(open(RESULTS[-1]))
+    rows = [r for path in RESULTS for r in json.load(open(path))]
     by_shape = {}
     for r in rows:
         if r["mode"] == "cuda_graph" and r["ms"] == r["ms"]:
-            by_shape.setdefault((r["kind"], tuple(r["shape"])), {})[r["method"]] = r["ms"]
-    checked = 0
+            # the same method measured in several runs: keep its best (the decision must lose to none)
+            d = by_shape.setdefault((r["kind"], tuple(r["shape"])), {})
+            d[r["method"]] = min(r["ms"], d.get(r["method"], r["ms"]))
+    checked = rewritten = 0
     profile = predictor.load_profile("h200")
     for (kind, shape), ms in sorted(by_shape.items()):
-        rewrites = {k: v for k, v in ms.items() if k != "sequential"}
-        if not rewrites or min(rewrites.values()) < ms["sequential"]:
-            continue
         (d,) = decide([_site(kind, *shape, 4)], config.current(), profile)
-        assert d.template == "baseline", f"{kind} {shape}: chose {d.template} ({d.reason}); measured {ms}"
-        checked += 1
-    assert checked >= 10
+        rewrites = {k: v for k, v in ms.items() if k != "sequential"}
+        if rewrites and min(rewrites.values()) >= ms["sequential"]:
+            assert d.template == "baseline", f"{kind} {shape}: chose {d.template} ({d.reason}); measured {ms}"
+            checked += 1
+        elif d.template != "baseline":
+            # a rewrite the predictor chooses must not measure slower than 0.98x of sequential
+            assert d.template in ms, f"{kind} {shape}: chose {d.template}, which was never measured here"
+            assert ms["sequential"] / ms[d.template] >= 0.98, f"{kind} {shape}: chose {d.template}; measured {ms}"
+            rewritten += 1
+    assert checked >= 5 and rewritten >= 1, (checked, rewritten)
 
 
 def test_reference_only_templates_are_no_gpu_candidates(fake4):

@@ -417,18 +417,18 @@ def test_interpolation_never_crashes_and_is_sane():
 
 def test_decide_respects_min_speedup(group):
     _, match = site_match(group)  # 8192x8192x4096 AR: signal_reorder predicted well ahead on H200
-    with config.patch(profile=SEEDED["h200"], min_speedup=1.0):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",), min_speedup=1.0):
         (d,) = decide([match], config.current(), h200())
     assert d.template == "signal_reorder" and d.config is not None
     base = d.candidates[0]
     assert base.template == "baseline" and base.predicted_ms > 0
     gain = base.predicted_ms / min(c.predicted_ms for c in d.candidates[1:] if c.predicted_ms is not None)
-    with config.patch(profile=SEEDED["h200"], min_speedup=gain + 0.01):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",), min_speedup=gain + 0.01):
         (d2,) = decide([match], config.current(), h200())
     assert d2.template == "baseline" and "min_speedup" in d2.reason
     # a small GEMM: communication latency dominates, nothing pays: baseline
     _, small = site_match(group, m=256, n=256, k=256)
-    with config.patch(profile=SEEDED["h200"], min_speedup=1.0):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",), min_speedup=1.0):
         (d3,) = decide([small], config.current(), h200())
     assert d3.template == "baseline"
 
@@ -454,7 +454,7 @@ def test_decide_respects_templates_and_force_template(group):
 
 def test_explain_path_shows_every_candidate(group):
     gm, match = site_match(group)
-    with config.patch(profile=SEEDED["h200"], min_speedup=1.0):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",), min_speedup=1.0):
         ranked = predictor.rank_configs(templates.get_spec("signal_reorder"), match, h200())
         record = run_on_graph(gm.graph, config.current())
     (site,) = record.sites
@@ -541,9 +541,9 @@ def test_draw_timeline(group, tmp_path):
     from overlap_compile.predictor.timeline import draw_timeline, schedules_for_report
 
     gm, _ = site_match(group)
-    with config.patch(profile=SEEDED["h200"], min_speedup=1.0):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",), min_speedup=1.0):
         (site,) = run_on_graph(gm.graph, config.current()).sites
-    panels = schedules_for_report(site, "h200")
+    panels = schedules_for_report(site, SEEDED["h200"])
     assert [t for t, _ in panels] == ["baseline", "signal_reorder (chosen)"]
     sched = panels[1][1]
     assert {e.lane for e in sched.events} == {"compute", "comm"}
@@ -555,7 +555,7 @@ def test_draw_timeline(group, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # a site that kept the baseline: the best rejected signal_reorder schedule is drawn beside it
     gm2, _ = site_match(group, m=256, n=256, k=256)
-    with config.patch(profile=SEEDED["h200"]):
+    with config.patch(profile=SEEDED["h200"], templates=("signal_reorder",)):
         (kept,) = run_on_graph(gm2.graph, config.current()).sites
     assert kept.template == "baseline"
     assert [t for t, _ in schedules_for_report(kept, "h200")] == ["baseline (chosen)", "signal_reorder, best rejected"]
