@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from .. import templates
 
-    settings = args.settings.split(",") if args.settings else ["auto", *templates.names()]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # On GPUs each setting is a full compile of a large block: the predictor's choice by default.
+    default = ["auto"] if gpus >= 2 else ["auto", *templates.names()]
+    settings = args.settings.split(",") if args.settings else default
     if gpus >= 2:
         from .gpu import run_gpu_demo
 
