@@ -86,6 +86,19 @@ def allgather_gemm_dim1(g, w, batch=2, seq_local=3, k=12, n=20):
     return fn, [(batch, seq_local, k), (k, n)]
 
 
+def allgather_gemm_batch1(g, w, seq_local=4, k=12, n=20):
+    """What DTensor's Shard(1) all-gather becomes with batch 1: AG on dim 0 -> reshape [1, S, K]
+    -> reshape [S, K] -> mm (no split/cat; the views keep K, so the row order is the gather's)."""
+
+    def fn(x, b):
+        full = wait(c10d.all_gather_into_tensor.default(x, w, g))
+        seq = aten.reshape.default(full, [1, w * seq_local, k])
+        y = aten.mm.default(aten.reshape.default(seq, [w * seq_local, k]), b)
+        return y
+
+    return fn, [(1, seq_local, k), (k, n)]
+
+
 def gemm_alltoall(g, w, m=None, n=20, k=12, equal=True):
     m = m or 4 * w
 
@@ -120,4 +133,5 @@ GEMM_COLLECTIVE_CASES = {
     "gemm_alltoall": gemm_alltoall,
     "allgather_gemm": allgather_gemm_dim0,
     "allgather_gemm_dim1": allgather_gemm_dim1,
+    "allgather_gemm_batch1": allgather_gemm_batch1,
 }

@@ -71,6 +71,12 @@ def test_allgather_gemm_dim1_dtensor_form(fake_group):
     assert (m.stripes.outer, m.stripes.chunk) == (2, 3)
 
 
+def test_allgather_gemm_batch1_view_chain(fake_group):
+    _, (m,) = build(gc.allgather_gemm_batch1, fake_group)
+    assert m.unsupported is None and m.gather_dim == 0 and (m.m, m.k) == (16, 12)
+    assert len(m.chain_nodes) == 2  # both reshapes belong to the site
+
+
 def test_alltoall_equal_and_unequal(fake_group):
     _, (m,) = build(gc.gemm_alltoall, fake_group)
     assert m.kind == "gemm_alltoall" and m.unsupported is None

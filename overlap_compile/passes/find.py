@@ -254,15 +254,12 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
     gathered, gather_dim, chain = _redo_gather_cat(wait, world)
     gshape = static_shape(gathered)
 
-    # The [M, K] matrix: the gathered tensor itself when 2-D, else its (single) flattening view.
-    matrix = gathered
-    flat_views = [u for u in gathered.users if is_call(u, VIEW_OPS)]
-    if gshape is not None and len(gshape) > 2:
-        want = [_prod(gshape[:-1]), gshape[-1]]
-        flat = [u for u in flat_views if static_shape(u) is not None and list(static_shape(u)) == want]
-        if not flat:
-            return None
-        matrix = flat[0]
+    # The [M, K] matrix: the gathered tensor itself when 2-D, else reached through view/reshape
+    # nodes that keep the last dim (K): such views keep the row-major row order, e.g. with batch 1
+    # [W*S/W... , K] -> [1, S, K] -> [S, K].
+    matrix, flat_chain = _flatten_rows(gathered)
+    if matrix is None:
+        return None
     consumers = []
     for u in matrix.users:
         if is_call(u, MM_OPS) and mm_operands(u)[0] is matrix and mm_operands(u)[3] is None:
@@ -305,7 +302,7 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
         ag_node=ag,
         wait_node=wait,
         shard_node=ag.args[0],
-        chain_nodes=chain + ([matrix] if matrix is not gathered else []),
+        chain_nodes=chain + flat_chain,
         full_node=gathered,
         gathered_node=matrix,
         gathered_shape=gshape or (),
@@ -315,6 +312,22 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
         k=k_,
         stripes=stripes,
     )
+
+
+def _flatten_rows(gathered: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """Follow single views that keep the last dim from ``gathered`` down to a 2-D node."""
+    shape = static_shape(gathered)
+    if shape is None:
+        return None, []
+    node, chain = gathered, []
+    while len(shape) > 2:
+        views = [u for u in node.users if is_call(u, VIEW_OPS) and static_shape(u) and static_shape(u)[-1] == shape[-1]]
+        if len(views) != 1 or (chain and len(node.users) != 1):
+            return None, []  # an intermediate view read elsewhere: not a plain flattening
+        node = views[0]
+        chain.append(node)
+        shape = static_shape(node)
+    return node, chain
 
 
 def _prod(xs) -> int:

@@ -70,10 +70,10 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
         c.mm_node.replace_all_uses_with(y)
     erase_if_dead(graph, [c.mm_node for c in m.consumers])
     m.gathered_node.replace_all_uses_with(gathered)
-    if m.full_node is not m.gathered_node and len(m.full_node.users) > 1:
-        # The un-flattened gathered tensor (e.g. [B, S, H]) has readers besides the flattening view.
+    others = [u for u in m.full_node.users if u not in m.chain_nodes]
+    if m.full_node is not m.gathered_node and others:
+        # The un-flattened gathered tensor (e.g. [B, S, H]) has readers besides the flattening views.
         unflat = GraphEmitter(graph, before=gathered.next)(aten.view.default, gathered, list(m.gathered_shape))
-        for user in list(m.full_node.users):
-            if user is not m.gathered_node:
-                user.replace_input_with(m.full_node, unflat)
+        for user in others:
+            user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
