@@ -44,18 +44,24 @@ def fake4():
 
 
 @pytest.mark.skipif(not RESULTS, reason="no H200x4 ops results committed")
-def test_baseline_kept_where_every_rewrite_measured_slower(fake4):
+@pytest.mark.parametrize("mode", ["eager", "cuda_graph"])
+def test_baseline_kept_where_every_rewrite_measured_slower(fake4, mode):
+    """Decisions for host-launched graphs against host-launched measurements, and for graphs
+    Inductor captures (mode="reduce-overhead") against CUDA-graph measurements."""
+    from torch._inductor import config as inductor_config
     rows = [r for path in RESULTS for r in json.load(open(path))]
     by_shape = {}
     for r in rows:
-        if r["mode"] == "cuda_graph" and r["ms"] == r["ms"]:
+        if r["mode"] == mode and r["ms"] == r["ms"]:
             # the same method measured in several runs: keep its best (the decision must lose to none)
             d = by_shape.setdefault((r["kind"], tuple(r["shape"])), {})
             d[r["method"]] = min(r["ms"], d.get(r["method"], r["ms"]))
     checked = rewritten = 0
     profile = predictor.load_profile("h200")
+    predictor.clear_cache()
     for (kind, shape), ms in sorted(by_shape.items()):
-        (d,) = decide([_site(kind, *shape, 4)], config.current(), profile)
+        with inductor_config.patch({"triton.cudagraphs": mode == "cuda_graph"}):
+            (d,) = decide([_site(kind, *shape, 4)], config.current(), profile)
         rewrites = {k: v for k, v in ms.items() if k != "sequential"}
         if rewrites and min(rewrites.values()) >= ms["sequential"]:
             assert d.template == "baseline", f"{kind} {shape}: chose {d.template} ({d.reason}); measured {ms}"
@@ -65,7 +71,9 @@ def test_baseline_kept_where_every_rewrite_measured_slower(fake4):
             assert d.template in ms, f"{kind} {shape}: chose {d.template}, which was never measured here"
             assert ms["sequential"] / ms[d.template] >= 0.98, f"{kind} {shape}: chose {d.template}; measured {ms}"
             rewritten += 1
-    assert checked >= 5 and rewritten >= 1, (checked, rewritten)
+    assert checked >= 5, (checked, rewritten)
+    if mode == "cuda_graph":
+        assert rewritten >= 1, "no measured win is taken under CUDA graphs"
 
 
 def test_reference_only_templates_are_no_gpu_candidates(fake4):

@@ -227,7 +227,12 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
         if sched is None:
             untimed.append(Candidate(spec.name, cfg, None, "no latency model for this template/kind"))
             continue
-        timed.append((sched.total_ms, i, Candidate(spec.name, cfg, sched.total_ms, sched.note)))
+        # A rewritten site runs one Python custom op where the baseline ran plain kernels: when
+        # kernels are host-launched its dispatch, plan handling and stream/event work add a fixed
+        # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
+        overhead = float(profile.raw.get("op_overhead_ms", {}).get(ctx.mode, 0.0))
+        note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
+        timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note)))
     timed.sort(key=lambda t: (round(t[0], 9), t[1]))  # float noise never beats the template's order
     ranked = [c for _, _, c in timed]
     if opts.search == "exhaustive" and ranked:
