@@ -15,31 +15,15 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def site(kind, m, n, k, world):
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from overlap_compile.testing.patterns import traced_site
 
-    from overlap_compile.passes.find import find
-
-    c10d = torch.ops._c10d_functional
-    g = dist.group.WORLD.group_name
-
-    def fn(a, b):
-        y = a @ b
-        if kind == "gemm_allreduce":
-            return c10d.wait_tensor(c10d.all_reduce(y, "sum", g))
-        if kind == "gemm_alltoall":
-            rows = [m // world] * world
-            return c10d.wait_tensor(c10d.all_to_all_single(y, rows, rows, g))
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, g))
-
-    gm = make_fx(fn, tracing_mode="fake")(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16))
-    return find(gm.graph)[0]
+    return traced_site(kind, m, n, k, world)
 
 
 def main() -> None:

@@ -26,22 +26,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from overlap_compile import templates  # noqa: E402
+from overlap_compile.testing.patterns import collective, gemm_then_collective as sequential_fn  # noqa: E402
 
-c10d = torch.ops._c10d_functional
 DEFAULT_SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.json")  # copy of shared/shapes.json
-
-
-def sequential_fn(kind: str, group: str, world: int):
-    def fn(a, b):
-        y = a @ b
-        if kind == "gemm_allreduce":
-            return c10d.wait_tensor(c10d.all_reduce(y, "sum", group))
-        if kind == "gemm_reducescatter":
-            return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, group))
-        rows = [y.shape[0] // world] * world
-        return c10d.wait_tensor(c10d.all_to_all_single(y, rows, rows, group))
-
-    return fn
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
@@ -122,7 +109,7 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
             ref = seq(a, b)
             gemm_ms = time_ms(lambda: a @ b)
             y = a @ b
-            comm_ms = time_ms(lambda: _comm_only(kind, y, group, world))
+            comm_ms = time_ms(lambda: collective(kind, y, group, world))
             base = {"benchmark": "ops", "device": dev, "world_size": world, "torch": torch.__version__, "date": date,
                     "kind": kind, "shape": shape}
             modes = ("eager", "cuda_graph") if cuda else ("eager",)
@@ -154,15 +141,6 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
             if rank == 0:
                 print(_table_rows([r for r in rows if r["kind"] == kind and r["shape"] == shape]), flush=True)
     return rows
-
-
-def _comm_only(kind, y, group, world):
-    if kind == "gemm_allreduce":
-        return c10d.wait_tensor(c10d.all_reduce(y, "sum", group))
-    if kind == "gemm_reducescatter":
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, group))
-    rows = [y.shape[0] // world] * world
-    return c10d.wait_tensor(c10d.all_to_all_single(y, rows, rows, group))
 
 
 def _table_rows(rows: list[dict]) -> str:

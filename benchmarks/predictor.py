@@ -39,7 +39,6 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-c10d = torch.ops._c10d_functional
 SHAPE_FILES = [os.path.join(HERE, "..", "..", "shared", "shapes.json"), os.path.join(HERE, "shapes.json")]
 KINDS = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall", "allgather_gemm")
 
@@ -52,24 +51,7 @@ def load_shapes(path: str | None) -> dict:
     raise SystemExit(f"no shapes.json found (tried {path or SHAPE_FILES}); pass --shapes")
 
 
-def sequential_fn(kind: str, group: str, world: int):
-    """The pattern as a model writes it (what the compiler sees)."""
-    if kind == "allgather_gemm":
-        def ag(x, b):
-            full = c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group))
-            return full @ b
-        return ag
-
-    def fn(a, b):
-        y = a @ b
-        if kind == "gemm_allreduce":
-            return c10d.wait_tensor(c10d.all_reduce(y, "sum", group))
-        if kind == "gemm_reducescatter":
-            return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, group))
-        rows = [y.shape[0] // world] * world
-        return c10d.wait_tensor(c10d.all_to_all_single(y, rows, rows, group))
-
-    return fn
+from overlap_compile.testing.patterns import gemm_then_collective as sequential_fn  # noqa: E402
 
 
 def inputs_for(kind: str, m: int, n: int, k: int, world: int, rank: int):

@@ -6,32 +6,18 @@ import json
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from overlap_compile import config, predictor
 from overlap_compile.passes.decide import decide
-from overlap_compile.passes.find import find
+from overlap_compile.testing.patterns import traced_site
 
 RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "ops-NVIDIA_H200-w4-*.json")))
-c10d = torch.ops._c10d_functional
 
 
 def _site(kind, m, n, k, world):
-    g = dist.group.WORLD.group_name
-
-    def fn(a, b):
-        y = a @ b
-        if kind == "gemm_allreduce":
-            return c10d.wait_tensor(c10d.all_reduce(y, "sum", g))
-        if kind == "gemm_alltoall":
-            return c10d.wait_tensor(c10d.all_to_all_single(y, [m // world] * world, [m // world] * world, g))
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world, g))
-
-    gm = make_fx(fn, tracing_mode="fake")(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16))
-    return find(gm.graph)[0]
+    return traced_site(kind, m, n, k, world)
 
 
 @pytest.fixture

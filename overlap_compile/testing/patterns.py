@@ -1,0 +1,52 @@
+"""The GEMM/collective patterns as a model writes them (functional collectives), for benchmarks,
+calibration and tests: one definition, so every tool measures and decides the same graph.
+
+    fn = gemm_then_collective("gemm_reducescatter", group_name, world)   # fn(a, b)
+    site = traced_site("gemm_allreduce", m, n, k, world)                  # the Match find() returns
+"""
+from __future__ import annotations
+
+import torch
+
+c10d = torch.ops._c10d_functional
+KINDS = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall", "allgather_gemm")
+
+
+def collective(kind: str, t: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """The collective of a GEMM -> collective site, on ``t`` (sum; equal all-to-all splits)."""
+    if kind == "gemm_allreduce":
+        return c10d.wait_tensor(c10d.all_reduce(t, "sum", group))
+    if kind == "gemm_reducescatter":
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "sum", world, group))
+    if kind == "gemm_alltoall":
+        rows = [t.shape[0] // world] * world
+        return c10d.wait_tensor(c10d.all_to_all_single(t, rows, rows, group))
+    raise ValueError(f"unknown pattern kind {kind!r}; known: {list(KINDS)}")
+
+
+def gemm_then_collective(kind: str, group: str, world: int):
+    """``fn(a, b)``: the sequential pattern of ``kind`` (for allgather_gemm, ``a`` is the shard)."""
+    if kind == "allgather_gemm":
+        def ag(x, b):
+            return c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group)) @ b
+        return ag
+
+    def fn(a, b):
+        return collective(kind, a @ b, group, world)
+
+    return fn
+
+
+def traced_site(kind: str, m: int, n: int, k: int, world: int, dtype: torch.dtype = torch.bfloat16):
+    """The Match the finder returns for this pattern (fake tensors: no memory), on the current
+    default process group (a fake one is enough)."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ..passes.find import find
+
+    rows = m // world if kind == "allgather_gemm" else m
+    fn = gemm_then_collective(kind, dist.group.WORLD.group_name, world)
+    gm = make_fx(fn, tracing_mode="fake")(torch.empty(rows, k, dtype=dtype), torch.empty(k, n, dtype=dtype))
+    (match,) = find(gm.graph)
+    return match
