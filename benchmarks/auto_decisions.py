@@ -26,7 +26,7 @@ def main() -> None:
 
     from overlap_compile import config, predictor
     from overlap_compile.passes.decide import decide
-    from tests.test_decide_measured import _site
+    from overlap_compile.testing.patterns import traced_site as _site
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="cuda_graph", choices=["cuda_graph", "eager"])
