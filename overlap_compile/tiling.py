@@ -238,3 +238,24 @@ def even_wave_groups(num_waves: int, groups: int) -> tuple[int, ...]:
     groups = max(1, min(groups, num_waves))
     base, extra = divmod(num_waves, groups)
     return tuple(base + (1 if i >= groups - extra else 0) for i in range(groups))
+
+
+def subtile_rows(grid: TileGrid, world: int) -> TileGrid:
+    """FlashOverlap's subtile reduce-scatter (FlashOverlap section 3.3.4): each [BM, BN] tile of the
+    ``grid`` (the whole [M, N] matrix, M % BM == 0, BM % W == 0) is cut into W row subtiles and
+    subtile k goes to rank k. Rank k's received tiles form this grid: its local row
+    ``tm * (BM / W) + i`` is global row ``tm * BM + k * (BM / W) + i``."""
+    if grid.rows % grid.block_m or grid.block_m % world:
+        raise ValueError(f"subtile layout needs M % block_m == 0 and block_m % W == 0, got M={grid.rows}, "
+                         f"block_m={grid.block_m}, W={world}")
+    return TileGrid(grid.rows // world, grid.cols, grid.block_m // world, grid.block_n, grid.group_m)
+
+
+def subtile_fix(gathered: Any, rows: int, cols: int, block_m: int, world: int, emit: Emit = call_op) -> Any:
+    """Undo the subtile row order after an all-gather (dim 0) of the ranks' subtile rows: the
+    gathered ``[M, N]`` holds rank k's local row ``tm * (BM/W) + i`` at ``k * M/W + tm * (BM/W) + i``,
+    which belongs at ``tm * BM + k * (BM/W) + i``: a view/permute, fusable into the consumer."""
+    x = emit(aten.view.default, gathered, [world, rows // block_m, block_m // world, cols])
+    x = emit(aten.permute.default, x, [1, 0, 2, 3])
+    x = emit(aten.clone.default, x, memory_format=torch.contiguous_format)
+    return emit(aten.view.default, x, [rows, cols])

@@ -135,3 +135,23 @@ GEMM_COLLECTIVE_CASES = {
     "allgather_gemm_dim1": allgather_gemm_dim1,
     "allgather_gemm_batch1": allgather_gemm_batch1,
 }
+
+
+def gemm_reducescatter_rowwise_allgather(g, w, m=None, n=32, k=12, escape=False, residual=False, weight=False):
+    """RS -> row-wise ops (scale, RMSNorm without weight) -> all-gather: where the subtile form can
+    move its row fix past the all-gather. ``escape`` also returns the RS output, ``residual`` adds
+    a row-sharded tensor, ``weight`` multiplies by a row vector (not provably equal on all ranks):
+    each rules the subtile form out."""
+    m = m or 32 * w
+
+    def fn(a, b, gamma, res):
+        y = wait(c10d.reduce_scatter_tensor.default(aten.mm.default(a, b), "sum", w, g))
+        h = aten.mul.Tensor(y, gamma) if weight else aten.mul.Scalar(y, 0.5)
+        if residual:
+            h = aten.add.Tensor(h, res)
+        ms = aten.mean.dim(aten.mul.Tensor(h, h), [-1], True)
+        h = aten.mul.Tensor(h, aten.rsqrt.default(aten.add.Scalar(ms, 1e-6)))
+        full = aten.relu.default(wait(c10d.all_gather_into_tensor.default(h, w, g)))
+        return (full, y) if escape else full
+
+    return fn, [(m, k), (k, n), (n,), (m // w, n)]

@@ -11,6 +11,7 @@ DTensor's ``Shard(d)`` layouts produce exactly the split/cat forms above (see te
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .graph_utils import (
@@ -202,6 +203,8 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
     )
     if cls is GemmReduceScatterMatch:
         kw["scatter_dim"] = scatter_dim
+        if not reasons and stripes is not None and stripes.outer == 1 and scatter_dim == 0:
+            kw["subtile_ag_wait"] = _rowwise_path_to_allgather(wait, group, stripes.stripe_rows)
     return cls(**kw)
 
 
@@ -216,6 +219,61 @@ def _gemm_terms(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
         if left and right:
             return left[0] + right[0], views + [base] + left[1] + right[1]
     return None
+
+
+# Ops that act on each row independently (elementwise, or reducing the last dim only).
+_ROWWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.rsqrt.default, aten.sqrt.default,
+    aten.pow.Tensor_Scalar, aten.exp.default, aten.sigmoid.default, aten.silu.default, aten.relu.default,
+    aten.tanh.default, aten.gelu.default, aten.mean.dim, aten.sum.dim_IntList,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+def _is_rowwise(node: fx.Node, rows: int) -> bool:
+    if node.op != "call_function" or node.target not in _ROWWISE:
+        return False
+    shape = static_shape(node)
+    if shape is None or len(shape) < 1 or shape[0] != rows:
+        return False
+    if node.target in (aten.mean.dim, aten.sum.dim_IntList):
+        dims = [d % len(static_shape(node.args[0])) for d in node.args[1]]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return dims == [len(shape) - 1] and bool(keep)
+    return True
+
+
+def _rowwise_path_to_allgather(start: fx.Node, group: str, rows: int) -> fx.Node | None:
+    """The wait of the one all-gather (dim 0, ``group``) that ``start`` reaches through row-wise
+    ops only, with no tensor operand from outside the path and no value escaping (no other
+    reader, no graph output); None otherwise. Pure: only reads the graph."""
+    path, frontier, ag_wait = {start}, [start], None
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in path:
+                continue
+            if is_call(user, c10d.all_gather_into_tensor.default):
+                w = _wait_of(user)
+                if ag_wait is not None or w is None or group_name_of(user.args[2]) != group:
+                    return None
+                ag_wait = w
+                path.add(user)
+                continue
+            if not _is_rowwise(user, rows):
+                return None
+            path.add(user)
+            frontier.append(user)
+    for node in path:
+        if node is start or is_call(node, c10d.all_gather_into_tensor.default):
+            continue
+        # Any other tensor operand rules the path out: rows change ranks in the subtile form, and
+        # a tensor operand (even a row-broadcast one, like a norm weight) is not provably the same
+        # on every rank. Python scalars are.
+        if any(arg not in path for arg in node.all_input_nodes):
+            return None
+    return ag_wait
 
 
 def _equal_splits(a2a: fx.Node, rows: int, world: int) -> bool:

@@ -115,6 +115,13 @@ class GemmAllReduceMatch(GemmThenCollective):
 class GemmReduceScatterMatch(GemmThenCollective):
     kind: ClassVar[str] = "gemm_reducescatter"
     scatter_dim: int = 0
+    # The wait of an all-gather (dim 0, same group) that the result reaches through row-wise ops
+    # only, nothing escaping: a template may then scatter rows in another order and fix the
+    # order after that all-gather (signal_reorder's subtile form). None when there is no such path.
+    subtile_ag_wait: fx.Node | None = None
+
+    def signature_extra(self) -> str:
+        return super().signature_extra() + f"|rowwise_ag={self.subtile_ag_wait is not None}"
 
 
 @dataclasses.dataclass

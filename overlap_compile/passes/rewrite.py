@@ -59,6 +59,21 @@ def _rewrite_gemm_collective(graph: fx.Graph, spec, m: GemmThenCollective, plan)
     result = emit(aten.view.default, rows, list(static_shape(m.wait_node)))
     m.wait_node.replace_all_uses_with(result)
     erase_if_dead(graph, [m.wait_node, m.collective_node, *m.chain_nodes, m.mm_node, *[t[0] for t in m.extra_terms]])
+    if plan.config.get("rs_layout") == "subtile":
+        _fix_rows_after_allgather(graph, m, plan)
+
+
+def _fix_rows_after_allgather(graph: fx.Graph, m: GemmThenCollective, plan) -> None:
+    """Subtile reduce-scatter: rows reached the ranks in subtile order, went through row-wise ops
+    unchanged, and were all-gathered; put them back in order right after that all-gather."""
+    from ..tiling import subtile_fix
+
+    wait = m.subtile_ag_wait
+    readers = list(wait.users)
+    fixed = subtile_fix(wait, plan.m, static_shape(wait)[-1], plan.config["block_m"], plan.world,
+                        GraphEmitter(graph, before=wait.next))
+    for user in readers:
+        user.replace_input_with(wait, fixed)
 
 
 def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) -> None:

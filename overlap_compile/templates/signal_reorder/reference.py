@@ -21,15 +21,23 @@ from __future__ import annotations
 import torch
 
 from ...runtime import comm
-from ...tiling import TileGrid, WaveSchedule
+from ...tiling import TileGrid, WaveSchedule, subtile_rows
 from ..base import gemm_tile
 from ..plans import GemmCollectivePlan
 
 
+def is_subtile(plan: GemmCollectivePlan) -> bool:
+    """Reduce-scatter in FlashOverlap's subtile form (tiling.subtile_rows): tiles in plain order over
+    the whole matrix, each split into W row subtiles; only where the pass moved the row fix past a
+    later all-gather (passes.find records that path)."""
+    return plan.kind == "gemm_reducescatter" and plan.config.get("rs_layout", "stripes") == "subtile"
+
+
 def layout(plan: GemmCollectivePlan) -> tuple[TileGrid, WaveSchedule]:
-    """The tile grid (of the full matrix for all-reduce, of one stripe otherwise) and schedule."""
+    """The tile grid (of the full matrix for all-reduce and subtile RS, of one stripe otherwise)
+    and schedule."""
     c = plan.config
-    stripes = 1 if plan.kind == "gemm_allreduce" else plan.world
+    stripes = 1 if plan.kind == "gemm_allreduce" or is_subtile(plan) else plan.world
     rows = plan.m if stripes == 1 else plan.outer * plan.chunk
     grid = TileGrid(rows, plan.n, c["block_m"], c["block_n"], c["group_m"])
     sched = WaveSchedule(grid.num_tiles * stripes, c["programs"], tuple(c["wave_groups"]), stripes)
@@ -38,6 +46,9 @@ def layout(plan: GemmCollectivePlan) -> tuple[TileGrid, WaveSchedule]:
 
 def out_shape(plan: GemmCollectivePlan) -> tuple[int, ...]:
     grid, _ = layout(plan)
+    if is_subtile(plan):
+        sub = subtile_rows(grid, plan.world)
+        return (grid.num_tiles, sub.block_m, sub.block_n)
     tiles = (grid.num_tiles, grid.block_m, grid.block_n)
     return (plan.world, *tiles) if plan.kind == "gemm_alltoall" else tiles
 
@@ -59,6 +70,8 @@ def compute_tile(a, b, bias, plan: GemmCollectivePlan, grid: TileGrid, sched: Wa
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
         plan: GemmCollectivePlan) -> torch.Tensor:
     grid, sched = layout(plan)
+    if is_subtile(plan):
+        return _run_subtile(a, b, bias, group_name, plan, grid, sched)
     send = a.new_empty(sched.num_exec, grid.block_m, grid.block_n)
     pending = []
     for start, stop in sched.exec_ranges():
@@ -76,3 +89,20 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
         return torch.cat(done)
     per_source = [t.view(plan.world, -1, grid.block_m, grid.block_n) for t in done]
     return torch.cat(per_source, dim=1)
+
+
+def _run_subtile(a, b, bias, group_name, plan, grid, sched) -> torch.Tensor:
+    """Per wave group [s, e): the k-th row subtile of each tile goes to chunk k of the group's
+    send slice ([W, e - s, BM/W, BN]); a reduce-scatter of that slice leaves rank k the summed
+    k-th subtiles of the group's tiles, in tile order."""
+    w, sub_m = plan.world, grid.block_m // plan.world
+    send = a.new_empty(sched.num_exec * w, sub_m, grid.block_n)
+    pending = []
+    for start, stop in sched.exec_ranges():
+        n = stop - start
+        for e in range(start, stop):
+            tile = compute_tile(a, b, bias, plan, grid, sched, e).view(w, sub_m, grid.block_n)
+            for k in range(w):
+                send[start * w + k * n + (e - start)] = tile[k]
+        pending.append(comm.start_reduce_scatter(send[start * w:stop * w], plan.reduce_op, w, group_name))
+    return torch.cat([comm.wait(t) for t in pending])

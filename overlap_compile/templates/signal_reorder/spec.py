@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...passes.matches import GemmThenCollective, Match
-from ...tiling import TileGrid, cdiv, even_wave_groups, untile
+from ...tiling import TileGrid, cdiv, even_wave_groups, subtile_rows, untile
 from ..base import TemplateSpec
 from ..plans import GemmCollectivePlan
 
@@ -54,13 +54,26 @@ class SignalReorderSpec(TemplateSpec):
             programs = 4 * stripes
         programs = max(stripes, min(programs, tiles) // stripes * stripes)
         waves = cdiv(tiles, programs)
-        return {
+        return self.with_subtile(match, {
             "block_m": block,
             "block_n": block,
             "group_m": 8,
             "programs": programs,
             "wave_groups": list(even_wave_groups(waves, groups)),
-        }
+        })
+
+    @staticmethod
+    def with_subtile(match: GemmThenCollective, config: dict) -> dict:
+        """Use the subtile reduce-scatter form where the finder saw the result flow through row-wise
+        ops into an all-gather (the row fix can move there) and the tiles split evenly: each
+        stripe a whole number of tiles (so the tile count and waves equal the stripe form's) and
+        each tile a whole number of rows per rank."""
+        if match.kind != "gemm_reducescatter" or getattr(match, "subtile_ag_wait", None) is None:
+            return config
+        bm, w = config["block_m"], match.world_size
+        if match.stripes.outer != 1 or match.stripes.chunk % bm or bm % w:
+            return config
+        return {**config, "rs_layout": "subtile"}
 
     def candidates(self, match: GemmThenCollective, profile: Any) -> list[dict]:
         """FlashOverlap Algorithm 1 (predictor.models): per kernel config of the profile, programs =
@@ -70,13 +83,15 @@ class SignalReorderSpec(TemplateSpec):
         from ...predictor import signal_reorder_candidates
 
         configs = signal_reorder_candidates(match, profile)
-        return configs if configs else [self.default_config(match)]
+        return [self.with_subtile(match, c) for c in configs] if configs else [self.default_config(match)]
 
     def emit_gemm_collective(self, emit: Any, match: GemmThenCollective, plan: GemmCollectivePlan) -> Any:
         from . import reference
 
         buf = super().emit_gemm_collective(emit, match, plan)
         grid, _ = reference.layout(plan)
+        if reference.is_subtile(plan):
+            return untile(buf, subtile_rows(grid, plan.world), emit)
         if plan.kind != "gemm_alltoall":
             return untile(buf, grid, emit)
         per_source = [untile(emit(torch.ops.aten.select.int, buf, 0, j), grid, emit) for j in range(plan.world)]
