@@ -255,22 +255,24 @@ def _collective_fns(coll: str, nbytes: int, group: Any, device: str, dtype: Any)
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if coll == "all_reduce":
-        buf = torch.zeros(numel, dtype=dtype, device=device)
+        buf = torch.randn(numel, dtype=dtype, device=device)
         return lambda: dist.all_reduce(buf, group=group)
     if coll == "reduce_scatter":
-        src, dst = torch.zeros(numel, dtype=dtype, device=device), torch.empty(numel // w, dtype=dtype, device=device)
+        src, dst = torch.randn(numel, dtype=dtype, device=device), torch.empty(numel // w, dtype=dtype, device=device)
         return lambda: rs(dst, src, group=group)
     if coll == "all_gather":
-        src, dst = torch.zeros(numel // w, dtype=dtype, device=device), torch.empty(numel, dtype=dtype, device=device)
+        src, dst = torch.randn(numel // w, dtype=dtype, device=device), torch.empty(numel, dtype=dtype, device=device)
         return lambda: ag(dst, src, group=group)
     if coll == "all_to_all":
-        src, dst = torch.zeros(numel, dtype=dtype, device=device), torch.empty(numel, dtype=dtype, device=device)
+        src, dst = torch.randn(numel, dtype=dtype, device=device), torch.empty(numel, dtype=dtype, device=device)
         return lambda: dist.all_to_all_single(dst, src, group=group)
+    if w < 2:
+        return None  # point-to-point transports need a peer
     peers = dist.get_process_group_ranks(group)
     nxt, prv = peers[(rank + 1) % w], peers[(rank - 1) % w]
     n1 = max(1, nbytes // item)
     if coll == "p2p":
-        src, dst = torch.zeros(n1, dtype=dtype, device=device), torch.empty(n1, dtype=dtype, device=device)
+        src, dst = torch.randn(n1, dtype=dtype, device=device), torch.empty(n1, dtype=dtype, device=device)
 
         def p2p() -> None:
             ops = [dist.P2POp(dist.isend, src, nxt, group), dist.P2POp(dist.irecv, dst, prv, group)]
@@ -286,7 +288,11 @@ def _collective_fns(coll: str, nbytes: int, group: Any, device: str, dtype: Any)
         buf = symm_mem.empty(n1, dtype=dtype, device=device)
         hdl = symm_mem.rendezvous(buf, group.group_name)
         peer = hdl.get_buffer((rank + 1) % w, (n1,), dtype)
-        src = torch.zeros(n1, dtype=dtype, device=device)
+        src = torch.randn(n1, dtype=dtype, device=device)
+        # Try it once here: a copy the driver refuses (seen: "invalid argument" on 4x H200) must
+        # become "not measured" on every rank, not a crash of the whole profile run.
+        peer.copy_(src)
+        torch.cuda.synchronize(device)
         return lambda: peer.copy_(src)
     raise ValueError(coll)
 
@@ -383,7 +389,7 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
                 ms = -1.0
                 if member:
                     ms = _time_collective(bench, coll, size, sub, device, dtype, graph_ok, notes, w)
-                    if ms < 0 and coll != "copy_engine":
+                    if ms < 0 and coll not in ("copy_engine", "p2p"):
                         raise RuntimeError(f"profile: {coll} of {size} bytes at w={w} could not run")
                     if ms >= 0:
                         graph_ok = graph_ok and _last_graph_ok[0]
@@ -562,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes = sample_sizes(64 * KiB, args.max_size)
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2 and not args.smoke:
+        print("python -m overlap_compile profile: a profile describes a group of 2+ GPUs (collective and "
+              "peer-to-peer curves); run it under torchrun with --nproc-per-node 2 or more", file=sys.stderr)
+        if own_group:
+            dist.destroy_process_group()
+        return 2
     worlds = world_sizes(world) or [world]
     from .seed import GPU_KERNELS
 
