@@ -9,8 +9,9 @@ so every graph is seen. Keyword arguments are overlap_compile options for this c
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -19,16 +20,23 @@ from . import config as oc_config
 from .report import Report
 
 
-def explain(model: Any, *inputs: Any, backward: bool = False, mode: str | None = None, **overrides: Any) -> Report:
+@contextlib.contextmanager
+def no_compile_caches() -> Iterator[None]:
+    """Turn off the caches that would let Inductor skip the post-grad passes (and so the Report)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
+    no_cache = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, k)}
+    no_aot_cache = {k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)}
+    with inductor_config.patch(no_cache), functorch_config.patch(no_aot_cache):
+        yield
+
+
+def explain(model: Any, *inputs: Any, backward: bool = False, mode: str | None = None, **overrides: Any) -> Report:
     from .backend import overlap_backend
 
     report = Report()
-    no_cache = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, k)}
-    no_aot_cache = {k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)}
-    with oc_config.patch(**overrides), inductor_config.patch(no_cache), functorch_config.patch(no_aot_cache):
+    with oc_config.patch(**overrides), no_compile_caches():
         backend = functools.partial(overlap_backend, report=report, mode=mode)
         compiled = torch.compile(model, backend=backend)
         out = compiled(*inputs)

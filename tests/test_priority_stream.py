@@ -193,47 +193,13 @@ def check_bad_calls() -> list[str]:
 
 
 def check_compiled_block() -> dict:
-    """LlamaBlock with DTensor TP+SP compiled with backend="overlap", priority_stream forced:
-    outputs and gradients equal eager; which template each site got."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """The DTensor TP+SP Llama block compiled with backend="overlap", priority_stream forced (the demo's
+    check: outputs, input and parameter gradients against eager)."""
+    from overlap_compile.demo.run import CPU_SIZES, check_against_eager
 
-    import overlap_compile as oc
-    from overlap_compile.demo.models import LlamaBlock, parallelize_tp_sp
-
-    torch._dynamo.reset()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    ref, blk = LlamaBlock(64, 128, 4), LlamaBlock(64, 128, 4)
-    blk.load_state_dict(ref.state_dict())
-    parallelize_tp_sp(ref, mesh)
-    parallelize_tp_sp(blk, mesh)
-    x = torch.randn(2, 16, 64)
-    xr = distribute_tensor(x.clone(), mesh, [Shard(1)]).requires_grad_()
-    xc = distribute_tensor(x.clone(), mesh, [Shard(1)]).requires_grad_()
-    ref(xr).to_local().sum().backward()
-    yr = ref(xr.detach())
-
-    # A warm FX graph / AOTAutograd cache would skip the post-grad passes (and the report).
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
-    report = oc.last_report()
-    seen = len(report.records)
-    with oc.config.patch(force_template="priority_stream"), inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
-        yc = torch.compile(blk, backend="overlap")(xc)
-        yc.to_local().sum().backward()
-    records = report.records[seen:]
-    torch.testing.assert_close(yc.to_local(), yr.to_local(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(xc.grad.to_local(), xr.grad.to_local(), rtol=1e-4, atol=1e-4)
-    for (name, p), q in zip(blk.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-4, atol=1e-4, msg=name)
-    return {
-        "sites": [(s.graph, s.kind, s.template, s.config) for rec in records for s in rec.sites],
-        "after": {rec.name: rec.after for rec in records},
-    }
+    res = check_against_eager("priority_stream", CPU_SIZES)
+    assert res["out_err"] < 1e-4 and res["grad_err"] < 1e-4, res
+    return res
 
 
 def suite(compiled: bool) -> dict:

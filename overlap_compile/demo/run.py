@@ -43,29 +43,31 @@ def _max_err(a: Any, b: Any) -> float:
 
 
 def check_against_eager(setting: str, sizes: dict, device: str = "cpu", dtype: str = "float32") -> dict:
-    """Run on every rank: compile with the overlap pass under ``setting`` ("auto" = predictor, or
-    a template name to force), run forward + backward, compare with eager."""
+    """Run on every rank: compile the block once with the overlap pass under ``setting`` ("auto" =
+    the predictor, or a template name to force), run forward + backward, compare outputs and all
+    gradients with eager; return the errors and what the pass did (from that same compile)."""
+    import functools
+
     import overlap_compile as oc
 
-    dt = getattr(torch, dtype)
-    ref, blk, xr, xc = _setup(sizes, device, dt)
+    from ..backend import overlap_backend
+    from ..explain import no_compile_caches
+
+    ref, blk, xr, xc = _setup(sizes, device, getattr(torch, dtype))
     yr = ref(xr)
     yr.to_local().float().sum().backward()
     overrides = {} if setting == "auto" else {"force_template": setting}
+    report = oc.Report()
     start = time.perf_counter()
-    report = oc.explain(blk, xc, backward=True, **overrides)
-    compile_s = time.perf_counter() - start
-    # explain ran the compiled block once; run again for the comparison (same inputs)
-    xc.grad = None
-    for p in blk.parameters():
-        p.grad = None
-    with oc.config.patch(**overrides):
-        y = torch.compile(blk, backend="overlap")(xc)
+    with oc.config.patch(**overrides), no_compile_caches():
+        y = torch.compile(blk, backend=functools.partial(overlap_backend, report=report))(xc)
         y.to_local().float().sum().backward()
-    out_err = _max_err(y, yr)
-    grad_err = max([_max_err(xc.grad, xr.grad)] + [_max_err(p.grad, q.grad) for p, q in zip(blk.parameters(), ref.parameters())])
-    return {"setting": setting, "report": str(report), "out_err": out_err, "grad_err": grad_err,
-            "rewritten": sum(s.rewritten for s in report.sites), "sites": len(report.sites), "seconds": compile_s}
+    seconds = time.perf_counter() - start
+    grads = [_max_err(xc.grad, xr.grad)] + [_max_err(p.grad, q.grad) for p, q in zip(blk.parameters(), ref.parameters())]
+    return {"setting": setting, "report": str(report), "out_err": _max_err(y, yr), "grad_err": max(grads),
+            "rewritten": sum(s.rewritten for s in report.sites), "n_sites": len(report.sites), "seconds": seconds,
+            "sites": [(s.graph, s.kind, s.template, s.config) for s in report.sites],
+            "after": {r.name: r.after for r in report.records}}
 
 
 CPU_SIZES = {"hidden": 64, "intermediate": 128, "heads": 4, "batch": 2, "seq": 32}
@@ -85,7 +87,7 @@ def run_cpu_demo(world: int, settings: list[str]) -> bool:
         good = err <= 1e-4 and gerr <= 1e-4
         ok &= good
         title = "predictor's choice" if setting == "auto" else f"force_template={setting!r}"
-        print(f"=== {title}: {r0['rewritten']}/{r0['sites']} sites rewritten ===")
+        print(f"=== {title}: {r0['rewritten']}/{r0['n_sites']} sites rewritten ===")
         print(r0["report"])
         print(f"max |out - eager| = {err:.2e}, max |grad - eager| = {gerr:.2e} -> {'MATCH' if good else 'MISMATCH'}"
               f"  (compile + run {r0['seconds']:.1f}s)\n")
