@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,17 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
-def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, only: list[str] | None) -> list[dict]:
+def out_of_time(deadline: float | None) -> bool:
+    """Rank 0's clock decides for every rank (one broadcast), so all ranks stop at the same shape."""
+    if deadline is None:
+        return False
+    flag = torch.tensor([float(time.monotonic() > deadline)], device="cuda")
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, only: list[str] | None,
+          time_budget_s: float = 0.0) -> list[dict]:
     from overlap_compile import config as oc_config
     from overlap_compile import predictor, templates
     from overlap_compile.predictor.models import Ctx
@@ -144,8 +155,14 @@ def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, onl
     profile = predictor.load_profile(profile_name)
     opts = dataclasses.replace(oc_config.current(), profile=profile_name)
     rows = []
+    deadline = time.monotonic() + time_budget_s if time_budget_s else None
     for kind in kinds:
         for shape in shapes.get(kind, []):
+            if out_of_time(deadline):
+                if rank == 0:
+                    print(f"time budget ({time_budget_s:.0f} s) spent: {kind} {shape} and the shapes after it "
+                          "were not measured", flush=True)
+                return rows
             m, n, k = shape
             a, b = inputs_for(kind, m, n, k, world, rank)
             seq = sequential_fn(kind, group, world)
@@ -330,8 +347,8 @@ def write_outputs(rows: list[dict], out_dir: str, dev: str, world: int) -> list[
     return paths
 
 
-def worker(kinds, shapes, profile, iters, max_candidates, only, out_dir):
-    rows = bench(kinds, shapes, profile, iters, max_candidates, only)
+def worker(kinds, shapes, profile, iters, max_candidates, only, out_dir, time_budget_s=0.0):
+    rows = bench(kinds, shapes, profile, iters, max_candidates, only, time_budget_s)
     if dist.get_rank() == 0 and out_dir:
         for p in write_outputs(rows, out_dir, torch.cuda.get_device_name(), dist.get_world_size()):
             print("wrote", p)
@@ -349,13 +366,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--max-candidates", type=int, default=64, help="per template, best predicted first")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds; no new shape starts after this (0 = no limit); the table says what was skipped")
     args = ap.parse_args()
     shapes = load_shapes(args.shapes)
     kinds = [k for k in args.kinds.split(",") if k]
     if args.limit:
         shapes = {k: shapes.get(k, [])[: args.limit] for k in kinds}
     only = args.templates.split(",") if args.templates else None
-    wargs = (kinds, shapes, args.profile, args.iters, args.max_candidates, only, args.out)
+    wargs = (kinds, shapes, args.profile, args.iters, args.max_candidates, only, args.out, args.time_budget)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
