@@ -231,8 +231,21 @@ class Bench:
                     fn()
             return g
         except Exception:
+            _clear_last_cuda_error()
             self.sync()
             return None
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed capture leaves its error as the runtime's "last error"; the next eager launch would
+    report it as its own (seen on 4x H200: a peer copy's capture failing, then the eager copy
+    "failing" with the same cudaErrorInvalidValue). Reading it clears it."""
+    try:
+        from cuda.bindings import runtime as cudart
+
+        cudart.cudaGetLastError()
+    except ImportError:
+        pass
 
 
 def _agree(values: list[float], group: Any, device: str, op: str = "max") -> list[float]:
@@ -293,7 +306,14 @@ def _collective_fns(coll: str, nbytes: int, group: Any, device: str, dtype: Any)
         # become "not measured" on every rank, not a crash of the whole profile run.
         peer.copy_(src)
         torch.cuda.synchronize(device)
-        return lambda: peer.copy_(src)
+
+        def copy(keep=(buf, hdl)) -> None:
+            # ``keep`` holds the local buffer and its handle alive with the closure: once they are
+            # collected the peers' mappings go too, and the copy fails with "invalid argument"
+            # (what the 4x H200 profile runs hit after the probe above had succeeded).
+            peer.copy_(src)
+
+        return copy
     raise ValueError(coll)
 
 
@@ -314,10 +334,13 @@ def _time_collective(bench: Bench, coll: str, size: int, group: Any, device: str
             notes.append(f"copy_engine not measured at w={w} ({type(err).__name__ if err else 'unsupported'}: {err})")
         return -1.0
     calls = 4 if size >= 64 * MiB else 16
-    g = bench.capture(fn, calls) if use_graph else None
+    # Peer copies are timed eagerly: a copy-engine transfer has no kernel launch to amortise, and
+    # keeping them out of capture means a refused capture can never turn later collectives eager.
+    g = bench.capture(fn, calls) if use_graph and coll != "copy_engine" else None
     # always agreed (a rank that gave up on graphs earlier votes 0), so all ranks branch alike
     ok = _agree([0.0 if g is None else 1.0], group, device, op="min")[0] > 0
-    _last_graph_ok[0] = ok or not bench.cuda
+    # only a refused capture of a collective makes later collectives eager (copies never try)
+    _last_graph_ok[0] = ok or not bench.cuda or coll == "copy_engine"
     t = bench.time(g.replay, 1) / calls if ok else bench.time(fn, calls)
     return _agree([t], group, device)[0]
 
