@@ -607,3 +607,16 @@ def test_profile_command_without_cuda_says_how_to_run(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_cmd.main([]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_op_overhead_per_template_wins_when_host_launched():
+    import dataclasses
+
+    from overlap_compile.predictor import op_overhead_ms
+
+    prof = predictor.load_profile("h200")
+    raw = {**prof.raw, "op_overhead_ms": {"eager": 0.5, "cuda_graph": 0.0, "per_template": {"priority_stream": 0.2}}}
+    prof = dataclasses.replace(prof, raw=raw)
+    assert op_overhead_ms(prof, "priority_stream", "eager") == 0.2
+    assert op_overhead_ms(prof, "signal_reorder", "eager") == 0.5       # not measured: the mode's figure
+    assert op_overhead_ms(prof, "priority_stream", "cuda_graph") == 0.0  # graphs replay no host code

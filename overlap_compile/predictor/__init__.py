@@ -186,6 +186,15 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     return ms
 
 
+def op_overhead_ms(profile: HardwareProfile, template: str, mode: str) -> float:
+    """The profile's host overhead of ``template``'s op per call in ``mode``: its own measured
+    figure when the profile has one (``per_template``, host-launched only), else the mode's."""
+    table = profile.raw.get("op_overhead_ms", {})
+    if mode == "eager" and template in table.get("per_template", {}):
+        return float(table["per_template"][template])
+    return float(table.get(mode, 0.0))
+
+
 def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options: Any = None) -> list:
     """Every configuration ``spec.candidates`` offers for the site with its predicted ms, best
     first (ties: the order the template listed them). Candidates that cannot run here (peer
@@ -230,7 +239,7 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
         # A rewritten site runs one Python custom op where the baseline ran plain kernels: when
         # kernels are host-launched its dispatch, plan handling and stream/event work add a fixed
         # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
-        overhead = float(profile.raw.get("op_overhead_ms", {}).get(ctx.mode, 0.0))
+        overhead = op_overhead_ms(profile, spec.name, ctx.mode)
         note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
         timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note)))
     timed.sort(key=lambda t: (round(t[0], 9), t[1]))  # float noise never beats the template's order

@@ -110,7 +110,7 @@ def build_profile(*, name: str, gpu: str, sm_count: int, smem_per_sm: int, regs_
                   gemm_rows: list[dict], peak: float, mem_gbps: float, kernels: list[dict],
                   curves: dict[str, dict[int, list[tuple[int, float]]]], nccl_sms: dict[str, int],
                   launch_ms: dict[str, float], contention: dict[str, float], topology: dict,
-                  notes: list[str], command: str) -> dict:
+                  notes: list[str], command: str, op_overhead_ms: dict | None = None) -> dict:
     """The profile dict from measurements (validated by the caller through save_profile)."""
     # default efficiency: median achieved fraction of peak over the large measured GEMMs
     effs = []
@@ -144,6 +144,7 @@ def build_profile(*, name: str, gpu: str, sm_count: int, smem_per_sm: int, regs_
         "launch_ms": {k: round(v, 5) for k, v in launch_ms.items()},
         "contention": {k: round(v, 4) for k, v in contention.items()},
         "topology": topology,
+        "op_overhead_ms": op_overhead_ms or {"eager": 0.0, "cuda_graph": 0.0},
     }
 
 
@@ -450,7 +451,16 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
     # 4. contention
     contention = _contention(bench, group, device, dtype, notes)
     progress.step("contention")
-    return {"gemm_rows": rows, "curves": curves, "launch_ms": launch, "contention": contention, "notes": notes}
+
+    # 5. host overhead of each template's op (GPU only: the CPU smoke run has no graphs)
+    op_overhead = {"eager": 0.0, "cuda_graph": 0.0, "per_template": {}}
+    if bench.cuda:
+        from .op_overhead import measure_op_overhead
+
+        op_overhead = measure_op_overhead(bench, group, device, dtype, notes)
+    progress.step("op overhead")
+    return {"gemm_rows": rows, "curves": curves, "launch_ms": launch, "contention": contention, "notes": notes,
+            "op_overhead_ms": op_overhead}
 
 
 def _contention(bench: Bench, group: Any, device: str, dtype: Any, notes: list[str]) -> dict[str, float]:
@@ -609,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels = [] if args.smoke else [dict(k) for k in GPU_KERNELS]
     n_kernel_steps = len(kernels) * len(gemm_shapes(sets, splits=(1,)))
-    total = len(gemm_shapes(sets)) + n_kernel_steps + len(worlds) * len(COLLECTIVES) * len(sizes) + 2
+    total = len(gemm_shapes(sets)) + n_kernel_steps + len(worlds) * len(COLLECTIVES) * len(sizes) + 3
     progress = Progress(total, enabled=rank == 0)
     try:
         with warnings.catch_warnings():
@@ -633,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         name=name, gpu=gpu, sm_count=sms, smem_per_sm=smem, regs_per_sm=regs, gemm_rows=res["gemm_rows"],
         peak=peak_tflops(gpu, sms, major), mem_gbps=mem, kernels=kernels, curves=res["curves"],
         nccl_sms={c: 0 for c in COLLECTIVES} if args.smoke else _nccl_sms(notes), launch_ms=res["launch_ms"],
-        contention=res["contention"],
+        contention=res["contention"], op_overhead_ms=res["op_overhead_ms"],
         topology=_topology(world, device), notes=notes + [f"world size {world}, took {time.time() - started:.0f}s"],
         command=command.strip(),
     )
