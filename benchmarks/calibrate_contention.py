@@ -35,6 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
     ap.add_argument("--profile", default="h200")
+    ap.add_argument("--write", default=None,
+                    help="write the profile with the fitted factors here (JSON), the fit recorded in its notes")
     args = ap.parse_args()
     # breakdown rows ("op_P.._G.._mode") or ops-benchmark rows (method signal_reorder, CUDA graph)
     fitted = ("signal_reorder", "priority_stream")
@@ -66,6 +68,19 @@ def main() -> None:
     print(f"best gemm_slowdown={gs} gemm_slowdown_reserved={gr} comm_slowdown={cs}: mean |error| {score:.1%}")
     for r, e in zip(rows, errs):
         print(f"  {r['kind']:>20} {r['shape']} {r['method']:>22} measured {r['ms']:.3f} error {e:+.1%}")
+    if args.write:
+        from overlap_compile.predictor.profile import save_profile
+
+        raw = copy.deepcopy(base.raw)
+        measured = dict(raw["contention"])
+        raw["contention"].update(gemm_slowdown=gs, gemm_slowdown_reserved=gr, comm_slowdown=cs)
+        sources = ", ".join(os.path.basename(p) for p in args.results)
+        raw["notes"] = list(raw.get("notes", [])) + [
+            f"contention fitted by benchmarks/calibrate_contention.py to {len(rows)} measured template runs "
+            f"({sources}): mean |error| {score:.1%}; the profile command's own cuBLAS-beside-all_reduce "
+            f"measurement was {measured}"]
+        save_profile(raw, args.write)
+        print("wrote", args.write)
 
 
 if __name__ == "__main__":
