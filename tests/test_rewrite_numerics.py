@@ -100,7 +100,7 @@ def test_random_geometries(world, seed):
         _verify(rows, world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])  # 8: the TP=8 / EP=8 world of the 8-GPU runs, over gloo
 def test_every_template_every_kind(world):
     # odd sizes: rows and columns that are not multiples of any tile
     kwargs = {"gemm_allreduce": {"m": 38, "n": 21, "k": 9, "bias": True},
