@@ -1,0 +1,141 @@
+"""Cost of signal_reorder's post-communication reorder when Inductor fuses it into the consumer.
+
+    python benchmarks/reorder_consumer.py --out $OUT          # one GPU, gemm_allreduce shapes, bf16
+    python benchmarks/reorder_consumer.py --dry-run           # CPU, tiny shapes: correctness only
+
+After an all-reduce in tile order the graph holds ``untile(buf)`` (view/permute/clone/cat/slice
+from overlap_compile.tiling, exactly what the rewrite emits) followed by the model's next ops.
+Here the next ops are a Llama block's: residual add then RMSNorm with a weight. Both versions are
+compiled by torch.compile (Inductor) and timed:
+
+    plain     rmsnorm(y + residual) * w                 y: [M, N] row-major (what the baseline has)
+    reorder   rmsnorm(untile(buf) + residual) * w       buf: [tiles, BM, BN] in tile order
+
+The overhead is reorder / plain - 1 (target <= 10%, issue #4). Inputs are random (never zero),
+the result of both is compared in the same run, times are triton.testing.do_bench medians
+host-launched ("eager") and do_bench_cudagraph ("cuda_graph"). JSON rows follow the benchmark
+schema; a table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from overlap_compile.tiling import TileGrid, untile  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCK = (128, 256, 8)  # BM, BN, group_m of signal_reorder's default Hopper kernel
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def plain(y, residual, w):
+    return rmsnorm(y + residual, w)
+
+
+def make_reorder(grid: TileGrid):
+    def reorder(buf, residual, w):
+        return rmsnorm(untile(buf, grid) + residual, w)
+
+    return reorder
+
+
+def tiles_of(y: torch.Tensor, grid: TileGrid) -> torch.Tensor:
+    """The tile-order buffer whose untile is ``y`` (edge tiles padded with random values, which
+    untile must slice away)."""
+    from overlap_compile.tiling import tile_coords
+
+    bm, bn = grid.block_m, grid.block_n
+    buf = torch.randn(grid.tiles_m * grid.tiles_n, bm, bn, dtype=y.dtype, device=y.device)
+    for t in range(buf.shape[0]):
+        tm, tn = tile_coords(t, grid.tiles_m, grid.tiles_n, grid.group_m)
+        blk = y[tm * bm:(tm + 1) * bm, tn * bn:(tn + 1) * bn]
+        buf[t, :blk.shape[0], :blk.shape[1]] = blk
+    return buf
+
+
+def shapes(dry: bool) -> list[tuple[int, int]]:
+    if dry:
+        return [(300, 520), (256, 512)]
+    with open(os.path.join(HERE, "shapes.json")) as f:
+        sets = json.load(f)
+    out = []
+    for m, n, _k in sets["gemm_allreduce"]:
+        if (m, n) not in out:
+            out.append((m, n))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    dry = args.dry_run or not torch.cuda.is_available()
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    bm, bn, gm = (64, 128, 4) if dry else BLOCK
+    rows = []
+    date = datetime.date.today().isoformat()
+    dev = "cpu" if dry else torch.cuda.get_device_name()
+    for m, n in shapes(dry):
+        grid = TileGrid(m, n, bm, bn, gm)
+        torch.manual_seed(m + n)
+        y = torch.randn(m, n, device=device, dtype=dtype)
+        residual = torch.randn(m, n, device=device, dtype=dtype)
+        w = torch.rand(n, device=device, dtype=dtype) + 0.5
+        buf = tiles_of(y, grid)
+        f_plain = torch.compile(plain)
+        f_reorder = torch.compile(make_reorder(grid))
+        ref, got = f_plain(y, residual, w), f_reorder(buf, residual, w)
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        entry = {"benchmark": "reorder_consumer", "device": dev, "torch": torch.__version__, "date": date,
+                 "shape": [m, n], "block": [bm, bn, gm], "dtype": str(dtype).replace("torch.", ""),
+                 # the two compiled kernels may split the row reduction differently: allow one bf16 ulp
+                 "max_rel_err": err, "correct": err <= (0.0 if dry else 2 ** -7)}
+        if dry:
+            t0 = time.perf_counter()
+            f_reorder(buf, residual, w)
+            entry["modes"] = {"eager": {"plain_ms": None, "reorder_ms": (time.perf_counter() - t0) * 1e3}}
+        else:
+            import triton.testing as tt
+
+            entry["modes"] = {}
+            for mode, bench in (("eager", tt.do_bench), ("cuda_graph", tt.do_bench_cudagraph)):
+                p = bench(lambda: f_plain(y, residual, w))
+                r = bench(lambda: f_reorder(buf, residual, w))
+                entry["modes"][mode] = {"plain_ms": p, "reorder_ms": r, "overhead": r / p - 1}
+        rows.append(entry)
+    print(f"{'shape':>14} {'err':>8} " + " ".join(f"{m + ' plain/reorder/overhead':>36}" for m in ("eager", "cuda_graph")))
+    for e in rows:
+        cells = []
+        for mode in ("eager", "cuda_graph"):
+            v = e["modes"].get(mode)
+            cells.append(f"{v['plain_ms']:.4f}/{v['reorder_ms']:.4f}/{v['overhead']:+.1%}".rjust(36)
+                         if v and v.get("plain_ms") else "-".rjust(36))
+        print(f"{str(e['shape']):>14} {e['max_rel_err']:8.1e} " + " ".join(cells))
+    bad = [e["shape"] for e in rows if not e["correct"]]
+    if bad:
+        print("reorder result differs from plain on", bad)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"reorder-consumer-{dev.replace(' ', '_')}-torch{torch.__version__.split('+')[0]}-{date}.json")
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print("wrote", path)
+    if bad:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
