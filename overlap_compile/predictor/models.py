@@ -504,9 +504,27 @@ def signal_reorder(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx)
     g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
     first_compute = groups[0] * wave
     last_comm = comm(geo.waves - groups[-1], geo.waves, True)
+    reorder = sr_reorder_ms(site, config, profile)
     note = (f"{geo.num_exec} tiles of {geo.block_m}x{geo.block_n} on {geo.programs} programs = {geo.waves} waves "
-            f"of {wave:.4f} ms; groups {list(groups)}")
-    return Schedule(total, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+            f"of {wave:.4f} ms; groups {list(groups)}; +{reorder:.4f} ms un-reordering the received tiles")
+    return Schedule(total + reorder, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+# HBM passes over the received tile-order buffer that its un-reorder costs: as a copy (what an
+# unfused consumer, e.g. a GEMM, gets) read + write = 2; fused into a residual + RMSNorm consumer
+# on H100 it measured 2.3-2.4 passes on 8192-16384 x 8192-16384 bf16 and ~0 on 4096 x 8192
+# (benchmarks/results/reorder-consumer-*): 2 is the common case.
+SR_REORDER_PASSES = 2.0
+
+
+def sr_reorder_ms(site: Site, config: dict, profile: HardwareProfile) -> float:
+    """The consumer-side cost of the tile order (FlashOverlap's post-communication reorder). The
+    subtile reduce-scatter form moves its row fix past a later all-gather: charged there, not here."""
+    if config.get("rs_layout") == "subtile":
+        return 0.0
+    recv_rows = site.m // site.world if site.kind == "gemm_reducescatter" else site.m
+    nbytes = recv_rows * site.n * site.itemsize
+    return SR_REORDER_PASSES * nbytes / (profile.gemm.mem_gbps * 1e9) * 1e3
 
 
 # ---- p2p_ring (CommFuse) -------------------------------------------------------------------------
