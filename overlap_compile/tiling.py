@@ -259,3 +259,60 @@ def subtile_fix(gathered: Any, rows: int, cols: int, block_m: int, world: int, e
     x = emit(aten.permute.default, x, [1, 0, 2, 3])
     x = emit(aten.clone.default, x, memory_format=torch.contiguous_format)
     return emit(aten.view.default, x, [rows, cols])
+
+
+# ---- tile_fused (TileLink) rank-ordered tile schedule ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RankOrderedTiles:
+    """tile_fused's static tile map (TileLink, MLSys '25: a tile id determines its data, its
+    peer and its channel by affine maps). A GEMM over ``world`` row stripes of ``tiles`` tiles
+    each is walked stripe by stripe, starting from stripe ``(rank + first) % world``:
+
+    * GEMM + reduce-scatter (``first = 1``): the peers' stripes first, in ring order, and my own
+      stripe last, so each partial stripe can travel to its owner while the next is computed and
+      the own stripe, needed by nobody else, ends the GEMM;
+    * all-gather + GEMM (``first = 0``): my own shard's rows first (no wait), then each peer's in
+      the order the copy engine fetches them.
+
+    Exec id ``e`` (the order a persistent GEMM walks, program p takes p, p + P, ...) maps to
+
+        step(e)    = e // tiles
+        stripe(e)  = (rank + first + e // tiles) % world      (the rank that owns / sent the rows)
+        local(e)   = e % tiles                                (tile id inside the stripe, grouped order
+                                                               by tiling.tile_coords)
+        channel(e) = e % channels                             (which communication CTA handles it)
+        slot(d, t) = d * tiles + t                            (flag and tile-buffer index, stripe-major)
+
+    and back: ``exec_id(d, t) = ((d - rank - first) % world) * tiles + t``. Only ``//``, ``%``, ``*``
+    and ``+``: the same formulas run on ints, torch tensors, sympy symbols and in Triton (the
+    kernels' twins are checked against these in the tests).
+    """
+
+    world: int
+    rank: int
+    tiles: int
+    first: int
+    channels: int = 1
+
+    @property
+    def num_exec(self) -> int:
+        return self.world * self.tiles
+
+    def step(self, e: Any) -> Any:
+        return e // self.tiles
+
+    def stripe(self, e: Any) -> Any:
+        return (self.rank + self.first + e // self.tiles) % self.world
+
+    def local(self, e: Any) -> Any:
+        return e % self.tiles
+
+    def channel(self, e: Any) -> Any:
+        return e % self.channels
+
+    def slot(self, stripe: Any, t: Any) -> Any:
+        return stripe * self.tiles + t
+
+    def exec_id(self, stripe: Any, t: Any) -> Any:
+        return ((stripe - self.rank - self.first) % self.world) * self.tiles + t

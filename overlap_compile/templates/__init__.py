@@ -14,6 +14,7 @@ _REGISTRY: dict[str, str] = {
     "signal_reorder": "overlap_compile.templates.signal_reorder",
     "p2p_ring": "overlap_compile.templates.p2p_ring",
     "priority_stream": "overlap_compile.templates.priority_stream",
+    "tile_fused": "overlap_compile.templates.tile_fused",
 }
 
 

@@ -1,0 +1,32 @@
+"""torch.ops.overlap_compile.tile_fused_gemm_collective(a, b, bias, group_name, plan) -> [result_rows, n]
+and torch.ops.overlap_compile.tile_fused_allgather_gemm(shard, bs, biases, group_name, plan)
+-> [gathered, y_0, y_1, ...].
+
+Dispatch: CUDA tensors on an NCCL group whose ranks share a node with peer access (symmetric
+memory) run kernels.py; everything else (CPU / gloo, no peer access, no Triton) runs
+reference.py, the same tile schedule with point-to-point messages.
+"""
+from __future__ import annotations
+
+from ..base import define_allgather_gemm_op, define_gemm_collective_op
+from . import reference
+
+
+def _cuda(a, b, bias, group_name, plan):
+    from . import kernels
+
+    if kernels.usable(group_name, a.device):
+        return kernels.run(a, b, bias, group_name, plan)
+    return reference.run(a, b, bias, group_name, plan)
+
+
+def _cuda_allgather(shard, bs, biases, group_name, plan):
+    from . import kernels
+
+    if kernels.usable(group_name, shard.device):
+        return kernels.run_allgather(shard, bs, biases, group_name, plan)
+    return reference.run_allgather(shard, bs, biases, group_name, plan)
+
+
+tile_fused_gemm_collective = define_gemm_collective_op("tile_fused", reference.out_shape, reference.run, cuda=_cuda)
+tile_fused_allgather_gemm = define_allgather_gemm_op("tile_fused", reference.run_allgather, cuda=_cuda_allgather)
