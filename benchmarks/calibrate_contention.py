@@ -43,10 +43,17 @@ def main() -> None:
     rows = [r for p in args.results for r in json.load(open(p))
             if (r["method"].startswith("op_") or (r["method"] in fitted and r["mode"] == "cuda_graph"))
             and r["ms"] == r["ms"]]
-    world = rows[0]["world_size"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     base = predictor.load_profile(args.profile)
+    # sites are traced once per world size on a fake group of that size (rows of several world
+    # sizes fit jointly: contention is a property of the GPU, not of the group)
     sites = {}
+    for world in sorted({r["world_size"] for r in rows}):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        for r in rows:
+            key = (r["kind"], tuple(r["shape"]), r["world_size"])
+            if r["world_size"] == world and key not in sites:
+                sites[key] = site(r["kind"], *r["shape"], world)
+        dist.destroy_process_group()
     best = None
     grid = itertools.product([1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4])
     for gs, gr, cs in grid:
@@ -55,9 +62,7 @@ def main() -> None:
         prof = profile_from_dict(raw, source="calibration")
         errs = []
         for r in rows:
-            key = (r["kind"], tuple(r["shape"]))
-            if key not in sites:
-                sites[key] = site(r["kind"], *r["shape"], world)
+            key = (r["kind"], tuple(r["shape"]), r["world_size"])
             spec = templates.get_spec("signal_reorder" if r["method"].startswith("op_") else r["method"])
             sched = predictor.schedule_for(spec, sites[key], r["config"], prof)
             errs.append((sched.total_ms - r["ms"]) / r["ms"])
