@@ -44,6 +44,7 @@ class GraphRecord:
     after: str
     sites: list[SiteReport]
     profile: str | None = None
+    pass_seconds: float = 0.0  # wall time of find -> decide -> rewrite on this graph (compile-time cost)
 
 
 @dataclasses.dataclass
@@ -61,6 +62,11 @@ class Report:
             for s in record.sites:
                 s.graph = record.name
             self.records.append(record)
+
+    @property
+    def pass_seconds(self) -> float:
+        """Total time the overlap pass took over every recorded graph."""
+        return sum(r.pass_seconds for r in self.records)
 
     @property
     def sites(self) -> list[SiteReport]:

@@ -39,13 +39,16 @@ def gemm_reducescatter_dim0(g, w, m=None, n=20, k=12, bias=False, op="sum"):
     return fn, [(m, k), (k, n), (n,)]
 
 
-def gemm_reducescatter_dim1(g, w, batch=2, seq=None, n=20, k=12, op="sum"):
-    """DTensor's Shard(1) reduce-scatter: view [B, S, N] -> split(S/W, dim 1) -> cat(dim 0) -> RS."""
+def gemm_reducescatter_dim1(g, w, batch=2, seq=None, n=20, k=12, op="sum", form="split"):
+    """DTensor's Shard(1) reduce-scatter: view [B, S, N] -> split(S/W, dim 1) -> cat(dim 0) -> RS.
+    ``form="slice"``: W slices instead of the split (reduce_scatter_tensor_autograd's form)."""
     seq = seq or 3 * w
 
     def fn(a, b, c):
         y = aten.view.default(aten.mm.default(a, b), [batch, seq, n])
-        parts = aten.split.Tensor(y, seq // w, 1)
+        c_ = seq // w
+        parts = ([aten.slice.Tensor(y, 1, i * c_, (i + 1) * c_) for i in range(w)] if form == "slice"
+                 else aten.split.Tensor(y, c_, 1))
         x = aten.cat.default(list(parts))
         return wait(c10d.reduce_scatter_tensor.default(x, op, w, g)) + 1
 
@@ -73,12 +76,14 @@ def allgather_gemm_dim0(g, w, m_local=5, k=12, ns=(20, 7), bias=False):
     return fn, [(m_local, k), (k, ns[0]), (k, ns[1]), (ns[0],)]
 
 
-def allgather_gemm_dim1(g, w, batch=2, seq_local=3, k=12, n=20):
-    """DTensor's Shard(1) all-gather: AG on dim 0 -> split(B) -> cat(dim 1) -> view [B*S, K] -> mm."""
+def allgather_gemm_dim1(g, w, batch=2, seq_local=3, k=12, n=20, form="split"):
+    """DTensor's Shard(1) all-gather: AG on dim 0 -> split(B) -> cat(dim 1) -> view [B*S, K] -> mm.
+    ``form="slice"``: W slices instead of the split (all_gather_tensor_autograd's form)."""
 
     def fn(x, b):
         full = wait(c10d.all_gather_into_tensor.default(x, w, g))
-        parts = aten.split.Tensor(full, batch)
+        parts = ([aten.slice.Tensor(full, 0, i * batch, (i + 1) * batch) for i in range(w)] if form == "slice"
+                 else aten.split.Tensor(full, batch))
         seq = aten.cat.default(list(parts), 1)
         y = aten.mm.default(aten.view.default(seq, [batch * seq_local * w, k]), b)
         return y, seq.sum()

@@ -53,6 +53,16 @@ def test_gemm_reducescatter_dim1_dtensor_form(fake_group):
     assert {n.target for n in m.chain_nodes} >= {torch.ops.aten.split.Tensor, torch.ops.aten.cat.default}
 
 
+def test_dim1_slice_forms_of_the_autograd_collectives(fake_group):
+    """reduce_scatter_tensor_autograd / all_gather_tensor_autograd (Megatron-style models) cut the
+    sequence with W slices where DTensor uses split: the same sites."""
+    _, (rs,) = build(gc.gemm_reducescatter_dim1, fake_group, form="slice")
+    assert rs.kind == "gemm_reducescatter" and rs.scatter_dim == 1 and rs.unsupported is None
+    assert torch.ops.aten.slice.Tensor in {n.target for n in rs.chain_nodes}
+    _, (ag,) = build(gc.allgather_gemm_dim1, fake_group, form="slice")
+    assert ag.unsupported is None and ag.gather_dim == 1 and (ag.stripes.outer, ag.stripes.chunk) == (2, 3)
+
+
 def test_sum_of_gemms_reducescatter(fake_group):
     _, (m,) = build(gc.gemm_sum_reducescatter, fake_group)
     assert m.unsupported is None and len(m.extra_terms) == 1 and m.k == 20

@@ -81,6 +81,10 @@ def _undo_scatter_split(coll_input: fx.Node, world: int) -> tuple[fx.Node, int, 
     cat_dim = coll_input.args[1] if len(coll_input.args) > 1 else coll_input.kwargs.get("dim", 0)
     if cat_dim != 0 or len(parts) != world:
         return None
+    sliced = _equal_slices(parts, world)  # the autograd functional collectives' form
+    if sliced is not None:
+        src, dim = sliced
+        return src, dim, [coll_input, *parts]
     split = parts[0].args[0] if parts[0].op == "call_function" and parts[0].args else None
     if not is_call(split, (aten.split.Tensor, aten.split_with_sizes.default)):
         return None
@@ -101,6 +105,30 @@ def _undo_scatter_split(coll_input: fx.Node, world: int) -> tuple[fx.Node, int, 
     elif any(s != shape[dim] // world for s in split.args[1]):
         return None
     return src, dim, [coll_input, *items, split]
+
+
+def _equal_slices(parts: list, world: int) -> tuple[fx.Node, int] | None:
+    """``[slice(x, d, i*c, (i+1)*c) for i in range(W)]`` (each used once) -> (x, d); else None.
+    ``reduce_scatter_tensor_autograd`` / ``all_gather_tensor_autograd`` emit this instead of split."""
+    if not all(is_call(p, aten.slice.Tensor) and len(p.users) == 1 for p in parts):
+        return None
+    src = parts[0].args[0]
+    shape = static_shape(src)
+    if shape is None or any(p.args[0] is not src for p in parts):
+        return None
+    dims = {(p.args[1] if len(p.args) > 1 else 0) % len(shape) for p in parts}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    if shape[dim] % world:
+        return None
+    c = shape[dim] // world
+    for i, p in enumerate(parts):
+        start, end = (list(p.args[2:4]) + [None, None])[:2]
+        step = p.args[4] if len(p.args) > 4 else 1
+        if start != i * c or end not in (((i + 1) * c),) + ((None, 2 ** 63 - 1) if i == world - 1 else ()) or step != 1:
+            return None
+    return src, dim
 
 
 def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | None:
@@ -145,8 +173,8 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
     # Every node from the mm(s) to the collective must feed only the next one: otherwise the
     # plain GEMM output is needed elsewhere and rewriting would compute it twice.
     for n in [*mms, *views]:
-        if len(n.users) != 1:
-            others = [u.name for u in n.users if u not in chain and u is not coll]
+        others = [u.name for u in n.users if u not in chain and u is not coll]
+        if others:
             reasons.append(f"GEMM output {n.name} is also used by {others}")
             break
     if any(is_symbolic(n) for n in (mm, a, b, coll)) or view_shape is None:
@@ -284,6 +312,14 @@ def _equal_splits(a2a: fx.Node, rows: int, world: int) -> bool:
 
 def _redo_gather_cat(wait: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
     """``cat(split(wait, s, 0)[0..W-1], d)`` -> (cat, d, [split, getitems, cat]); else (wait, 0, [])."""
+    users = list(wait.users)
+    if len(users) == world and all(is_call(u, aten.slice.Tensor) for u in users):
+        cat = single_user(users[0])
+        if is_call(cat, aten.cat.default) and len(cat.args[0]) == world and _equal_slices(list(cat.args[0]), world) \
+                and _equal_slices(list(cat.args[0]), world)[1] == 0 and set(cat.args[0]) == set(users):
+            shape = static_shape(cat)
+            d = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+            return cat, d % len(shape) if shape else d, [*cat.args[0], cat]
     split = single_user(wait)
     if not is_call(split, (aten.split.Tensor, aten.split_with_sizes.default)):
         return wait, 0, []

@@ -1,6 +1,8 @@
 """The overlap pass on one graph: find -> decide -> rewrite, and the record of what happened."""
 from __future__ import annotations
 
+import time
+
 import torch.fx as fx
 
 from ..config import Options
@@ -24,6 +26,7 @@ def readable(graph: fx.Graph) -> str:
 
 
 def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = None) -> GraphRecord:
+    start = time.perf_counter()
     name = graph_name or graph_role(graph)
     before = readable(graph)
     matches = find(graph, name)
@@ -37,7 +40,9 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     decisions = decide(matches, options, profile)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms)
-    return GraphRecord(name=name, before=before, after=readable(graph), sites=sites, profile=profile_name)
+    after = readable(graph)
+    return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
+                       pass_seconds=time.perf_counter() - start)
 
 
 def _site_report(d: Decision, graph_name: str) -> SiteReport:
