@@ -280,7 +280,8 @@ def worker(args_dict: dict) -> list[dict]:
                         try:
                             torch._dynamo.reset()
                             # caches off: every variant compiles from scratch, so compile times compare
-                            with no_compile_caches(), fresh_kernel_caches():
+                            kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
+                            with no_compile_caches(), kernels:
                                 rows.append({**base, **run_config(model_name, shape, variant, mode, ckpt, a.steps,
                                                               a.iters, a.force, device, dtype)})
                             if getattr(a, "check_cache", False) and variant == "overlap" and "sites" in rows[-1]:
@@ -359,6 +360,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--force", default=None, help="force this template in the overlap variant")
     ap.add_argument("--check-cache", action="store_true", help="also compile the overlap variant twice (FX cache)")
+    ap.add_argument("--fresh-caches", action="store_true",
+                    help="empty Inductor/Triton kernel caches per configuration, so compile times compare "
+                         "(slow on GPUs; the pass's own time, pass_s, is measured either way)")
     ap.add_argument("--time-budget", type=float, default=0.0, help="seconds; later configurations are skipped")
     ap.add_argument("--loss-rtol", type=float, default=None,
                     help="relative loss tolerance vs default (default: 1e-4 fp32 CPU, 2e-2 bf16 GPU)")

@@ -10,7 +10,7 @@ from overlap_compile.testing.multiprocess import run_distributed
 
 def _sweep(models: str, ckpt: str, check_cache: bool = False) -> list[dict]:
     args = argparse.Namespace(dry_run=True, models=models, shapes="", variants="default,overlap", modes="default",
-                              ckpt=ckpt, steps=3, iters=2, force="signal_reorder", time_budget=0.0,
+                              ckpt=ckpt, steps=3, iters=2, force="signal_reorder", time_budget=0.0, fresh_caches=False,
                               check_cache=check_cache)
     rows = run_distributed(e2e.worker, world_size=2, args=(vars(args),), timeout_s=600)[0]
     return e2e.compare(rows, loss_rtol=1e-4)
