@@ -33,7 +33,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,6 +42,9 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from timing import time_ms  # noqa: E402
 
 CPU_SHAPE = {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 4, "seq": 32, "batch": 2, "E": 4, "topk": 2}
 TWO_GPU_SHAPE = {"name": "Llama-3-8B block, TP+SP, seq 4096", "hidden": 4096, "intermediate": 14336, "heads": 32,
@@ -112,29 +114,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, iters: int) -> float:
-    """Median ms per call, ranks synchronised before each; the slowest rank's."""
-    cuda = torch.cuda.is_available()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    dev = "cuda" if cuda else "cpu"
-    med = torch.tensor([statistics.median(times)], device=dev)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
-
-
 def mean_over_ranks(v: float) -> float:
     t = torch.tensor([v], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t)
@@ -171,7 +150,7 @@ def run_config(model_name: str, shape: dict, variant: str, mode: str, ckpt: bool
         for _ in range(steps - 1):
             losses.append(train_step())
         row["losses"] = [mean_over_ranks(float(v)) for v in losses]
-        row["train_ms"] = timed(train_step, iters)
+        row["train_ms"] = time_ms(train_step, iters, warmup=0)
         row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
         row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
 
@@ -180,7 +159,7 @@ def run_config(model_name: str, shape: dict, variant: str, mode: str, ckpt: bool
                 return fn(built.x)
 
         prefill()
-        row["prefill_ms"] = timed(prefill, iters)
+        row["prefill_ms"] = time_ms(prefill, iters, warmup=0)
     if variant == "overlap":
         row["sites"] = [{"graph": s.graph, "kind": s.kind, "template": s.template, "rewritten": s.rewritten,
                          "reason": s.reason} for s in report.sites]

@@ -16,9 +16,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,52 +24,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from overlap_compile import templates  # noqa: E402
+from timing import graphed, time_ms  # noqa: E402,F401  (signal_reorder_breakdown imports them from here too)
 from overlap_compile.testing.patterns import collective, gemm_then_collective as sequential_fn  # noqa: E402
 
 DEFAULT_SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.json")  # copy of shared/shapes.json
-
-
-def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
-    """Median of per-iteration times (CUDA events; host clock on the CPU dry run), ranks
-    synchronised before each iteration; the slowest rank's median is the result."""
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
-
-
-def graphed(fn):
-    """Capture fn (GEMM + NCCL) in a CUDA graph; returns the replay callable."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("CUDA graphs need a GPU")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def rewritten(kind: str, template: str, a: torch.Tensor, b: torch.Tensor, group: str, world: int):
@@ -157,6 +113,7 @@ def worker(kinds, shapes, templates_to_run, out_dir):
     if dist.get_rank() == 0 and out_dir:
         dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "_")
         path = os.path.join(out_dir, f"ops-{dev}-w{world}-{datetime.date.today().isoformat()}.json")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         print("wrote", path)

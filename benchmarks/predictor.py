@@ -53,6 +53,12 @@ def load_shapes(path: str | None) -> dict:
 
 
 from overlap_compile.testing.patterns import gemm_then_collective as sequential_fn  # noqa: E402
+from timing import graphed  # noqa: E402
+from timing import time_ms as _time_ms  # noqa: E402
+
+
+def time_ms(fn, iters: int, warmup: int = 3) -> float:
+    return _time_ms(fn, iters, warmup)
 
 
 def inputs_for(kind: str, m: int, n: int, k: int, world: int, rank: int):
@@ -61,38 +67,6 @@ def inputs_for(kind: str, m: int, n: int, k: int, world: int, rank: int):
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) / k ** 0.25
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.25
     return a, b
-
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median CUDA-event time per call, ranks synchronised before each call; slowest rank's."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    med = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def traced(kind: str, group: str, world: int, a, b):

@@ -1,0 +1,54 @@
+"""Timing shared by the multi-GPU benchmarks (ops, predictor, e2e, signal_reorder_breakdown).
+
+``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
+CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
+is the result (all ranks return the same number). ``graphed(fn)``: fn captured in a CUDA graph
+(after warm-up on a side stream), returned as its replay.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def graphed(fn):
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a GPU")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
