@@ -15,20 +15,12 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def site(kind, m, n, k, world):
-    from overlap_compile.testing.patterns import traced_site
-
-    return traced_site(kind, m, n, k, world)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from overlap_compile import predictor, templates
     from overlap_compile.predictor.profile import profile_from_dict
 
@@ -44,16 +36,11 @@ def main() -> None:
             if (r["method"].startswith("op_") or (r["method"] in fitted and r["mode"] == "cuda_graph"))
             and r["ms"] == r["ms"]]
     base = predictor.load_profile(args.profile)
-    # sites are traced once per world size on a fake group of that size (rows of several world
-    # sizes fit jointly: contention is a property of the GPU, not of the group)
-    sites = {}
-    for world in sorted({r["world_size"] for r in rows}):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        for r in rows:
-            key = (r["kind"], tuple(r["shape"]), r["world_size"])
-            if r["world_size"] == world and key not in sites:
-                sites[key] = site(r["kind"], *r["shape"], world)
-        dist.destroy_process_group()
+    # sites are traced once per world size (rows of several world sizes fit jointly: contention
+    # is a property of the GPU, not of the group)
+    from predictor_replay import traced_sites
+
+    sites = traced_sites(rows)
     best = None
     grid = itertools.product([1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.05, 1.1, 1.2, 1.3], [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4])
     for gs, gr, cs in grid:
