@@ -46,7 +46,7 @@ sys.path.insert(0, HERE)
 
 from timing import time_ms  # noqa: E402
 
-CPU_SHAPE = {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 4, "seq": 32, "batch": 2, "E": 4, "topk": 2}
+CPU_SHAPE = {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 8, "seq": 32, "batch": 2, "E": 4, "topk": 2}
 TWO_GPU_SHAPE = {"name": "Llama-3-8B block, TP+SP, seq 4096", "hidden": 4096, "intermediate": 14336, "heads": 32,
                  "kv_heads": 8, "seq": 4096, "batch": 1}
 
