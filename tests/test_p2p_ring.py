@@ -274,6 +274,11 @@ def test_configs():
     for match in (rs, a2a):
         for c in SPEC.candidates(match, None):
             assert reference.config_problem(match.kind, c) is None
+    # the copy-engine transport: offered for row stripes of reduce-scatter / all-gather only
+    p2p = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    assert p2p in SPEC.candidates(rs, None) and p2p in SPEC.candidates(_ag_match(world=4, m=16), None)
+    assert p2p not in SPEC.candidates(a2a, None)
+    assert p2p not in SPEC.candidates(_rs_match(m=40, outer=2), None)
 
 
 def test_plan_rejects_bad_configs():
@@ -286,6 +291,8 @@ def test_plan_rejects_bad_configs():
         with pytest.raises(ValueError, match=words):
             SPEC.plan(rs, bad, 1000)
     assert SPEC.plan(rs, {"slices": 2, "transport": "nccl"}, 1000).config["transport"] == "nccl"
+    with pytest.raises(ValueError, match="transport 'p2p'.*slices=1"):
+        SPEC.plan(rs, {"slices": 2, "transport": "p2p"}, 1000)
     a2a = _rs_match(cls=GemmAllToAllMatch, reduce_op=None)
     with pytest.raises(ValueError, match="all-to-all"):
         SPEC.plan(a2a, {"bidirectional": True}, 1000)

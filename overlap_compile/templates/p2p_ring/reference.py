@@ -43,10 +43,10 @@ from ..base import gemm_tile
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 
 CONFIG_KEYS = ("slices", "bidirectional", "transport")
-# "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU) -- what is implemented.
-# "p2p" (copy-engine peer copies over symmetric memory, modelled by the predictor) is not built yet
-# and is refused rather than silently run as send/recv.
-TRANSPORTS = ("nccl",)
+# "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU). "p2p": copy-engine
+# peer copies over symmetric memory (kernels.py, GPUs of one node, row stripes); where that path
+# cannot run, this reference computes the same result with send/recv.
+TRANSPORTS = ("nccl", "p2p")
 REDUCE_OPS = ("sum", "avg")
 KINDS = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
 
@@ -70,8 +70,9 @@ def config_problem(kind: str, config: Any) -> str | None:
         return "config 'bidirectional' has no meaning for all-to-all (every pair exchanges directly)"
     transport = config.get("transport", "nccl")
     if transport not in TRANSPORTS:
-        return (f"config 'transport' must be one of {list(TRANSPORTS)}, got {transport!r}"
-                + (" (the copy-engine transport is not implemented yet)" if transport == "p2p" else ""))
+        return f"config 'transport' must be one of {list(TRANSPORTS)}, got {transport!r}"
+    if transport == "p2p" and (kind == "gemm_alltoall" or slices != 1 or bidir):
+        return "transport 'p2p' (copy engine) runs reduce-scatter and all-gather with slices=1, one direction"
     return None
 
 

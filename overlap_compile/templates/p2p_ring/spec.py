@@ -31,8 +31,9 @@ SLICE_CHOICES = (1, 2, 4)
 class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
-    # Its GPU path is the reference (torch.distributed send/recv from Python): measured 0.06-0.12x
-    # of sequential on H200x4 (benchmarks/results/ops-NVIDIA_H200-w4-*). Not a candidate on GPUs.
+    # On GPUs: transport "nccl" runs the reference (torch.distributed send/recv from Python),
+    # measured 0.06-0.12x of sequential on H200x4 (benchmarks/results/ops-NVIDIA_H200-w4-*);
+    # transport "p2p" runs kernels.py, not yet run on a GPU. Not a candidate on GPUs until it is.
     gpu_implemented = False
 
     def supports(self, match: Match) -> str | None:
@@ -49,8 +50,8 @@ class P2PRingSpec(TemplateSpec):
             return "p2p_ring all-to-all needs the split along the leading dimension"
         return None
 
-    # The implemented transport is torch.distributed send/recv (NCCL on GPUs, gloo on CPU): the
-    # predictor's "nccl". The copy-engine / symmetric-memory transport ("p2p") is not built yet.
+    # The default transport is torch.distributed send/recv (NCCL on GPUs, gloo on CPU): the
+    # predictor's "nccl". "p2p" (copy engine over symmetric memory) is offered by candidates().
     TRANSPORT = "nccl"
 
     def default_config(self, match: Match) -> dict:
@@ -58,8 +59,12 @@ class P2PRingSpec(TemplateSpec):
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         """Slices 1, 2, 4 where they divide the rows of one ring message; both ring directions at
-        once (reduce-scatter, all-gather) only for W > 2, where the two rings use different links."""
+        once (reduce-scatter, all-gather) only for W > 2, where the two rings use different links;
+        and the copy-engine transport for row-stripe reduce-scatter / all-gather (the predictor
+        drops it where the group has no peer access)."""
         out = []
+        if match.kind != "gemm_alltoall" and match.stripes.outer == 1:
+            out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:

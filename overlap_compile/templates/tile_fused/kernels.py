@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ...tiling import RankOrderedTiles, TileGrid, cdiv
+from ...tiling import TileGrid
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from . import primitives as P
 from .reference import check_config, stripe_grid
@@ -367,73 +367,9 @@ def _symm(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _symm_api() -> Any:
-    """runtime.symm where it offers what tile_fused needs, else the minimal stand-in below."""
-    try:
-        from ...runtime import symm
+    from ...runtime import symm
 
-        if all(hasattr(symm, f) for f in ("available", "tensor_and_ptrs", "peer_view")):
-            return symm
-    except ImportError:
-        pass
-    return _MinimalSymm
-
-
-class _MinimalSymm:
-    """Stand-in for runtime.symm (being written beside this template): torch symmetric memory
-    (``symm_mem.empty`` + ``rendezvous``, multicast not needed) cached per (group, key, shape, dtype).
-    On torch 2.11+ ``buffer_ptrs`` are allocation bases: a tensor's address on rank q is
-    ``buffer_ptrs[q] + (t.data_ptr() - buffer_ptrs[rank])``."""
-
-    _cache: dict[tuple, tuple] = {}
-
-    @staticmethod
-    def available(group_name: str, device: torch.device) -> bool:
-        from ...runtime.comm import resolve_group
-
-        world = resolve_group(group_name).size()
-        n = torch.cuda.device_count()
-        if world > n:
-            return False  # ranks on more than one node
-        return all(torch.cuda.can_device_access_peer(i, j) for i in range(world) for j in range(world) if i != j)
-
-    @classmethod
-    def _entry(cls, group_name, key, shape, dtype, device, zero):
-        k = (group_name, key, tuple(shape), dtype, device.index)
-        hit = cls._cache.get(k)
-        if hit is not None:
-            return hit
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{TEMPLATE}: symmetric buffer {key} first needed inside a CUDA graph capture; run the "
-                               f"op once before capturing")
-        import torch.distributed._symmetric_memory as symm_mem
-
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                enable(group_name)
-            except Exception:
-                pass
-        t = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
-        if zero:
-            t.zero_()
-        torch.cuda.synchronize(device)  # zero before any peer can signal into it (rendezvous syncs ranks)
-        hdl = symm_mem.rendezvous(t, group_name)
-        off = t.data_ptr() - hdl.buffer_ptrs[hdl.rank]
-        tbl = torch.tensor([p + off for p in hdl.buffer_ptrs], dtype=torch.int64, device=device)
-        cls._cache[k] = hit = (t, tbl, hdl, off)
-        return hit
-
-    @classmethod
-    def tensor_and_ptrs(cls, group_name, key, shape, dtype, device, zero=False):
-        t, tbl, _, _ = cls._entry(group_name, key, shape, dtype, device, zero)
-        return t, tbl
-
-    @classmethod
-    def peer_view(cls, group_name, t, rank):
-        for (g, _, shape, dtype, _), (lt, _, hdl, off) in cls._cache.items():
-            if g == group_name and lt is t:
-                return hdl.get_buffer(rank, list(shape), dtype, off // t.element_size())
-        raise KeyError(f"{TEMPLATE}: {tuple(t.shape)} is not a symmetric buffer of group {group_name!r}")
+    return symm
 
 
 _streams: dict[int, torch.cuda.Stream] = {}
