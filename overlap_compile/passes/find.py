@@ -42,14 +42,30 @@ from ..tiling import RowStripes
 
 
 def find(graph: fx.Graph, graph_name: str = "forward") -> list[Match]:
+    from .find_moe import moe_section
+
     matches: list[Match] = []
+    in_moe: set[fx.Node] = set()  # all-to-alls already reported as part of a MoE section
     for node in graph.nodes:
+        if node in in_moe:
+            continue
+        if is_call(node, c10d.all_to_all_single.default):
+            # a GEMM -> all-to-all site the templates can take wins; else an expert-parallel
+            # section starting here is reported (both of its all-to-alls)
+            m = _gemm_then_collective(node, GemmAllToAllMatch, graph_name)
+            if m is None or m.unsupported:
+                group = group_name_of(node.args[3])
+                moe = moe_section(node, group, world_size_of(group) or 0, graph_name)
+                if moe is not None:
+                    in_moe.add(moe.combine_node)
+                    m = moe
+            if m is not None:
+                matches.append(m)
+            continue
         if is_call(node, c10d.all_reduce.default):
             m = _gemm_then_collective(node, GemmAllReduceMatch, graph_name)
         elif is_call(node, c10d.reduce_scatter_tensor.default):
             m = _gemm_then_collective(node, GemmReduceScatterMatch, graph_name)
-        elif is_call(node, c10d.all_to_all_single.default):
-            m = _gemm_then_collective(node, GemmAllToAllMatch, graph_name)
         elif is_call(node, c10d.all_gather_into_tensor.default):
             m = _allgather_gemm(node, graph_name)
         else:

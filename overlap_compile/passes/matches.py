@@ -176,3 +176,26 @@ class AllGatherGemmMatch(Match):
 
 
 GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllToAllMatch)
+
+
+@dataclasses.dataclass
+class MoeSectionMatch(Match):
+    """An expert-parallel section: all_to_all (dispatch) -> expert GEMMs (bmm) and pointwise ops
+    -> all_to_all (combine), found in forward graphs and, mirrored, in backward graphs. No
+    template takes it yet (moe_fused, issue #7): it is reported with its geometry and left as is."""
+
+    kind: ClassVar[str] = "moe"
+    dispatch_node: fx.Node
+    combine_node: fx.Node
+    bmm_nodes: list[fx.Node]
+    bmm_shapes: list[tuple[int, int, int, int]]  # (batch = local experts, M, N, K) per bmm
+    dispatch_bytes: int
+
+    def gemms(self) -> list[tuple[int, int, int]]:
+        return [(e * m, n, k) for e, m, n, k in self.bmm_shapes]
+
+    def comm_bytes(self) -> int:
+        return self.dispatch_bytes
+
+    def anchor(self) -> fx.Node:
+        return self.dispatch_node
