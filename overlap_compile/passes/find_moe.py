@@ -67,8 +67,113 @@ def moe_section(a2a: fx.Node, group: str, world: int, graph_name: str) -> MoeSec
     inp = static_shape(a2a.args[0])
     dtype = val(a2a.args[0]).dtype
     nbytes = (int(torch.tensor(inp).prod()) if inp else 0) * torch.empty((), dtype=dtype).element_size()
-    return MoeSectionMatch(
-        group_name=group, world_size=world, dtype=dtype, graph=graph_name,
-        unsupported=(f"expert-parallel MoE section ({len(bmms)} expert bmm between two all-to-alls): no template "
-                     "takes MoE sections yet (moe_fused, issue #7); both all-to-alls run as they are"),
+    m = MoeSectionMatch(
+        group_name=group, world_size=world, dtype=dtype, graph=graph_name, unsupported=None,
         dispatch_node=a2a, combine_node=combine, bmm_nodes=bmms, bmm_shapes=shapes, dispatch_bytes=nbytes)
+    m.unsupported = _swiglu_roles(m, wait)
+    return m
+
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+         aten.transpose.int, aten.clone.default, aten.contiguous.default)
+
+
+def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
+    """Fill the SwiGLU roles of ``m`` (demo.moe's form) and return None, or say why not:
+    h = layout(wait_d); y = bmm(silu(bmm(h, w1)) * bmm(h, w3), w2); combine(layout^-1(y)), where
+    layout is [W * E_local * C, H] -> [W, E_local, C, H] -> [E_local, W * C, H] (checked by running
+    the view chains on a probe tensor), nothing in between used outside the section."""
+    generic = (f"expert-parallel MoE section ({len(m.bmm_nodes)} expert bmm between two all-to-alls)")
+    if len(m.bmm_nodes) != 3:
+        return f"{generic}: moe_fused takes the SwiGLU form (3 bmm); this one is not it"
+    down = [b for b in m.bmm_nodes if is_call(b.args[0], aten.mul.Tensor)]
+    if len(down) != 1:
+        return f"{generic}: no bmm(silu(x @ w1) * (x @ w3), w2) found"
+    b2 = down[0]
+    mul = b2.args[0]
+    ups = [b for b in m.bmm_nodes if b is not b2]
+    b3 = next((b for b in ups if b in mul.args), None)
+    b1 = next((b for b in ups if b is not b3), None)
+    act = _activation(b1, mul, b3) if b1 is not None and b3 is not None else None
+    if act is None or b1.args[0] is not b3.args[0]:
+        return f"{generic}: the two up-projections do not share their input through silu(.) * (.)"
+    h = b1.args[0]
+    w, combine_in = m.world_size, m.combine_node.args[0]
+    hs, ws = static_shape(h), static_shape(wait)
+    if hs is None or ws is None or len(hs) != 3 or w < 1 or hs[1] % w:
+        return f"{generic}: expert input shape {hs} is not [E_local, W * C, H]"
+    e_local, cap, hidden = hs[0], hs[1] // w, hs[2]
+    chain_in = _view_chain(wait, h)
+    chain_out = _view_chain(b2, combine_in)
+    if chain_in is None or chain_out is None:
+        return f"{generic}: the layout between the all-to-alls and the experts is not a chain of views"
+    probe = torch.arange(w * e_local * cap * hidden, dtype=torch.float32).view(w * e_local * cap, hidden)
+    expected_h = probe.view(w, e_local, cap, hidden).transpose(0, 1).reshape(e_local, w * cap, hidden)
+    if not _same(_run_chain(chain_in, probe), expected_h) or not _same(_run_chain(chain_out, expected_h), probe):
+        return f"{generic}: tokens are not laid out [source rank, local expert, slot] around the experts"
+    section = [wait, *chain_in, b1, b3, *act, mul, b2, *chain_out, m.combine_node]
+    combine_wait = _wait_of(m.combine_node)
+    inside = set(section) | {combine_wait}
+    for n in section:
+        outside = [u.name for u in n.users if u not in inside]
+        if outside:
+            return (f"{generic}: {n.name} is also used by {outside} (saved for backward?): moe_fused replaces "
+                    "the whole section, so it takes sections whose intermediates stay inside (inference)")
+    m.buffer_node, m.weight_nodes, m.combine_wait = m.dispatch_node.args[0], (b1.args[1], b3.args[1], b2.args[1]), combine_wait
+    m.section_nodes, m.e_local, m.capacity, m.hidden = section, e_local, cap, hidden
+    m.ffn = static_shape(b1)[2]
+    return None
+
+
+def _activation(b1: fx.Node, mul: fx.Node, b3: fx.Node) -> list[fx.Node] | None:
+    """The nodes computing ``mul``'s other operand from ``b1``, if they compute silu (Inductor
+    decomposes it, e.g. into b1 / (exp(-b1) + 1)): checked by running them on a probe."""
+    other = [a for a in mul.args if a is not b3]
+    if len(other) != 1 or not isinstance(other[0], fx.Node):
+        return None
+    nodes, seen, todo = [], set(), [other[0]]
+    while todo:  # walk back from the operand to b1
+        n = todo.pop()
+        if n is b1 or n in seen:
+            continue
+        if n.op != "call_function" or len(nodes) > 16:
+            return None
+        seen.add(n)
+        nodes.append(n)
+        todo += [a for a in n.all_input_nodes]
+    order = {n: i for i, n in enumerate(b1.graph.nodes)}
+    nodes.sort(key=order.__getitem__)
+    probe = torch.linspace(-6, 6, 97)
+    env = {b1: probe}
+    try:
+        for n in nodes:
+            args = torch.fx.node.map_arg(n.args, lambda a: env[a])
+            kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a])
+            env[n] = n.target(*args, **kwargs)
+    except (KeyError, RuntimeError, TypeError):
+        return None
+    got = env.get(other[0]) if other[0] is not b1 else probe
+    if got is None or not torch.allclose(got, torch.nn.functional.silu(probe), atol=1e-6):
+        return None
+    return nodes
+
+
+def _view_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
+    """The view-like nodes from ``start`` (exclusive) to ``end`` (inclusive), each feeding the next."""
+    chain, node = [], end
+    while node is not start:
+        if not (node.op == "call_function" and node.target in VIEWS and node.args):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _run_chain(chain: list[fx.Node], x: torch.Tensor) -> torch.Tensor:
+    for n in chain:
+        x = n.target(x, *n.args[1:], **n.kwargs)
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.reshape(-1), b.reshape(-1))

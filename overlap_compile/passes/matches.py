@@ -190,6 +190,17 @@ class MoeSectionMatch(Match):
     bmm_nodes: list[fx.Node]
     bmm_shapes: list[tuple[int, int, int, int]]  # (batch = local experts, M, N, K) per bmm
     dispatch_bytes: int
+    # The SwiGLU expert form (demo.moe), when find_moe verified it: the dispatch buffer, the
+    # expert weights, the combine's wait, every node from the dispatch to the combine's wait,
+    # and the geometry; None otherwise.
+    buffer_node: fx.Node | None = None
+    weight_nodes: tuple[fx.Node, fx.Node, fx.Node] | None = None  # w1, w3, w2
+    combine_wait: fx.Node | None = None
+    section_nodes: list[fx.Node] = dataclasses.field(default_factory=list)
+    e_local: int = 0
+    capacity: int = 0
+    hidden: int = 0
+    ffn: int = 0
 
     def gemms(self) -> list[tuple[int, int, int]]:
         return [(e * m, n, k) for e, m, n, k in self.bmm_shapes]

@@ -22,7 +22,7 @@ import torch.fx as fx
 from .. import templates
 from .decide import Decision
 from .graph_utils import GraphEmitter, aten, erase_if_dead, static_shape
-from .matches import AllGatherGemmMatch, GemmThenCollective
+from .matches import AllGatherGemmMatch, GemmThenCollective, MoeSectionMatch
 
 
 def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
@@ -35,6 +35,8 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         plan = spec.plan(d.match, d.config, timeout_ms)
         if isinstance(d.match, AllGatherGemmMatch):
             _rewrite_allgather_gemm(graph, spec, d.match, plan)
+        elif isinstance(d.match, MoeSectionMatch):
+            _rewrite_moe(graph, d.match, plan)
         else:
             _rewrite_gemm_collective(graph, spec, d.match, plan)
         done += 1
@@ -92,3 +94,14 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
         for user in others:
             user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
+
+
+def _rewrite_moe(graph: fx.Graph, m: MoeSectionMatch, plan) -> None:
+    """dispatch all-to-all ... combine's wait -> one moe_fused op on the dispatch buffer."""
+    import torch
+
+    emit = GraphEmitter(graph, before=_after_inputs(graph, [m.buffer_node, *m.weight_nodes]))
+    out = emit(torch.ops.overlap_compile.moe_fused.default, m.buffer_node, *m.weight_nodes, m.group_name,
+               plan.to_json())
+    m.combine_wait.replace_all_uses_with(out)
+    erase_if_dead(graph, [m.combine_wait, *reversed(m.section_nodes), m.dispatch_node])

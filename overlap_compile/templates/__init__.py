@@ -15,6 +15,7 @@ _REGISTRY: dict[str, str] = {
     "p2p_ring": "overlap_compile.templates.p2p_ring",
     "priority_stream": "overlap_compile.templates.priority_stream",
     "tile_fused": "overlap_compile.templates.tile_fused",
+    "moe_fused": "overlap_compile.templates.moe_fused",
 }
 
 

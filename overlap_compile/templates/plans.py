@@ -97,3 +97,25 @@ def _load(text: str, what: str) -> dict[str, Any]:
 def plan_digest(plan_json: str) -> str:
     """Short hash of a plan, compared across ranks before the first run of a rewritten op."""
     return hashlib.sha256(plan_json.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+    """An expert-parallel SwiGLU section: dispatch buffer ``[W * e_local * capacity, hidden]``,
+    local experts' weights ``[e_local, hidden, ffn]`` (w1, w3) and ``[e_local, ffn, hidden]`` (w2)."""
+
+    template: str
+    world: int
+    e_local: int
+    capacity: int
+    hidden: int
+    ffn: int
+    config: dict
+    timeout_ms: int = 10000
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "MoePlan":
+        return MoePlan(**_load(text, "MoePlan"))
