@@ -681,17 +681,57 @@ def tile_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> 
 Model = Callable[[Site, dict, HardwareProfile, Ctx], "Schedule | None"]
 
 # template name -> model. moe_fused: not written yet (see the module docstring).
+# ---- moe_fused (expert-parallel section as a piece pipeline) ---------------------------------------
+
+
+def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """The capacity axis cut into ``pieces`` (templates/moe_fused/reference.py). NCCL runs the
+    calls in issue order on one stream: every dispatch piece D_i first, then the combines C_i; the
+    experts E_i of a piece start when D_i has landed (and E_{i-1} is done); C_i starts after E_i
+    and after the previous call on the NCCL stream. Collectives beside expert GEMMs pay
+    ``comm_slowdown``, expert GEMMs beside collectives ``gemm_slowdown``; every call after the
+    first pays the launch cost. Total = end of C_{p-1}."""
+    if site.kind != "moe":
+        return None
+    p = max(1, int(config.get("pieces", 1)))
+    slow_g, slow_c = profile.contention["gemm_slowdown"], profile.contention["comm_slowdown"]
+    e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0)
+    piece = site.coll_bytes() / p
+
+    def call(i: int, contended: bool) -> float:
+        return comm_call_ms(site, profile, piece, ctx, contended=contended, launch=i > 0)
+
+    events, t_comm, d_end = [], 0.0, []
+    for i in range(p):
+        d = call(i, contended=i > 0)
+        events.append(Event("comm", f"dispatch {i}", t_comm, t_comm + d))
+        t_comm += d
+        d_end.append(t_comm)
+    t_exp = 0.0
+    for i in range(p):
+        start = max(t_exp, d_end[i])
+        events.append(Event("compute", f"experts {i}", start, start + e))
+        t_exp = start + e
+        c_start = max(t_comm, t_exp)
+        c = call(p + i, contended=i < p - 1)
+        events.append(Event("comm", f"combine {i}", c_start, c_start + c))
+        t_comm = c_start + c
+    base = baseline(site, profile, ctx)
+    return Schedule(t_comm, events, base.bound_ms if base else None, f"{p} pieces of {piece / 2**20:.1f} MiB")
+
+
 MODELS: dict[str, Model] = {
     "signal_reorder": signal_reorder,
     "p2p_ring": p2p_ring,
     "priority_stream": priority_stream,
     "tile_fused": tile_fused,
+    "moe_fused": moe_fused,
 }
 
 # Transports that need every rank of the group on one node with peer access (symmetric memory,
 # peer copies). A config is judged by its "transport" key; these templates need it always.
 PEER_TRANSPORTS = ("p2p", "symm_mem", "copy_engine")
-PEER_ONLY_TEMPLATES = ("tile_fused", "moe_fused")
+PEER_ONLY_TEMPLATES = ("tile_fused",)  # moe_fused's pieces travel by NCCL all-to-all
 
 
 def needs_peer_access(template: str, config: dict | None) -> bool:
