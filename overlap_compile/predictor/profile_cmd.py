@@ -249,6 +249,29 @@ def _clear_last_cuda_error() -> None:
         pass
 
 
+def _warm_up(bench: "Bench", device: str, dtype: Any, seconds: float = 0.5) -> None:
+    """GEMMs until ``seconds`` have passed: the first timings otherwise run at idle clocks (the
+    2x H200 table of 2026-11-22 was 10-28% off the operator benchmark's on small shapes)."""
+    import torch
+
+    if not bench.cuda:
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=dtype)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            torch.mm(a, a)
+        bench.sync()
+
+
+def _time_gemm(bench: "Bench", fn: Callable[[], Any], sample_ms: float = 1.0, max_calls: int = 64) -> float:
+    """ms per call, timing back-to-back calls in samples of >= ``sample_ms`` (a lone small GEMM
+    is mostly event and launch overhead)."""
+    est = bench.time(fn, 1)
+    calls = max(1, min(max_calls, math.ceil(sample_ms / max(est, 1e-3))))
+    return bench.time(fn, calls) if calls > 1 else est
+
+
 def _agree(values: list[float], group: Any, device: str, op: str = "max") -> list[float]:
     import torch
     import torch.distributed as dist
@@ -358,13 +381,15 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
     notes: list[str] = []
     dname = str(dtype).replace("torch.", "")
 
-    # 1. GEMMs
+    # 1. GEMMs (clocks ramped up first; each sample >= 1 ms of back-to-back calls)
     rows: list[dict] = []
     shapes = gemm_shapes(sets)[:gemm_limit]
+    _warm_up(bench, device, dtype)
+    notes.append("GEMMs: after a 0.5 s warm-up, median of samples of >= 1 ms of back-to-back calls")
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        ms = bench.time(lambda: torch.mm(a, b))
+        ms = _time_gemm(bench, lambda: torch.mm(a, b))
         rows.append({"m": m, "n": n, "k": k, "dtype": dname, "config": None, "ms": ms})
         progress.step(f"GEMM {m}x{n}x{k}")
     kernels = list(kernels or [])
@@ -384,7 +409,7 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
                 for m, n, k in gemm_shapes(sets, splits=(1,)):
                     a = torch.randn(m, k, device=device, dtype=dtype)
                     b = torch.randn(k, n, device=device, dtype=dtype)
-                    ms = bench.time(lambda: srk.gemm(a, b, config=cfg, programs=sms))
+                    ms = _time_gemm(bench, lambda: srk.gemm(a, b, config=cfg, programs=sms))
                     k_rows.append({"m": m, "n": n, "k": k, "dtype": dname, "config": kd["name"], "ms": ms})
                     progress.step(f"Triton {kd['name']} {m}x{n}x{k}")
         except Exception as e:
