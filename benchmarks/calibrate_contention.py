@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    from overlap_compile import predictor, templates
+    from overlap_compile import predictor
     from overlap_compile.predictor.profile import profile_from_dict
 
     ap = argparse.ArgumentParser()
@@ -38,7 +38,7 @@ def main() -> None:
     base = predictor.load_profile(args.profile)
     # sites are traced once per world size (rows of several world sizes fit jointly: contention
     # is a property of the GPU, not of the group)
-    from predictor_replay import traced_sites
+    from predictor_replay import predict_row, traced_sites
 
     sites = traced_sites(rows)
     best = None
@@ -50,9 +50,9 @@ def main() -> None:
         errs = []
         for r in rows:
             key = (r["kind"], tuple(r["shape"]), r["world_size"])
-            spec = templates.get_spec("signal_reorder" if r["method"].startswith("op_") else r["method"])
-            sched = predictor.schedule_for(spec, sites[key], r["config"], prof)
-            errs.append((sched.total_ms - r["ms"]) / r["ms"])
+            # predicted exactly as the decision would, in the row's launch mode (predictor_replay)
+            as_template = {**r, "method": "signal_reorder"} if r["method"].startswith("op_") else r
+            errs.append(predict_row({"mode": "cuda_graph", **as_template}, sites[key], prof) / r["ms"] - 1)
         score = sum(abs(e) for e in errs) / len(errs)
         if best is None or score < best[0]:
             best = (score, gs, gr, cs, errs)
