@@ -627,3 +627,20 @@ def test_op_overhead_per_template_wins_when_host_launched():
     assert op_overhead_ms(prof, "signal_reorder", "eager") == 0.5       # not measured: the mode's figure
     assert op_overhead_ms(prof, "priority_stream", "cuda_graph") == 0.0  # graphs replay no host code
 
+
+
+def test_decision_margin_from_the_profiles_model_error(group):
+    """A profile's model_error raises the bar: gain >= min_speedup x (1 + error) in that mode."""
+    import dataclasses
+
+    from overlap_compile.passes.decide import decide
+
+    _, match = site_match(group)
+    prof = h200()
+    (d0,) = decide([match], config.current(), prof)
+    gain = float(d0.reason.split("predicted ")[1].split("x")[0]) if d0.template != "baseline" else None
+    assert gain is not None and gain > 1.03, d0.reason  # this AR site is a rewrite on the seeded profile
+    strict = dataclasses.replace(prof, raw={**prof.raw, "model_error": {"eager": gain, "cuda_graph": gain}})
+    predictor.clear_cache()
+    (d1,) = decide([match], config.current(), strict)
+    assert d1.template == "baseline" and "model error" in d1.reason

@@ -77,15 +77,30 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         return Decision(match, BASELINE, None, "no prediction available for this site; kept as written", cands)
     best = min(timed, key=lambda c: c.predicted_ms)
     gain = base_ms / best.predicted_ms
-    if gain < options.min_speedup:
+    margin = _model_error(profile)
+    needed = options.min_speedup * (1.0 + margin)
+    if gain < needed:
+        why = f"min_speedup {options.min_speedup}" + (f" x (1 + the profile's model error {margin:.1%})" if margin else "")
         return Decision(
             match, BASELINE, None,
             f"best rewrite {best.template} predicted {best.predicted_ms:.3f} ms vs baseline {base_ms:.3f} ms: "
-            f"gain {gain:.2f}x < min_speedup {options.min_speedup}",
+            f"gain {gain:.2f}x < {why}",
             cands,
         )
     return Decision(match, best.template, best.config,
                     f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
+
+
+def _model_error(profile: Any) -> float:
+    """The profile's measured mean |error| of template predictions in the current launch mode
+    (``model_error``, from benchmarks/predictor_replay.py): a predicted gain must clear
+    min_speedup by that much too, or a rewrite the model is merely optimistic about could lose."""
+    if profile is None:
+        return 0.0
+    from ..predictor import launch_mode
+
+    table = getattr(profile, "raw", {}).get("model_error", {})
+    return float(table.get(launch_mode(), 0.0))
 
 
 def _no_gpu_path(name: str, profile: Any) -> str | None:
