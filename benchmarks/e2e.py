@@ -271,6 +271,10 @@ def worker(args_dict: dict) -> list[dict]:
                                          "trace": traceback.format_exc()[-3000:]})
                         if dist.get_rank() == 0:
                             print(one_line(rows[-1]), flush=True)
+                            if getattr(a, "out", None):  # a run cut off by a time limit keeps its rows
+                                os.makedirs(a.out, exist_ok=True)
+                                with open(os.path.join(a.out, "e2e-partial.jsonl"), "a") as f:
+                                    f.write(json.dumps({k: v for k, v in rows[-1].items() if k != "trace"}) + "\n")
     return rows
 
 

@@ -50,7 +50,7 @@ def compiled_layer(layer, force: str | None, report):
     return call
 
 
-def worker(shapes: list[dict], dry: bool, iters: int) -> list[dict]:
+def worker(shapes: list[dict], dry: bool, iters: int, out: str | None = None) -> list[dict]:
     import overlap_compile as oc
     from overlap_compile.demo.moe import ExpertParallelMoE
     from overlap_compile.explain import no_compile_caches
@@ -106,6 +106,10 @@ def worker(shapes: list[dict], dry: bool, iters: int) -> list[dict]:
                 except Exception as e:  # recorded, the sweep goes on
                     row["error"] = f"{type(e).__name__}: {e}"[:1500]
                 rows.append(row)
+                if rank == 0 and out:  # a run cut off by a time limit keeps its rows
+                    os.makedirs(out, exist_ok=True)
+                    with open(os.path.join(out, "moe-partial.jsonl"), "a") as f:
+                        f.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -126,7 +130,7 @@ def main() -> None:
     shapes = shapes[: a.limit] if a.limit else shapes
     from overlap_compile.testing.multiprocess import run_distributed
 
-    rows = run_distributed(worker, world_size=a.world, args=(shapes, dry, a.iters),
+    rows = run_distributed(worker, world_size=a.world, args=(shapes, dry, a.iters, a.out),
                            backend="gloo" if dry else "nccl", timeout_s=3600)[0]
     os.makedirs(a.out, exist_ok=True)
     dev = rows[0]["device"].replace(" ", "_")
