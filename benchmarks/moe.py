@@ -50,7 +50,7 @@ def compiled_layer(layer, force: str | None, report):
     return call
 
 
-def worker(shapes: list[dict], dry: bool, iters: int, out: str | None = None) -> list[dict]:
+def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None) -> list[dict]:
     import overlap_compile as oc
     from overlap_compile.demo.moe import ExpertParallelMoE
     from overlap_compile.explain import no_compile_caches
@@ -106,9 +106,9 @@ def worker(shapes: list[dict], dry: bool, iters: int, out: str | None = None) ->
                 except Exception as e:  # recorded, the sweep goes on
                     row["error"] = f"{type(e).__name__}: {e}"[:1500]
                 rows.append(row)
-                if rank == 0 and out:  # a run cut off by a time limit keeps its rows
-                    os.makedirs(out, exist_ok=True)
-                    with open(os.path.join(out, "moe-partial.jsonl"), "a") as f:
+                if rank == 0 and out_dir:  # a run cut off by a time limit keeps its rows
+                    os.makedirs(out_dir, exist_ok=True)
+                    with open(os.path.join(out_dir, "moe-partial.jsonl"), "a") as f:
                         f.write(json.dumps(row) + "\n")
     return rows
 
