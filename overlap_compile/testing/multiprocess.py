@@ -42,15 +42,15 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
                                 device_id=torch.device("cuda", rank) if backend == "nccl" else None)
         module, name = target.rsplit(".", 1)
         fn = getattr(importlib.import_module(module), name)
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        result = fn(*args, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
         queue.put((rank, True, result))
     except BaseException:
+        # Report at once and leave the process group alone: the other ranks may be blocked in a
+        # collective this rank will never join, so a barrier or teardown here would hang until
+        # the backend's timeout (seen: a benchmark rank failing, the run hanging for minutes).
+        # run_distributed stops the other ranks when it reads this.
         queue.put((rank, False, traceback.format_exc()))
 
 
