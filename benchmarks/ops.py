@@ -13,6 +13,7 @@ exact plan a compiled model would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -39,11 +40,35 @@ def rewritten(kind: str, template: str, a: torch.Tensor, b: torch.Tensor, group:
     from overlap_compile.passes.pipeline import run_on_graph
 
     gm = make_fx(sequential_fn(kind, group, world), tracing_mode="fake")(a, b)
-    with config.patch(force_template=template):
+    name, _, only = template.partition("@")
+    with config.patch(force_template=name), _only_configs(name, only):
         record = run_on_graph(gm.graph, config.current())
     gm.recompile()
     site = record.sites[0]
     return (lambda: gm(a, b)) if site.rewritten else None, site
+
+
+@contextlib.contextmanager
+def _only_configs(template: str, only: str):
+    """``only`` = "key=value": the template's configs restricted to those with config[key] == value
+    (e.g. "p2p_ring@transport=p2p": the copy-engine transport, whatever the predictor prefers)."""
+    if not only:
+        yield
+        return
+    key, _, value = only.partition("=")
+    spec = templates.get_spec(template)
+    cands, default = spec.candidates, spec.default_config
+    spec.candidates = lambda m, p: [c for c in cands(m, p) if str(c.get(key)) == value] or [spec.default_config(m)]
+    spec.default_config = lambda m: {**default(m), key: value}
+    try:
+        yield
+    finally:
+        del spec.candidates, spec.default_config
+
+
+def _expand(names: list[str]) -> list[str]:
+    """p2p_ring is measured as the predictor picks it and with transport "p2p" (copy engine)."""
+    return [x for n in names for x in ([n, "p2p_ring@transport=p2p"] if n == "p2p_ring" else [n])]
 
 
 def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str]) -> list[dict]:
@@ -74,7 +99,7 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
             for mode, ms in (("eager", seq_eager), ("cuda_graph", seq_graph))[: len(modes)]:
                 rows.append({**base, "method": "sequential", "config": None, "mode": mode, "ms": ms,
                              "gemm_ms": gemm_ms, "comm_ms": comm_ms, "correct": True})
-            for name in templates_to_run:
+            for name in _expand(templates_to_run):
                 fn, site = rewritten(kind, name, a, b, group, world)
                 if fn is None:
                     continue
@@ -91,7 +116,7 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
                         if rank == 0:
                             print(f"{name} {kind} {shape} {mode}: {type(e).__name__}: {e}")
                     seq_ms = seq_eager if mode == "eager" else seq_graph
-                    rows.append({**base, "method": name, "config": config, "mode": mode, "ms": ms,
+                    rows.append({**base, "method": name.split("@")[0], "config": config, "mode": mode, "ms": ms,
                                  "speedup": seq_ms / ms if ms == ms else None, "bound_ms": bound,
                                  "rel_err": err, "correct": err < 2e-2})
             if rank == 0:

@@ -274,10 +274,10 @@ def test_configs():
     for match in (rs, a2a):
         for c in SPEC.candidates(match, None):
             assert reference.config_problem(match.kind, c) is None
-    # the copy-engine transport: offered for row stripes of reduce-scatter / all-gather only
+    # the copy-engine transport: offered for row stripes (every kind), not for outer > 1
     p2p = {"slices": 1, "bidirectional": False, "transport": "p2p"}
     assert p2p in SPEC.candidates(rs, None) and p2p in SPEC.candidates(_ag_match(world=4, m=16), None)
-    assert p2p not in SPEC.candidates(a2a, None)
+    assert p2p in SPEC.candidates(a2a, None)
     assert p2p not in SPEC.candidates(_rs_match(m=40, outer=2), None)
 
 

@@ -1,25 +1,32 @@
 """Symmetric-memory buffers for templates that move data between GPUs without NCCL (peer copies
 on the copy engine, or Triton kernels reading / writing peers' memory over NVLink).
 
-    buf = symm_buffer(group_name, "p2p_ring.ag", (rows, k), dtype, device)
+    usable(group_name, device)     # None when this can run here, else the reason (a string)
+    buf = symm_buffer(group_name, "p2p_ring/ag", (rows, k), dtype, device)
     buf.local                      # my buffer: peers read / write it
     buf.peer(rank)                 # a tensor on my device mapping that rank's buffer
-    buf.ptrs                       # int64 device table: every rank's address of the buffer
+    buf.rank, buf.world, buf.handle, buf.offset
+    buf.ptrs / buf.buffer_ptrs_dev # int64 [world] on the device: every rank's address of the buffer
+    buf.signal_pad_ptrs_dev        # int64 [world] on the device: every rank's signal pad
     buf.barrier(channel, timeout)  # every rank of the group reached this point in stream order
 
     t, ptrs = tensor_and_ptrs(group_name, key, shape, dtype, device, zero=False)   # kernels' form
     peer_view(group_name, t, rank)                                                  # by tensor
+    write_value32(flags, index, value)   # flags[index] = value in stream order (flags: uint32, 1-D,
+                                         # local or a peer view), fenced so earlier work lands first
 
-A buffer is allocated once per (group, key, shape, dtype, device) and reused by every call:
-allocation and rendezvous are collective (every rank must ask for the same buffers in the same
-order) and slow, and must not happen inside a CUDA-graph capture (refused with a clear error).
-Buffers and rendezvous handles live for the life of the process: a peer view outlives nothing it
-depends on (the profile run on 4x H200 showed a peer copy failing with "invalid argument" once
-the local buffer behind the handle had been freed).
+A buffer is allocated once per (group, key, shape, dtype, device) (``cache_key``) and reused by
+every call: allocation and rendezvous are collective (every rank must ask for the same buffers in
+the same order) and slow, and must not happen inside a CUDA-graph capture (refused with a clear
+error). Buffers and rendezvous handles live for the life of the process: a peer view outlives
+nothing it depends on (the profile run on 4x H200 showed a peer copy failing with "invalid
+argument" once the local buffer behind the handle had been freed).
 
 On torch 2.11+ ``buffer_ptrs`` are the allocation bases: a tensor's address on rank q is
 ``buffer_ptrs[q] + (t.data_ptr() - buffer_ptrs[rank])`` (DESIGN.md), and peer views take the same
-offset. ``usable(group_name, device)`` says why this transport cannot run (None when it can).
+offset. Because several tensors may share one allocation (and with it one signal pad, which
+torch's own ``barrier`` also uses), templates that signal keep their flags in a buffer of their
+own (a small uint32 ``symm_buffer`` with ``zero=True``) rather than in the signal pads.
 Importing this module touches neither CUDA nor a process group.
 """
 from __future__ import annotations
@@ -40,10 +47,17 @@ class SymmBuffer:
     world: int
     offset: int          # bytes from the allocation base to ``local`` (same on every rank)
     ptrs: torch.Tensor   # int64 [world] on the device: every rank's address of this buffer
+    signal_pad_ptrs_dev: torch.Tensor  # int64 [world] on the device: every rank's signal pad
     _peers: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def buffer_ptrs_dev(self) -> torch.Tensor:
+        return self.ptrs
 
     def peer(self, rank: int) -> torch.Tensor:
         """``rank``'s buffer, mapped into this device's address space (same shape and dtype)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"symmetric buffer: rank {rank} is outside the group (world size {self.world})")
         if rank == self.rank:
             return self.local
         view = self._peers.get(rank)
@@ -61,20 +75,67 @@ _cache: dict[tuple, SymmBuffer] = {}
 _lock = threading.Lock()
 
 
+def cache_key(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> tuple:
+    """What identifies a buffer: two requests with the same key share one allocation."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"symmetric buffer key must be a non-empty string, got {key!r}")
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"symmetric buffer {key!r}: negative size in shape {shape}")
+    index = device.index if device.index is not None else 0
+    return (group_name, key, shape, dtype, device.type, index)
+
+
+def node_reason(world: int, gpus_here: int, blocked: list[tuple[int, int]]) -> str | None:
+    """Why a group of ``world`` ranks cannot use peer memory on a node with ``gpus_here`` GPUs,
+    given the GPU pairs without peer access (None: it can). Pure, so it is tested on CPU."""
+    if world < 2:
+        return f"a group of {world} rank has no peers to copy from"
+    if world > gpus_here:
+        return f"the group's {world} ranks are not all on this node ({gpus_here} GPUs here)"
+    if blocked:
+        i, j = blocked[0]
+        return f"no peer access between GPUs {i} and {j}"
+    return None
+
+
 def usable(group_name: str, device: torch.device) -> str | None:
+    """None when symmetric memory with peer copies can serve this group here; else why not.
+    Cached per (group, device): ops ask on every call."""
+    ck = (group_name, device.type, device.index)
+    with _lock:
+        if ck in _usable:
+            return _usable[ck]
+    why = _usable_now(group_name, device)
+    with _lock:
+        _usable[ck] = why
+    return why
+
+
+_usable: dict[tuple, str | None] = {}
+
+
+def _usable_now(group_name: str, device: torch.device) -> str | None:
     if device.type != "cuda":
-        return "symmetric memory needs CUDA tensors"
+        return f"symmetric memory needs CUDA tensors, got a {device.type} tensor"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
     if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
-        return "this torch has no symmetric memory"
+        return "this torch has no symmetric memory (torch.distributed._symmetric_memory)"
     from .comm import resolve_group
 
-    world, here = resolve_group(group_name).size(), torch.cuda.device_count()
-    if world > here:
-        return f"the group's {world} ranks are not all on this node ({here} GPUs here)"
-    blocked = [(i, j) for i in range(world) for j in range(world) if i != j and not torch.cuda.can_device_access_peer(i, j)]
-    if blocked:
-        return f"no peer access between GPUs {blocked[0]}"
-    return None
+    try:
+        pg = resolve_group(group_name)
+        if type(pg._get_backend(device)).__name__ != "ProcessGroupNCCL":
+            return "symmetric memory rendezvous needs an NCCL group on CUDA tensors"
+    except (RuntimeError, AttributeError) as e:
+        return f"process group {group_name!r}: {e}"
+    world, here = pg.size(), torch.cuda.device_count()
+    # Assumes one rank per GPU, ranks 0..W-1 on GPUs 0..W-1 (what torchrun and the harness do).
+    blocked = [(i, j) for i in range(min(world, here)) for j in range(min(world, here))
+               if i != j and not torch.cuda.can_device_access_peer(i, j)]
+    return node_reason(world, here, blocked)
 
 
 def available(group_name: str, device: torch.device) -> bool:
@@ -84,8 +145,8 @@ def available(group_name: str, device: torch.device) -> bool:
 def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 zero: bool = False) -> SymmBuffer:
     """The cached buffer for (group, key, shape, dtype, device); created on first use (collective).
-    ``zero``: zeroed on every rank before any peer can write into it (signal pads, counters)."""
-    ck = (group_name, key, tuple(shape), dtype, device.index)
+    ``zero``: zeroed on every rank before any peer can write into it (signal flags, counters)."""
+    ck = cache_key(group_name, key, shape, dtype, device)
     with _lock:
         buf = _cache.get(ck)
     if buf is not None:
@@ -103,17 +164,17 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
             pass
     local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
     if zero:
-        local.zero_()
+        local.view(-1).view(torch.uint8).zero_()  # bytes: uint32 has no CUDA fill kernel on every torch
         torch.cuda.synchronize(device)  # zeroed before the rendezvous lets any peer see it
     handle = symm_mem.rendezvous(local, group_name)
-    from .comm import rank_and_size
-
-    offset = local.data_ptr() - handle.buffer_ptrs[rank_and_size(group_name)[0]]
-    ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
     from .comm import resolve_group
 
     pg = resolve_group(group_name)
-    buf = SymmBuffer(local, handle, pg.rank(), pg.size(), offset, ptrs)
+    rank, world = pg.rank(), pg.size()
+    offset = local.data_ptr() - handle.buffer_ptrs[rank]
+    ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+    buf = SymmBuffer(local, handle, rank, world, offset, ptrs, pads)
     with _lock:
         _cache[ck] = buf
     return buf
@@ -134,3 +195,19 @@ def peer_view(group_name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
         else:
             raise KeyError(f"{tuple(t.shape)} is not a symmetric buffer of group {group_name!r}")
     return buf.peer(rank)
+
+
+def write_value32(flags: torch.Tensor, index: int, value: int) -> None:
+    """``flags[index] = value`` on the current stream, after everything queued before it.
+
+    ``cuStreamWriteValue32`` (torch's ``symm_mem.stream_write_value32_``): no kernel, no SM, and
+    it fences earlier writes system-wide before the flag lands. It is used under CUDA-graph
+    capture too (stream memory operations become batch-mem-op nodes, CUDA >= 11.7); torch's own
+    async-TP switches to a ``memset32`` node there, but for its local flags only, and a memset
+    node writing another GPU's memory is what we would rather not rely on. Not yet verified on
+    the GPU machines (see templates/p2p_ring/kernels.py)."""
+    if flags.dtype != torch.uint32 or flags.dim() != 1:
+        raise ValueError(f"write_value32: flags must be a 1-D uint32 tensor, got {flags.dtype} {tuple(flags.shape)}")
+    if not 0 <= index < flags.numel():
+        raise ValueError(f"write_value32: index {index} outside flags of {flags.numel()} entries")
+    torch.ops.symm_mem.stream_write_value32_(flags, index, int(value))

@@ -1,40 +1,73 @@
-"""p2p_ring on NVIDIA GPUs with transport "p2p": peer copies over symmetric memory (copy engine,
-no SMs taken from the GEMM), cuBLAS for the GEMM pieces.
+"""p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
+buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
+flags in symmetric memory. Row stripes only (``outer == 1``, slices 1, one direction).
 
-STATUS: written after the 2x/4x H200 profile runs measured the copy engine at ~380 GB/s per peer
-copy (benchmarks/results/profiles/); not yet run on a GPU. spec.py keeps ``gpu_implemented =
-False`` (the predictor does not offer p2p_ring under GPU profiles) until tests/gpu/test_p2p_ring.py
-passes on the device.
+STATUS: not yet run on a GPU (the session's device time ran out before the first run);
+spec.gpu_implemented stays False until tests/gpu/test_p2p_ring.py passes on 2+ GPUs.
 
-All-gather -> GEMMs (pull; shards along rows, ``outer == 1``)::
+The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair); each
+rank owns a uint32 flag buffer of 2W entries in symmetric memory:
 
-    compute stream  copy my shard into my symmetric buffer; barrier(0)    (every shard in place)
-    copy stream     for s = 1..W-1: gathered[rows of r+s] <- peer(r+s)    (copy engine), event_s
-    compute stream  y_i[rows of r] = shard @ b_i; then for s = 1..W-1: wait event_s,
-                    y_i[rows of r+s] = gathered[rows of r+s] @ b_i
-                    join the copy stream; barrier(1)       (nobody still reads my buffer when
-                                                            the next call overwrites it)
+    READY[q]   (q's data for me is in place)     written 1 by q, consumed (-> 0) by my wait
+    BUSY[q]    (q still has to read / sum the     written 1 by me when I publish, 0 by q once it
+               data I gave it)                    is done with it; I wait for 0 before reuse
 
-GEMM -> reduce-scatter (push; stripes along rows, ``outer == 1``): my symmetric buffer has one
-slot per source rank::
+Flags are written with ``cuStreamWriteValue32`` (runtime.symm.write_value32: stream order,
+fenced, no kernel, also under graph capture) and waited on with runtime.spin_wait's bounded one-thread
+kernel (a timeout names the template, the ring step and the flag's value at the next call or at
+``check_errors``). Every flag is back at 0 once all ranks have finished a call, so calls (and
+CUDA-graph replays) need no memset and no host-side state that changes between calls.
 
-    compute stream  for s = 1..W-1: d = r - s: partial_d = a[stripe d] @ b (+ bias), event_s
-    copy stream     wait event_s; peer(d)[slot r] <- partial_d             (copy engine)
-    compute stream  my own partial straight into slot r (computed last: no tail)
-                    join the copy stream; barrier(0)      (every partial has landed everywhere)
-                    out = sum over slots (fp32), / W for "avg"; barrier(1)  (slots free again)
+All-gather -> GEMMs (pull)::
 
-The barriers are symmetric memory's device-side barrier with the plan's timeout (bounded). The
-whole op is stream work (copies, events, cuBLAS, barrier kernels): capturable in a CUDA graph.
-The math is the reference's (reference.py), in another order of summation for reduce-scatter.
+    compute       wait BUSY[q] == 0 for every q (peers done reading my last shard)
+                  my buffer <- shard; BUSY[q] = 1; READY[me] = 1 on every peer
+                  wait READY[src] for every src (all at once, before any GEMM holds the SMs)
+    copy stream   for s = 1..W-1: src = ag_source(r, s): gathered[rows of src] <- peer(src)
+                                  (copy engine), BUSY[me] = 0 on src, event_s
+    compute       y[rows of r] = shard @ b; for s: wait event_s, y[rows of src] = part @ b
+
+GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
+
+    copy stream   wait BUSY[d] == 0 for every d (owners done summing my last partials)
+                  for step j < W-1: d = rs_stripe(r, j): wait event_j; BUSY[d] = 1;
+                                    peer(d).slot[me] <- partial_j (copy engine); READY[me] = 1 on d
+    compute       partial_j = a[stripe d] @ b (+ bias) for j = 0..W-2; then for j = 0..W-3:
+                  wait READY[r + j + 1], acc (fp32) += slot[r + j + 1], BUSY[me] = 0 on r + j + 1;
+                  my own stripe's GEMM; the last arrival; out = (acc + own) (/ W), in the dtype
+
+GEMM -> all-to-all (push blocks to their destination)::
+
+    copy stream   wait BUSY[dst] == 0 for every dst; for s: (dst, src) = a2a_pair(r, s):
+                  wait event_s; BUSY[dst] = 1; peer(dst).slot[me] <- block_s; READY[me] = 1 on dst
+    compute       block_s = a[stripe dst] @ b for s = 1..W-1; my own block straight into out;
+                  then for every src: wait READY[src]; out[rows of src] <- slot[src];
+                  BUSY[me] = 0 on src
+
+Cross-rank waits run either before the first GEMM of the call (copy stream) or on the compute
+stream between GEMMs, never on the copy stream while a GEMM holds every SM: a waiting kernel
+needs an SM slot, and a persistent cuBLAS kernel would keep it from starting. The whole op is
+stream work (copies, events, flag writes, cuBLAS, wait kernels): no host synchronisation, no
+host-to-device copy, capturable in a CUDA graph; buffers are allocated once (runtime.symm).
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from ...runtime import symm
+from ...runtime import comm, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+from .reference import a2a_pair, ag_source, check_config, rs_stripe
 
+TEMPLATE = "p2p_ring"
+
+
+class SignalTimeoutError(RuntimeError):
+    """A bounded wait on a peer's flag ran past signal_timeout_ms (or saw an impossible value)."""
+
+
+# ---- where to run ----------------------------------------------------------------------------
 
 def usable(group_name: str, device: torch.device, plan) -> str | None:
     """Why the copy-engine path cannot run this plan here (None: it can)."""
@@ -42,84 +75,246 @@ def usable(group_name: str, device: torch.device, plan) -> str | None:
         return "the plan's transport is not 'p2p'"
     if plan.outer != 1:
         return "the copy-engine path moves whole row stripes (scatter / gather along dim 0 only)"
+    if not spin_wait.HAVE_TRITON:
+        return "the bounded waits need Triton"
     return symm.usable(group_name, device)
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    from ..priority_stream.kernels import comm_stream
+# ---- streams, flags, errors --------------------------------------------------------------------
 
-    return comm_stream(device)
+_streams: dict[int, torch.cuda.Stream] = {}
+_lock = threading.Lock()
+_tags: dict[str, int] = {}
+_tag_text: dict[int, str] = {}
 
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """This device's stream for peer copies and flag writes. High priority: the wait kernels
+    queued on it must get an SM slot ahead of the GEMM's next CTAs."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        s = _streams.get(index)
+        if s is None:
+            _, greatest = torch.cuda.Stream.priority_range()
+            s = _streams[index] = torch.cuda.Stream(device=index, priority=greatest)
+        return s
+
+
+def _tag(text: str) -> int:
+    """A small integer standing for a wait's description (the kernel records the integer)."""
+    with _lock:
+        t = _tags.get(text)
+        if t is None:
+            t = _tags[text] = len(_tags) + 1
+            _tag_text[t] = text
+        return t
+
+
+def describe(tag: int) -> str:
+    return _tag_text.get(tag, f"wait #{tag}")
+
+
+def check_errors(device: torch.device | int | None = None, synchronize: bool = True) -> None:
+    """Raise SignalTimeoutError if a bounded wait of this template failed on ``device`` (after a
+    synchronisation unless ``synchronize=False``)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    rec = spin_wait.failure(device, synchronize)
+    if rec is None:
+        return
+    tag, seen, target = rec
+    spin_wait.clear(device)
+    raise SignalTimeoutError(
+        f"{TEMPLATE}: {describe(tag)}: the flag read {seen}, expected {target} within signal_timeout_ms "
+        f"(device cuda:{device.index}); a peer is not running the same plan or has failed. The results of "
+        f"that call are invalid.")
+
+
+class _Flags:
+    """One call's view of the flag buffer: READY at [0, W), BUSY at [W, 2W)."""
+
+    def __init__(self, group_name: str, key: str, world: int, device: torch.device, timeout_ms: int, what: str):
+        self.buf = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}/flags", (2 * world,), torch.uint32, device,
+                                    zero=True)
+        self.rank, self.world, self.timeout_ms, self.what = self.buf.rank, world, timeout_ms, what
+
+    def ready(self, to: int) -> None:
+        """READY[me] = 1 on rank ``to`` (after everything queued before on this stream)."""
+        symm.write_value32(self.buf.peer(to), self.rank, 1)
+
+    def busy(self, reader: int) -> None:
+        symm.write_value32(self.buf.local, self.world + reader, 1)
+
+    def release(self, owner: int) -> None:
+        """Tell ``owner`` I am done with the data it gave me: BUSY[me] = 0 on ``owner``."""
+        symm.write_value32(self.buf.peer(owner), self.world + self.rank, 0)
+
+    def wait_ready(self, src: int, step: int) -> None:
+        tag = _tag(f"{self.what}, ring step {step}: wait for rank {src}'s data (READY flag {src})")
+        spin_wait.wait_value(self.buf.local, src, 1, self.timeout_ms, tag, until_equal=True, sys_scope=True)
+
+    def wait_free(self, reader: int) -> None:
+        tag = _tag(f"{self.what}, call start: wait for rank {reader} to release my buffer (BUSY flag {reader})")
+        spin_wait.wait_value(self.buf.local, self.world + reader, 0, self.timeout_ms, tag, until_equal=True,
+                             sys_scope=True)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+    return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
+
+
+def _start(device: torch.device, plan) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Raise a failure recorded by an earlier call; fork the copy stream off the caller's stream
+    (inputs ready; under capture this brings the copy stream into the graph)."""
+    check_errors(device, synchronize=False)
+    check_config(plan.kind if isinstance(plan, GemmCollectivePlan) else "allgather_gemm", plan.config)
+    compute, copier = torch.cuda.current_stream(device), copy_stream(device)
+    copier.wait_stream(compute)
+    return compute, copier
+
+
+# ---- all-gather -> GEMMs -----------------------------------------------------------------------
 
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
                   group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
-    w, rows = plan.world, plan.chunk
+    """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather."""
+    w, rows, dev = plan.world, plan.chunk, shard.device
     shard = shard.contiguous()
-    buf = symm.symm_buffer(group_name, "p2p_ring.allgather", (rows, plan.k), shard.dtype, shard.device)
-    r = buf.rank
-    compute, copier = torch.cuda.current_stream(shard.device), _copy_stream(shard.device)
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (rows, plan.k), shard.dtype, dev)
+    flags = _Flags(group_name, f"allgather/{rows}x{plan.k}/{shard.dtype}", w, dev, plan.timeout_ms,
+                   "all-gather")
+    r = data.rank
+    compute, copier = _start(dev, plan)
     gathered = shard.new_empty(plan.m, plan.k)
-    outs = [gathered] + [shard.new_empty(plan.m, n) for n in plan.ns]
-    buf.local.copy_(shard)
-    gathered[r * rows:(r + 1) * rows].copy_(shard)
-    buf.barrier(0, plan.timeout_ms)
+    ys = [shard.new_empty(plan.m, n) for n in plan.ns]
+    peers = [ag_source(r, w, s) for s in range(1, w)]
+    # Publish and meet on the compute stream, before the first GEMM: a wait kernel queued
+    # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
+    for q in peers:
+        flags.wait_free(q)
+    data.local.copy_(shard)
+    for q in peers:
+        flags.busy(q)
+    for q in peers:
+        flags.ready(q)
+    for s, src in enumerate(peers, start=1):
+        flags.wait_ready(src, s)
     copier.wait_stream(compute)
     events = []
     with torch.cuda.stream(copier):
-        for s in range(1, w):
-            src = (r + s) % w
-            gathered[src * rows:(src + 1) * rows].copy_(buf.peer(src))
+        gathered[r * rows:(r + 1) * rows].copy_(shard)
+        for src in peers:
+            gathered[src * rows:(src + 1) * rows].copy_(data.peer(src))
+            flags.release(src)
             ev = torch.cuda.Event()
             ev.record(copier)
-            events.append((src, ev))
-    _gemms(gathered, r, rows, bs, biases, outs)
-    for src, ev in events:
+            events.append(ev)
+    for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
+        _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
+    for src, ev in zip(peers, events):
         compute.wait_event(ev)
-        _gemms(gathered, src, rows, bs, biases, outs)
+        part = gathered[src * rows:(src + 1) * rows]
+        for b, bias, y in zip(bs, biases, ys):
+            _gemm(part, b, bias, out=y[src * rows:(src + 1) * rows])
     compute.wait_stream(copier)
+    shard.record_stream(copier)
     gathered.record_stream(copier)
-    buf.barrier(1, plan.timeout_ms)
-    return outs
+    return [gathered] + ys
 
 
-def _gemms(gathered, src, rows, bs, biases, outs) -> None:
-    part = gathered[src * rows:(src + 1) * rows]
-    for b, bias, y in zip(bs, biases, outs[1:]):
-        dst = y[src * rows:(src + 1) * rows]
-        if bias is None:
-            torch.mm(part, b, out=dst)
-        else:
-            torch.addmm(bias, part, b, out=dst)
+# ---- GEMM -> reduce-scatter / all-to-all --------------------------------------------------------
+
+def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
+        plan: GemmCollectivePlan) -> torch.Tensor:
+    if plan.kind == "gemm_reducescatter":
+        return run_reducescatter(a, b, bias, group_name, plan)
+    if plan.kind == "gemm_alltoall":
+        return run_alltoall(a, b, bias, group_name, plan)
+    raise ValueError(f"{TEMPLATE}: the copy-engine path implements gemm_reducescatter and gemm_alltoall, "
+                     f"not {plan.kind!r}")
+
+
+def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int]):
+    """Compute the partial / block for each destination in ``order`` on the compute stream and
+    push each into slot ``me`` of its destination's buffer on the copy stream. Returns the data
+    buffer, the flags and the streams; the caller computes its own piece and collects."""
+    w, rows, dev = plan.world, plan.chunk, a.device
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w, rows, plan.n), a.dtype, dev)
+    flags = _Flags(group_name, f"{key}/{w}x{rows}x{plan.n}/{a.dtype}", w, dev, plan.timeout_ms, what)
+    r = data.rank
+    compute, copier = _start(dev, plan)
+    with torch.cuda.stream(copier):  # before any GEMM of this call holds the SMs
+        for d in order:
+            flags.wait_free(d)
+    staged = []
+    for d in order:
+        part = _gemm(a[d * rows:(d + 1) * rows], b, bias)
+        ev = torch.cuda.Event()
+        ev.record(compute)
+        with torch.cuda.stream(copier):
+            copier.wait_event(ev)
+            flags.busy(d)
+            data.peer(d)[r].copy_(part)
+            flags.ready(d)
+        part.record_stream(copier)
+        staged.append(part)
+    return data, flags, compute, copier, r
 
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                       plan: GemmCollectivePlan) -> torch.Tensor:
+    """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg)."""
+    if plan.reduce_op not in ("sum", "avg"):
+        raise ValueError(f"{TEMPLATE}: reduce op {plan.reduce_op!r} is not supported (supported: ['sum', 'avg'])")
     w, rows = plan.world, plan.chunk
-    buf = symm.symm_buffer(group_name, "p2p_ring.reducescatter", (w, rows, plan.n), a.dtype, a.device)
-    r = buf.rank
-    compute, copier = torch.cuda.current_stream(a.device), _copy_stream(a.device)
-
-    def partial(d: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        part = a[d * rows:(d + 1) * rows]
-        if bias is None:
-            return torch.mm(part, b, out=out) if out is not None else torch.mm(part, b)
-        return torch.addmm(bias, part, b, out=out) if out is not None else torch.addmm(bias, part, b)
-
-    for s in range(1, w):  # farthest ring distance first, my own stripe last
-        d = (r - s) % w
-        p = partial(d)
-        ev = torch.cuda.Event()
-        ev.record(compute)
-        copier.wait_event(ev)
-        with torch.cuda.stream(copier):
-            buf.peer(d)[r].copy_(p)
-        p.record_stream(copier)
-    partial(r, out=buf.local[r])
-    compute.wait_stream(copier)
-    buf.barrier(0, plan.timeout_ms)
-    out = buf.local.float().sum(0)
+    a = a.contiguous()
+    r = comm.rank_and_size(group_name)[0]
+    order = [rs_stripe(r, w, j) for j in range(w - 1)]
+    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "reducescatter",
+                                                "gemm_reducescatter", order)
+    acc = None
+    # The partial rank r + j + 1 pushes at its step j is for me. Summed after all my peer GEMMs
+    # are queued (a wait between GEMMs would stall them behind a slow peer), the first W-2 of
+    # them while nothing else is queued, the last one after my own stripe's GEMM.
+    for j in range(w - 2):
+        acc = _accumulate(acc, data, flags, (r + j + 1) % w, j)
+    own = _gemm(a[r * rows:(r + 1) * rows], b, bias)
+    acc = _accumulate(acc, data, flags, (r + w - 1) % w, w - 2)
+    out = acc.add_(own)
     if plan.reduce_op == "avg":
-        out = out / w
+        out = out.div_(w)
     out = out.to(a.dtype)
-    buf.barrier(1, plan.timeout_ms)
+    compute.wait_stream(copier)
+    return out
+
+
+def _accumulate(acc, data, flags: _Flags, src: int, step: int) -> torch.Tensor:
+    """acc (fp32) += the partial ``src`` pushed into my slot ``src``; then free that slot."""
+    flags.wait_ready(src, step)
+    slot = data.local[src]
+    acc = slot.float() if acc is None else acc.add_(slot)
+    flags.release(src)
+    return acc
+
+
+def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
+                 plan: GemmCollectivePlan) -> torch.Tensor:
+    """Block j of the result (rows j*rows..) is source j's ``a @ b + bias`` rows of my stripe."""
+    w, rows = plan.world, plan.chunk
+    a = a.contiguous()
+    r = comm.rank_and_size(group_name)[0]
+    pairs = [a2a_pair(r, w, s) for s in range(1, w)]
+    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "alltoall", "gemm_alltoall",
+                                                [dst for dst, _ in pairs])
+    out = a.new_empty(plan.m, plan.n)
+    _gemm(a[r * rows:(r + 1) * rows], b, bias, out=out[r * rows:(r + 1) * rows])  # stays here, computed last
+    for s, (_, src) in enumerate(pairs, start=1):
+        flags.wait_ready(src, s)
+        out[src * rows:(src + 1) * rows].copy_(data.local[src])
+        flags.release(src)
+    compute.wait_stream(copier)
     return out

@@ -4,29 +4,50 @@ and torch.ops.overlap_compile.p2p_ring_allgather_gemm(shard, bs, biases, group_n
 
 The gemm-collective op returns the collective's result rows directly (reduce-scatter: my reduced
 stripe; all-to-all: the received blocks in source order), so the graph needs no glue beyond the
-view that spec's base emitter already adds. CUDA tensors with transport "p2p" (row stripes, one
-node) run kernels.py (copy-engine peer copies over symmetric memory; not yet run on a GPU);
-everything else runs the reference ring: the same decomposed algorithm, with real asynchronous
-P2P transfers.
+view that spec's base emitter already adds.
+
+Dispatch (``path``): CUDA tensors on an NCCL group run kernels.py when the plan's transport is
+"p2p" and the group can use symmetric memory (copy-engine peer copies), else kernels_nccl.py
+(cuBLAS pieces + NCCL send/recv on a high-priority stream; slices=1, one direction); everything
+else (CPU / gloo, other configs) runs reference.py, the same decomposed algorithm.
 """
 from __future__ import annotations
 
 from ..base import define_allgather_gemm_op, define_gemm_collective_op
 from . import reference
 
-def _cuda(a, b, bias, group_name, plan):
-    from . import kernels
 
-    if plan.kind == "gemm_reducescatter" and kernels.usable(group_name, a.device, plan) is None:
-        return kernels.run_reducescatter(a, b, bias, group_name, plan)
+def path(group_name: str, device, plan) -> str:
+    """Which implementation a call runs: "p2p" (kernels.py), "nccl" (kernels_nccl.py) or
+    "reference"."""
+    from . import kernels, kernels_nccl
+
+    if plan.config.get("transport") == "p2p" and kernels.usable(group_name, device, plan) is None:
+        return "p2p"
+    if kernels_nccl.usable(group_name, device, plan) is None:
+        return "nccl"
+    return "reference"
+
+
+def _cuda(a, b, bias, group_name, plan):
+    from . import kernels, kernels_nccl
+
+    where = path(group_name, a.device, plan)
+    if where == "p2p":
+        return kernels.run(a, b, bias, group_name, plan)
+    if where == "nccl":
+        return kernels_nccl.run(a, b, bias, group_name, plan)
     return reference.run(a, b, bias, group_name, plan)
 
 
 def _cuda_allgather(shard, bs, biases, group_name, plan):
-    from . import kernels
+    from . import kernels, kernels_nccl
 
-    if kernels.usable(group_name, shard.device, plan) is None:
+    where = path(group_name, shard.device, plan)
+    if where == "p2p":
         return kernels.run_allgather(shard, bs, biases, group_name, plan)
+    if where == "nccl":
+        return kernels_nccl.run_allgather(shard, bs, biases, group_name, plan)
     return reference.run_allgather(shard, bs, biases, group_name, plan)
 
 

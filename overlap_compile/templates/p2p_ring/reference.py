@@ -43,9 +43,9 @@ from ..base import gemm_tile
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 
 CONFIG_KEYS = ("slices", "bidirectional", "transport")
-# "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU). "p2p": copy-engine
-# peer copies over symmetric memory (kernels.py, GPUs of one node, row stripes); where that path
-# cannot run, this reference computes the same result with send/recv.
+# "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU; kernels_nccl.py on
+# CUDA). "p2p": copy-engine peer copies over symmetric memory (kernels.py, GPUs of one node, row
+# stripes); where that path cannot run, this reference computes the same result with send/recv.
 TRANSPORTS = ("nccl", "p2p")
 REDUCE_OPS = ("sum", "avg")
 KINDS = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
@@ -71,8 +71,8 @@ def config_problem(kind: str, config: Any) -> str | None:
     transport = config.get("transport", "nccl")
     if transport not in TRANSPORTS:
         return f"config 'transport' must be one of {list(TRANSPORTS)}, got {transport!r}"
-    if transport == "p2p" and (kind == "gemm_alltoall" or slices != 1 or bidir):
-        return "transport 'p2p' (copy engine) runs reduce-scatter and all-gather with slices=1, one direction"
+    if transport == "p2p" and (slices != 1 or bidir):
+        return "transport 'p2p' (copy engine) runs whole stripes in one direction: slices=1, bidirectional=False"
     return None
 
 
@@ -134,6 +134,24 @@ def gemm_f32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, rows: 
     if bias is not None:
         acc = acc + bias[cols].float()
     return acc
+
+
+# ---- ring order (shared with kernels.py) ------------------------------------------------------
+
+def rs_stripe(r: int, w: int, s: int, direction: int = 1) -> int:
+    """Reduce-scatter step ``s`` (0..W-1) of rank ``r``: the stripe whose partial it computes.
+    The last step (s = W-1) is ``r`` itself: the result is the last thing computed."""
+    return (r - direction * (s + 1)) % w
+
+
+def ag_source(r: int, w: int, s: int, direction: int = 1) -> int:
+    """All-gather step ``s`` (0..W-1) of rank ``r``: whose shard's rows it computes (s = 0: its own)."""
+    return (r - direction * s) % w
+
+
+def a2a_pair(r: int, w: int, s: int) -> tuple[int, int]:
+    """All-to-all exchange ``s`` (1..W-1) of rank ``r``: (destination, source), farthest first."""
+    return (r - s) % w, (r + s) % w
 
 
 # ---- transport -------------------------------------------------------------------------------
@@ -221,7 +239,7 @@ def _reduce_scatter(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> to
         for q, (lo, hi) in enumerate(parts):
             for li, lane in enumerate(ring_lanes):
                 cols = slice(*lane.span)
-                dest = (r - lane.direction * (s + 1)) % w  # s = W-1: dest = r, my own stripe
+                dest = rs_stripe(r, w, s, lane.direction)  # s = W-1: dest = r, my own stripe
                 acc = gemm_f32(a, b, bias, stripe_rows(st, dest, lo, hi), cols)
                 if s > 0:  # the running sum of this stripe from the previous rank on this lane
                     buf, handle = received.pop((q, li))
@@ -257,7 +275,7 @@ def _all_to_all(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.
     arrivals = []
     tag = 0
     for s in range(1, w):  # farthest first: rank r - s is W - s hops away along the ring
-        dst, src = ring.peer(-s), ring.peer(s)
+        dst, src = a2a_pair(r, w, s)
         for lo, hi in parts:
             block = gemm_tile(a, b, bias, stripe_rows(st, dst, lo, hi).to(a.device), cols)
             buf = torch.empty_like(block)
@@ -320,7 +338,7 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
             ring.wait(handle)
             if s < w - 1:  # pass it on before computing with it
                 nxt.append(_forward(ring, buf, lane, s * len(pieces) + i))
-            _compute_rows(buf, (r - lane.direction * s) % w, lo, hi, bs, biases, outs, st)
+            _compute_rows(buf, ag_source(r, w, s, lane.direction), lo, hi, bs, biases, outs, st)
         inbox = nxt
     ring.finish()
     return outs

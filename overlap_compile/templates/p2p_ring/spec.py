@@ -31,9 +31,13 @@ SLICE_CHOICES = (1, 2, 4)
 class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
-    # On GPUs: transport "nccl" runs the reference (torch.distributed send/recv from Python),
-    # measured 0.06-0.12x of sequential on H200x4 (benchmarks/results/ops-NVIDIA_H200-w4-*);
-    # transport "p2p" runs kernels.py, not yet run on a GPU. Not a candidate on GPUs until it is.
+    # On GPUs (op.py): transport "p2p" runs kernels.py (copy-engine peer copies over symmetric
+    # memory), transport "nccl" with slices=1 one direction runs kernels_nccl.py (cuBLAS + NCCL
+    # send/recv on a high-priority stream). Other configs run the reference (torch.distributed
+    # send/recv from Python, fp32 pieces: 0.06-0.12x of sequential on H200x4), so under a GPU
+    # profile candidates() offers only the configs with a GPU path. Both GPU paths are written
+    # but have not run on a GPU yet (no device time was left): set this to True once
+    # tests/gpu/test_p2p_ring.py passes there (force_template / benchmarks/ops.py run them now).
     gpu_implemented = False
 
     def supports(self, match: Match) -> str | None:
@@ -58,13 +62,16 @@ class P2PRingSpec(TemplateSpec):
         return {"slices": 1, "bidirectional": False, "transport": self.TRANSPORT}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
-        """Slices 1, 2, 4 where they divide the rows of one ring message; both ring directions at
-        once (reduce-scatter, all-gather) only for W > 2, where the two rings use different links;
-        and the copy-engine transport for row-stripe reduce-scatter / all-gather (the predictor
-        drops it where the group has no peer access)."""
+        """The copy-engine transport for row stripes (the predictor drops it where the group has
+        no peer access); then, on the NCCL transport, slices 1, 2, 4 where they divide the rows
+        of one ring message and both ring directions at once (reduce-scatter, all-gather) only
+        for W > 2, where the two rings use different links. Under a GPU profile only the configs
+        with a GPU path (slices=1, one direction; see gpu_implemented)."""
         out = []
-        if match.kind != "gemm_alltoall" and match.stripes.outer == 1:
+        if match.stripes.outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
+        if _gpu_profile(profile):
+            return out + [self.default_config(match)]
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:
@@ -92,6 +99,11 @@ class P2PRingSpec(TemplateSpec):
         if match.kind == "allgather_gemm" and bidirectional:
             return [rows // 2, rows - rows // 2]
         return [rows]
+
+
+def _gpu_profile(profile: Any) -> bool:
+    gpu = str(getattr(profile, "gpu", "") or "")
+    return profile is not None and bool(gpu) and not gpu.upper().startswith("CPU")
 
 
 SPEC = P2PRingSpec()

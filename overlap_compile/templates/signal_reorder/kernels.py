@@ -238,58 +238,12 @@ if _HAVE_TRITON:
                 else:
                     tl.store(c_ptr + loc_rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out, mask=valid)
 
-    @triton.jit
-    def _globaltimer(dep):
-        # %globaltimer: nanoseconds; ``dep`` only orders the read after the preceding poll.
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
-                                         is_pure=False, pack=1)
+    # The bounded one-thread waiter lives in runtime.spin_wait (p2p_ring waits on peers' flags
+    # with it too); here it runs in GEQ mode at GPU scope on the wave-group counters.
+    # A fresh jit of it, so that this module loaded under TRITON_INTERPRET gets an interpreted copy.
+    from ...runtime import spin_wait as _spin_wait  # noqa: E402
 
-    @triton.jit
-    def _nap(dep):
-        # Back off between polls: the poller shares an SM with a GEMM CTA (and the counter's L2
-        # line with the GEMM's atomics); a group takes tens of microseconds, so 0.5 us of
-        # extra latency is nothing.
-        return tl.inline_asm_elementwise("nanosleep.u32 500;\nmov.u32 $0, $1;", "=r,r", [dep],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _wait_kernel(counter_ptr, group, target, err_ptr, timeout_ns, max_polls, USE_TIMER: tl.constexpr):
-        """Wait until ``counter[group] == target`` (bounded), then consume it (write 0 back).
-
-        On a timeout or an overshoot it records (failed, group, seen, target, ready) in
-        ``err_ptr`` and returns, so the stream never hangs. Only plain stores touch ``err_ptr``:
-        it is pinned host memory, where atomics are not guaranteed (no PCIe atomics in a VM).
-        Waiters run one after another on one stream, so records never interleave.
-        """
-        ptr = counter_ptr + group
-        # Poll with relaxed (volatile) loads and acquire once at the end: an acquire load per
-        # poll invalidates the SM's L1 each time, which slowed the GEMM CTA sharing the SM
-        # (measured on H100: the whole op 40-50% slower than with cuStreamWaitValue32).
-        seen = tl.load(ptr, volatile=True)
-        expired = seen * 0
-        polls = seen * 0
-        if USE_TIMER:
-            start = _globaltimer(seen)
-        # (seen - target) < 0 is a wrap-safe "seen < target" on int32.
-        while ((seen - target) < 0) & (expired == 0):
-            if USE_TIMER:
-                dep = _nap(seen)
-                expired = (_globaltimer(dep) - start > timeout_ns).to(tl.int32)
-            else:
-                polls += 1
-                expired = (polls >= max_polls).to(tl.int32)
-            seen = tl.load(ptr, volatile=True)
-        # Synchronises with the GEMM's release atomics: the group's tiles are visible from here,
-        # and (stream order) to the collective launched after this kernel.
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        if seen != target:
-            tl.store(err_ptr, 1)
-            tl.store(err_ptr + 1, group)
-            tl.store(err_ptr + 2, seen)
-            tl.store(err_ptr + 3, target)
-            tl.debug_barrier()
-            tl.store(err_ptr + 4, 1)
-        tl.atomic_xchg(ptr, 0, sem="relaxed", scope="gpu")
+    _wait_kernel = _spin_wait.jit_wait_kernel()
 
 
 # ------------------------------------------------------------------------------------------
@@ -760,19 +714,19 @@ def wait_counter(counters: torch.Tensor, group: int, target: int, timeout_ms: in
         _stream_wait(counters, group, target)
         return
     use_timer = counters.is_cuda
-    args = (counters, group, target, None, int(timeout_ms) * 1_000_000, max_polls)
+    args = (counters, group, target, None, int(timeout_ms) * 1_000_000, max_polls, group)  # tag = group
     if err is not None:
-        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, UNTIL_EQUAL=False, SYS=False, num_warps=1)
         return
     err = _error_buffer(counters.device)
     try:
-        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, UNTIL_EQUAL=False, SYS=False, num_warps=1)
     except Exception as e:
         if err.is_cuda or "ointer" not in str(e):
             raise
         # This Triton refused the pinned host pointer: keep the record in device memory.
         err = _use_device_error_buffer(counters.device)
-        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, num_warps=1)
+        _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, UNTIL_EQUAL=False, SYS=False, num_warps=1)
 
 
 _driver_mod: Any = None

@@ -1,0 +1,196 @@
+"""The bounded wait on a GPU flag: one thread spins on an int32 until it holds the value asked
+for, gives up after a time bound, records what it saw, and never hangs the stream.
+
+    wait_value(flags, index, target, timeout_ms, tag, until_equal=True, sys_scope=True)
+        enqueue on the current stream: wait until flags[index] == target (or, until_equal=False,
+        >= target), then consume it (write 0 back); bounded by timeout_ms.
+    failure(device) -> (tag, seen, target) | None      read the record without synchronising
+    clear(device)                                       forget a record (after raising it)
+
+``wait_kernel`` is the Triton kernel (signal_reorder launches it with its own record buffer, on
+its wave-group counters: GEQ mode, GPU scope). On a timeout, or when the flag ends up at another
+value than the target (an overshoot: a bug), it writes (failed, tag, seen, target, ready) into a
+small pinned host buffer and lets the stream go on; the host raises at the next call or when a
+template's ``check_errors`` is called. ``tag`` is the caller's code for *which* wait it was (a
+template maps it back to, e.g., "ring step 2, partial from rank 3").
+
+Why a spin kernel and not ``cuStreamWaitValue32``: a stream wait cannot time out, so a peer that
+never signals would hang the process (and a CUDA graph replay) with no message. The kernel takes
+one thread of one SM and naps 0.5 us between polls (shared SM with a GEMM CTA).
+
+``sys_scope``: the acquire that ends the wait is at system scope, for flags written by another
+GPU (a peer's ``cuStreamWriteValue32`` over NVLink); GPU scope suffices for flags written on the
+same GPU. Importing this module touches no CUDA state.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+try:  # Triton is optional on CPU-only installs
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+RECORD = ("failed", "tag", "seen", "target", "ready")  # the error record's fields, in order
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def globaltimer(dep):
+        # %globaltimer: nanoseconds; ``dep`` only orders the read after the preceding poll.
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def nap(dep):
+        # Back off between polls: the poller shares an SM with a GEMM CTA (and the counter's L2
+        # line with the GEMM's atomics); a group takes tens of microseconds, so 0.5 us of
+        # extra latency is nothing.
+        return tl.inline_asm_elementwise("nanosleep.u32 500;\nmov.u32 $0, $1;", "=r,r", [dep],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    # Not specialised on the values that change from wait to wait (one compiled kernel for all).
+    @triton.jit(do_not_specialize=["index", "target", "timeout_ns", "max_polls", "tag"])
+    def wait_kernel(counter_ptr, index, target, err_ptr, timeout_ns, max_polls, tag,
+                    USE_TIMER: tl.constexpr, UNTIL_EQUAL: tl.constexpr, SYS: tl.constexpr):
+        """Wait until ``counter[index]`` reaches ``target`` (bounded), then consume it (write 0).
+
+        GEQ mode (``UNTIL_EQUAL`` False) stops at ``>= target`` (wrap-safe) and calls anything but
+        ``== target`` an overshoot; ``UNTIL_EQUAL`` stops only at ``== target`` (a flag that goes
+        back to 0). On a timeout or an overshoot it records (failed, tag, seen, target, ready)
+        in ``err_ptr`` and returns, so the stream never hangs. Only plain stores touch
+        ``err_ptr``: it is pinned host memory, where atomics are not guaranteed (no PCIe atomics
+        in a VM). Waiters run one after another per stream, so records rarely interleave.
+        """
+        ptr = counter_ptr + index
+        # Poll with relaxed (volatile) loads and acquire once at the end: an acquire load per
+        # poll invalidates the SM's L1 each time, which slowed the GEMM CTA sharing the SM
+        # (measured on H100: the whole op 40-50% slower than with cuStreamWaitValue32).
+        seen = tl.load(ptr, volatile=True)
+        expired = seen * 0
+        polls = seen * 0
+        if USE_TIMER:
+            start = globaltimer(seen)
+        if UNTIL_EQUAL:
+            pending = (seen != target).to(tl.int32)
+        else:
+            pending = ((seen - target) < 0).to(tl.int32)  # wrap-safe "seen < target" on int32
+        while (pending != 0) & (expired == 0):
+            if USE_TIMER:
+                dep = nap(seen)
+                expired = (globaltimer(dep) - start > timeout_ns).to(tl.int32)
+            else:
+                polls += 1
+                expired = (polls >= max_polls).to(tl.int32)
+            seen = tl.load(ptr, volatile=True)
+            if UNTIL_EQUAL:
+                pending = (seen != target).to(tl.int32)
+            else:
+                pending = ((seen - target) < 0).to(tl.int32)
+        # Synchronises with the signaller's release: what it published is visible from here, and
+        # (stream order) to everything launched after this kernel.
+        if SYS:
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        else:
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        if seen != target:
+            tl.store(err_ptr, 1)
+            tl.store(err_ptr + 1, tag)
+            tl.store(err_ptr + 2, seen)
+            tl.store(err_ptr + 3, target)
+            tl.debug_barrier()
+            tl.store(err_ptr + 4, 1)
+        if SYS:
+            tl.atomic_xchg(ptr, 0, sem="relaxed", scope="sys")
+        else:
+            tl.atomic_xchg(ptr, 0, sem="relaxed", scope="gpu")
+
+
+def jit_wait_kernel():
+    """A fresh ``@triton.jit`` of ``wait_kernel``. Decorators read TRITON_INTERPRET when they
+    run, so a module loaded under the interpreter (tests on CPU) gets an interpreted copy even
+    when this module was imported before without it. On CPU the timer branch is never taken
+    (USE_TIMER is False), so the helpers it calls need no interpreted copies."""
+    return triton.jit(wait_kernel.fn)
+
+
+_records: dict[tuple[str, int], torch.Tensor] = {}
+_lock = threading.Lock()
+
+
+def record_buffer(device: torch.device) -> torch.Tensor:
+    """This device's error record (see RECORD): pinned host memory, mapped into the GPU's address
+    space, so the host reads it without a synchronisation; device memory where the launch
+    refuses the pinned pointer (then it is read only after a synchronisation)."""
+    key = (device.type, device.index if device.index is not None else 0)
+    with _lock:
+        buf = _records.get(key)
+        if buf is None:
+            buf = torch.zeros(len(RECORD), dtype=torch.int32)
+            if device.type == "cuda":
+                buf = buf.pin_memory()
+            _records[key] = buf
+        return buf
+
+
+def _use_device_record(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index if device.index is not None else 0)
+    with _lock:
+        buf = _records[key] = torch.zeros(len(RECORD), dtype=torch.int32, device=device)
+        return buf
+
+
+def wait_value(flags: torch.Tensor, index: int, target: int, timeout_ms: int, tag: int, *,
+               until_equal: bool = True, sys_scope: bool = True, max_polls: int = 1 << 30) -> None:
+    """Enqueue the bounded wait on ``flags[index]`` (int32 or uint32, 1-D) on the current stream.
+    Off the GPU (Triton's interpreter, tests) the bound is ``max_polls`` polls instead of a time."""
+    if not HAVE_TRITON:
+        raise RuntimeError("the bounded GPU wait needs Triton")
+    if flags.dtype not in (torch.int32, torch.uint32) or flags.dim() != 1:
+        raise ValueError(f"wait_value: flags must be a 1-D int32/uint32 tensor, got {flags.dtype} {tuple(flags.shape)}")
+    if not 0 <= index < flags.numel():
+        raise ValueError(f"wait_value: index {index} outside flags of {flags.numel()} entries")
+    counters = flags.view(torch.int32)
+    use_timer = counters.is_cuda
+    err = record_buffer(counters.device)
+    args = (counters, index, int(target), err, int(timeout_ms) * 1_000_000, max_polls, int(tag))
+    consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope), num_warps=1)
+    try:
+        wait_kernel[(1,)](*args, **consts)
+    except Exception as e:
+        if not err.is_pinned() or "ointer" not in str(e):
+            raise
+        # This Triton refused the pinned host pointer: keep the record in device memory.
+        err = _use_device_record(counters.device)
+        wait_kernel[(1,)](*args[:3], err, *args[4:], **consts)
+
+
+def failure(device: torch.device, synchronize: bool = False) -> tuple[int, int, int] | None:
+    """(tag, seen, target) of a failed wait on ``device`` since the last ``clear``, else None.
+    Without ``synchronize`` a record kept in device memory is not read (that would sync)."""
+    key = (device.type, device.index if device.index is not None else 0)
+    buf = _records.get(key)
+    if buf is None:
+        return None
+    if synchronize and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif buf.is_cuda:
+        return None
+    vals = buf.tolist()
+    if vals[4] == 0:
+        return None
+    return vals[1], vals[2], vals[3]
+
+
+def clear(device: torch.device) -> None:
+    key = (device.type, device.index if device.index is not None else 0)
+    buf = _records.get(key)
+    if buf is not None:
+        buf.zero_()

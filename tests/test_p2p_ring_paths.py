@@ -1,0 +1,159 @@
+"""p2p_ring's GPU paths, the parts that run on CPU: symmetric-buffer cache keys and reasons,
+config validation for the copy-engine transport, dispatch, candidates under GPU / CPU profiles,
+the bounded wait (through Triton's interpreter) and the error message it leads to."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from overlap_compile.passes.matches import GemmAllToAllMatch
+from overlap_compile.runtime import spin_wait, symm
+from overlap_compile.templates.p2p_ring import kernels, op, reference
+from overlap_compile.templates.p2p_ring.spec import SPEC
+from overlap_compile.templates.plans import GemmCollectivePlan
+from tests.test_p2p_ring import _ag_match, _rs_match
+
+P2P = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+
+
+# ---- runtime.symm ------------------------------------------------------------------------------
+
+def test_cache_key_separates_what_must_not_share_a_buffer():
+    dev = torch.device("cuda", 1)
+    k = symm.cache_key("0", "p2p_ring/rs", (4, 5), torch.bfloat16, dev)
+    assert k == symm.cache_key("0", "p2p_ring/rs", [4, 5], torch.bfloat16, dev)
+    others = [symm.cache_key("1", "p2p_ring/rs", (4, 5), torch.bfloat16, dev),
+              symm.cache_key("0", "p2p_ring/ag", (4, 5), torch.bfloat16, dev),
+              symm.cache_key("0", "p2p_ring/rs", (5, 4), torch.bfloat16, dev),
+              symm.cache_key("0", "p2p_ring/rs", (4, 5), torch.float16, dev),
+              symm.cache_key("0", "p2p_ring/rs", (4, 5), torch.bfloat16, torch.device("cuda", 0))]
+    assert len({k, *others}) == 6
+    with pytest.raises(ValueError, match="key must be a non-empty string"):
+        symm.cache_key("0", "", (1,), torch.float32, dev)
+    with pytest.raises(ValueError, match="negative size"):
+        symm.cache_key("0", "x", (2, -1), torch.float32, dev)
+
+
+def test_node_reasons():
+    assert symm.node_reason(2, 2, []) is None
+    assert symm.node_reason(4, 8, []) is None
+    assert "not all on this node" in symm.node_reason(8, 4, [])
+    assert "no peer access between GPUs 0 and 1" in symm.node_reason(2, 2, [(0, 1)])
+    assert "no peers" in symm.node_reason(1, 1, [])
+
+
+def test_usable_says_why_on_cpu():
+    assert "needs CUDA tensors" in symm.usable("0", torch.device("cpu"))
+    assert not symm.available("0", torch.device("cpu"))
+
+
+def test_write_value32_checks_its_arguments():
+    with pytest.raises(ValueError, match="1-D uint32"):
+        symm.write_value32(torch.zeros(4, dtype=torch.int32), 0, 1)
+    with pytest.raises(ValueError, match="index 4 outside"):
+        symm.write_value32(torch.zeros(4, dtype=torch.uint32), 4, 1)
+
+
+# ---- configs, dispatch, candidates ---------------------------------------------------------------
+
+def test_p2p_transport_configs():
+    for kind in reference.KINDS:
+        assert reference.config_problem(kind, P2P) is None
+        assert "slices=1" in reference.config_problem(kind, {**P2P, "slices": 2})
+    assert "bidirectional=False" in reference.config_problem("gemm_reducescatter", {**P2P, "bidirectional": True})
+    assert "transport" in reference.config_problem("allgather_gemm", {**P2P, "transport": "nvshmem"})
+
+
+def _plan(**kw):
+    base = dict(template="p2p_ring", kind="gemm_reducescatter", m=8, n=3, k=5, world=2, reduce_op="sum", outer=1,
+                chunk=4, has_bias=False, config=P2P)
+    return GemmCollectivePlan(**{**base, **kw})
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    assert "transport is not 'p2p'" in kernels.usable("0", torch.device("cpu"), _plan(config={**P2P, "transport": "nccl"}))
+    assert "whole row stripes" in kernels.usable("0", torch.device("cpu"), _plan(outer=2, chunk=2))
+    assert "needs CUDA tensors" in kernels.usable("0", torch.device("cpu"), _plan())
+    assert op.path("0", torch.device("cpu"), _plan()) == "reference"
+    from overlap_compile.templates.p2p_ring import kernels_nccl
+
+    assert "slices=1" in kernels_nccl.usable("0", torch.device("cpu"), _plan(config={**P2P, "transport": "nccl",
+                                                                                    "slices": 2}))
+
+
+class _Profile:
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+
+def test_candidates_under_gpu_profile_have_gpu_paths():
+    rs, ag = _rs_match(world=4, m=16), _ag_match(world=4, m=16)
+    a2a = _rs_match(world=4, m=16, cls=GemmAllToAllMatch, reduce_op=None)
+    for match in (rs, ag, a2a):
+        gpu = SPEC.candidates(match, _Profile("NVIDIA H200"))
+        assert gpu == [P2P, {**P2P, "transport": "nccl"}], gpu
+        cpu = SPEC.candidates(match, _Profile("CPU (gloo)"))
+        assert len(cpu) > len(gpu)
+
+
+# ---- the bounded wait (interpreter) and its message ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def interp_wait():
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        k = spin_wait.jit_wait_kernel()
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    if type(k).__name__ != "InterpretedFunction":
+        pytest.skip("this Triton does not honour TRITON_INTERPRET at decoration time")
+    return k
+
+
+def _wait(k, flags, index, target, until_equal, tag=7):
+    err = torch.zeros(5, dtype=torch.int32)
+    k[(1,)](flags, index, target, err, 10_000_000, 5, tag, USE_TIMER=False, UNTIL_EQUAL=until_equal, SYS=True,
+            num_warps=1)
+    return err.tolist()
+
+
+def test_wait_until_equal(interp_wait):
+    flags = torch.tensor([0, 1, 0, 0], dtype=torch.int32)
+    assert _wait(interp_wait, flags, 1, 1, True) == [0, 0, 0, 0, 0]  # READY seen, consumed
+    assert flags.tolist() == [0, 0, 0, 0]
+    assert _wait(interp_wait, flags, 3, 0, True) == [0, 0, 0, 0, 0]  # BUSY already free
+    flags[2] = 1
+    assert _wait(interp_wait, flags, 2, 0, True, tag=9) == [1, 9, 1, 0, 1]  # never released: bounded, recorded
+    flags[0] = 3
+    assert _wait(interp_wait, flags, 0, 1, False, tag=4) == [1, 4, 3, 1, 1]  # GEQ mode: overshoot recorded
+
+
+def test_failure_message_names_template_step_and_value():
+    dev = torch.device("cpu")
+    tag = kernels._tag("gemm_reducescatter, ring step 2: wait for rank 3's data (READY flag 3)")
+    rec = spin_wait.record_buffer(dev)
+    rec.copy_(torch.tensor([1, tag, 0, 1, 1], dtype=torch.int32))
+    assert spin_wait.failure(dev) == (tag, 0, 1)
+    with pytest.raises(kernels.SignalTimeoutError, match=r"p2p_ring: gemm_reducescatter, ring step 2.*read 0, expected 1"):
+        kernels.check_errors(dev, synchronize=False)
+    assert spin_wait.failure(dev) is None  # raised once, then cleared
+
+
+def test_ring_order_helpers_match_the_schedule():
+    w = 4
+    for r in range(w):
+        assert [reference.rs_stripe(r, w, s) for s in range(w)][-1] == r
+        assert sorted(reference.rs_stripe(r, w, s) for s in range(w)) == list(range(w))
+        assert reference.ag_source(r, w, 0) == r
+        assert sorted(reference.ag_source(r, w, s) for s in range(w)) == list(range(w))
+        pairs = [reference.a2a_pair(r, w, s) for s in range(1, w)]
+        assert sorted(d for d, _ in pairs) == sorted(s for _, s in pairs) == [q for q in range(w) if q != r]
+        for s in range(w - 1):  # the partial rank r + s + 1 computes at step s is for rank r
+            assert reference.rs_stripe((r + s + 1) % w, w, s) == r
