@@ -8,8 +8,10 @@ Per shape (S tokens per rank, hidden H, expert FFN I, E experts, top-k), host-la
 
 * ``forward`` (inference: no grad) -- ``sequential`` (torch.compile, the layer as written:
   all_to_all -> SwiGLU bmm -> all_to_all) vs ``moe_fused`` (forced: the piece pipeline);
-* ``train`` (forward + backward) -- ``sequential`` vs ``overlap`` (the predictor's choice; MoE
-  sections of training graphs are reported and left as written, so this is the pass's cost).
+* ``train`` (forward + backward) -- ``sequential`` vs ``moe_fused`` (forced) vs ``overlap`` (the
+  predictor's choice). moe_fused takes sections whose intermediates stay inside, so training
+  sections are reported with that reason and left as written: these rows measure the pass's
+  cost, and each row's ``sites`` carries the reasons.
 
 The output of each variant is checked against the sequential one in the same run. Median ms
 (benchmarks/timing.py: CUDA events, ranks synchronised), tokens/s, rows to
@@ -73,7 +75,8 @@ def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None
         x = torch.randn(shape["S"], shape["H"], device=device, dtype=dtype)
         tokens = w * shape["S"]
         for phase, variants in (("forward", (("sequential", "baseline"), ("moe_fused", "moe_fused"))),
-                                ("train", (("sequential", "baseline"), ("overlap", None)))):
+                                ("train", (("sequential", "baseline"), ("moe_fused", "moe_fused"),
+                                           ("overlap", None)))):
             ref_out, ref_ms = None, None
             for name, force in variants:
                 row = {**base, "shape": shape["name"], "phase": phase, "variant": name}
@@ -96,7 +99,9 @@ def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None
                         out = step()
                         ms = time_ms(step, iters, warmup=2)
                     row.update(ms=ms, tokens_per_s=tokens / (ms / 1e3),
-                               sites=[(s.graph, s.kind, s.template, s.rewritten) for s in report.sites])
+                               sites=[(s.graph, s.kind, s.template, s.rewritten) for s in report.sites],
+                               configs=[s.config for s in report.sites],
+                               reasons=sorted({s.reason for s in report.sites if not s.rewritten}))
                     if ref_out is None:
                         ref_out, ref_ms = out, ms
                     else:

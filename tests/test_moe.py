@@ -83,38 +83,6 @@ def test_training_sections_are_reported_and_left_with_their_reasons():
             assert len(gemms) >= 4, gemms
 
 
-def _inference_rewrite(pieces_seen: list) -> dict:
-    import functools
-
-    import overlap_compile as oc
-    from overlap_compile.backend import overlap_backend
-    from overlap_compile.demo.moe import ExpertParallelMoE
-    from overlap_compile.explain import no_compile_caches
-
-    torch.manual_seed(0)
-    layer = ExpertParallelMoE(H, F_, E, K_TOP, 1.25, dist.group.WORLD.group_name, dist.get_world_size(),
-                              dist.get_rank())
-    torch.manual_seed(1 + dist.get_rank())
-    x = torch.randn(12, H)
-    with torch.no_grad():
-        want = layer(x)
-        report = oc.Report()
-        with oc.config.patch(force_template="moe_fused"), no_compile_caches():
-            torch._dynamo.reset()
-            got = torch.compile(layer, backend=functools.partial(overlap_backend, report=report))(x)
-    (site,) = report.sites
-    return {"err": (got - want).abs().max().item() / want.abs().max().item(), "rewritten": site.rewritten,
-            "config": site.config, "code": report.records[0].after}
-
-
-def test_moe_fused_rewrites_an_inference_section_and_matches_eager():
-    for world in (2, 4):
-        for r in run_distributed(_inference_rewrite, world_size=world, args=([],), timeout_s=300):
-            assert r["rewritten"] and r["config"]["pieces"] >= 1, r
-            assert "overlap_compile.moe_fused" in r["code"] and "all_to_all" not in r["code"]
-            assert r["err"] < 1e-5, (world, r["err"])
-
-
 def _pieces_vs_one_shot(pieces: int) -> float:
     from overlap_compile.templates.moe_fused import reference
     from overlap_compile.templates.plans import MoePlan
@@ -126,14 +94,16 @@ def _pieces_vs_one_shot(pieces: int) -> float:
     ws = [torch.randn(e, H, F_), torch.randn(e, H, F_), torch.randn(e, F_, H)]
     outs = [reference.run(buf, *ws, dist.group.WORLD.group_name, MoePlan("moe_fused", w, e, c, H, F_, {"pieces": p}))
             for p in (1, pieces)]
-    return (outs[0] - outs[1]).abs().max().item()
+    return ((outs[0] - outs[1]).abs().max() / outs[0].abs().max()).item()
 
 
 def test_moe_fused_reference_pieces_equal_one_shot():
     """Cutting the capacity axis into pieces changes nothing: every slot goes through the experts
-    alone (any piece count, including more pieces than slots)."""
+    alone (any piece count, including more pieces than slots). Equal up to fp32 rounding: a bmm
+    over fewer rows may block its sums differently (seen: 3 ulp on outputs of magnitude ~80), so
+    the error is relative to the output's scale; a wrong slot would be O(1)."""
     for pieces in (2, 3, 9):
-        assert max(run_distributed(_pieces_vs_one_shot, world_size=2, args=(pieces,), timeout_s=120)) < 1e-5
+        assert max(run_distributed(_pieces_vs_one_shot, world_size=2, args=(pieces,), timeout_s=120)) < 1e-6
 
 
 def test_moe_fused_latency_model():
@@ -161,3 +131,24 @@ def test_moe_fused_latency_model():
     c0_end = max(d0 + d1, e0_end) + c0
     assert two.total_ms == pytest.approx(max(c0_end, e1_end) + c1)
     assert [ev.label for ev in two.events if ev.lane == "comm"] == ["dispatch 0", "dispatch 1", "combine 0", "combine 1"]
+
+
+def test_moe_fused_latency_model_by_source():
+    """Per-source pieces: the own tokens' experts start at t=0 with no transfer; each other piece is
+    a pairwise exchange priced at bytes/(W-1) on the all-to-all curve (models.moe_fused)."""
+    from overlap_compile import predictor
+    from overlap_compile.predictor import models
+    from overlap_compile.predictor.models import Ctx, Site
+
+    prof = predictor.load_profile("h200")
+    site = Site("moe", ((2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 2048, 1536)), 2, "bfloat16")
+    ctx = Ctx(mode="cuda_graph")
+    s = models.moe_fused(site, {"split": "source"}, prof, ctx)
+    g = models.gemm_ms(site, prof) / 2 * prof.contention["gemm_slowdown"]
+    nb = site.coll_bytes()  # W = 2: the one exchange moves what the whole all-to-all moves off the rank
+    d1 = models.comm_call_ms(site, prof, nb, ctx, launch=False, contended=True)
+    c1 = models.comm_call_ms(site, prof, nb, ctx)
+    e1_end = max(g, d1) + g
+    assert s.total_ms == pytest.approx(max(d1, e1_end) + c1)
+    assert [ev.label for ev in s.events if ev.lane == "comm"] == ["dispatch 1", "combine 1"]
+    assert [ev.start for ev in s.events if ev.label == "experts 0"] == [0.0]

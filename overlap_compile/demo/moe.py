@@ -14,7 +14,9 @@ Per rank (W ranks, ``num_experts`` experts, ``E_local = num_experts / W`` on eac
     y[token] = sum over its kept choices of weight * expert output
 
 Static shapes throughout (capacity padding), so torch.compile sees one graph. ``reference``
-computes the same layer on one process with every expert's weights (the oracle for tests).
+computes the same layer on one process with every expert's weights (the oracle for tests);
+``layer.reference_forward(x, full_weights)`` is that for this rank's tokens (routing and capacity
+are per rank, so a rank's output depends only on its own tokens and all experts' weights).
 """
 from __future__ import annotations
 
@@ -48,8 +50,13 @@ def combine(out_slots: torch.Tensor, slot, kept, weights, tokens: int, top_k: in
 
 class ExpertParallelMoE(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, capacity_factor: float,
-                 group_name: str, world: int, rank: int) -> None:
+                 group_name: str, world: int | None = None, rank: int | None = None) -> None:
         super().__init__()
+        if world is None or rank is None:  # from the group (it must be initialised then)
+            from ..runtime.comm import rank_and_size
+
+            r, size = rank_and_size(group_name)
+            world, rank = size if world is None else world, r if rank is None else rank
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the world size ({world})")
         self.hidden, self.num_experts, self.top_k, self.cf = hidden, num_experts, top_k, capacity_factor
@@ -78,6 +85,16 @@ class ExpertParallelMoE(nn.Module):
         back = h.view(e_local, w, cap, self.hidden).transpose(0, 1).reshape(w * e_local * cap, self.hidden)
         out = all_to_all_single_autograd(back, split, split, self.group_name)             # combine
         return combine(out, slot, kept, weights, tokens, self.top_k).view(shape)
+
+    def reference_forward(self, x: torch.Tensor, full_weights) -> torch.Tensor:
+        """This layer's output on one process: ``full_weights`` = (w1, w3, w2) of all
+        ``num_experts`` experts, the router is this layer's; no collective is called."""
+        w1, w3, w2 = full_weights
+        if w1.shape[0] != self.num_experts:
+            raise ValueError(f"reference_forward: full_weights hold {w1.shape[0]} experts, the layer has {self.num_experts}")
+        flat = x.reshape(1, -1, self.hidden)
+        y = self.reference(flat, self.router, w1, w3, w2, self.num_experts, self.top_k, self.cf, 1)
+        return y[0].view(x.shape)
 
     @staticmethod
     def reference(x: torch.Tensor, router, w1, w3, w2, num_experts: int, top_k: int, capacity_factor: float,

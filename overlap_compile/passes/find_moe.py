@@ -70,8 +70,25 @@ def moe_section(a2a: fx.Node, group: str, world: int, graph_name: str) -> MoeSec
     m = MoeSectionMatch(
         group_name=group, world_size=world, dtype=dtype, graph=graph_name, unsupported=None,
         dispatch_node=a2a, combine_node=combine, bmm_nodes=bmms, bmm_shapes=shapes, dispatch_bytes=nbytes)
-    m.unsupported = _swiglu_roles(m, wait)
+    m.dispatch_wait = wait
+    m.unsupported = _uneven_splits(m) or _swiglu_roles(m, wait)
     return m
+
+
+def _uneven_splits(m: MoeSectionMatch) -> str | None:
+    """moe_fused cuts each rank's rows into W equal pieces: both all-to-alls must have static,
+    equal splits (a dropless / token-count-sized dispatch has data-dependent ones)."""
+    for role, node in (("dispatch", m.dispatch_node), ("combine", m.combine_node)):
+        shape = static_shape(node.args[0])
+        outs, ins = node.args[1], node.args[2]
+        w = m.world_size
+        equal = (shape is not None and w > 0 and shape[0] % w == 0 and isinstance(outs, (list, tuple))
+                 and isinstance(ins, (list, tuple)) and list(outs) == list(ins) == [shape[0] // w] * w)
+        if not equal:
+            return (f"expert-parallel MoE section ({len(m.bmm_nodes)} expert bmm between two all-to-alls): "
+                    f"the {role} all-to-all has uneven or dynamic splits (out {list(outs) if isinstance(outs, (list, tuple)) else outs}, "
+                    f"in {list(ins) if isinstance(ins, (list, tuple)) else ins}); moe_fused needs equal static splits")
+    return None
 
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,

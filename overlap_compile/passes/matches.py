@@ -179,10 +179,13 @@ GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllTo
 
 
 @dataclasses.dataclass
-class MoeSectionMatch(Match):
+class MoeLayerMatch(Match):
     """An expert-parallel section: all_to_all (dispatch) -> expert GEMMs (bmm) and pointwise ops
-    -> all_to_all (combine), found in forward graphs and, mirrored, in backward graphs. No
-    template takes it yet (moe_fused, issue #7): it is reported with its geometry and left as is."""
+    -> all_to_all (combine), found in forward graphs and, mirrored, in backward graphs (the
+    gradient all-to-all'd back, the bmm gradients, all-to-all'd again). moe_fused takes the SwiGLU
+    form whose intermediates stay inside (inference); others are reported with their reason.
+    Nodes by role: ``dispatch_a2a``, ``dispatch_wait``, ``expert_bmms``, ``combine_a2a``,
+    ``combine_wait``; geometry ``e_local``, ``capacity``, ``hidden``, ``ffn``, ``world``."""
 
     kind: ClassVar[str] = "moe"
     dispatch_node: fx.Node
@@ -202,11 +205,36 @@ class MoeSectionMatch(Match):
     hidden: int = 0
     ffn: int = 0
 
+    dispatch_wait: fx.Node | None = None
+
+    # role names (the fields above keep the names the rest of the package was written with)
+    @property
+    def dispatch_a2a(self) -> fx.Node:
+        return self.dispatch_node
+
+    @property
+    def combine_a2a(self) -> fx.Node:
+        return self.combine_node
+
+    @property
+    def expert_bmms(self) -> list[fx.Node]:
+        return self.bmm_nodes
+
+    @property
+    def world(self) -> int:
+        return self.world_size
+
     def gemms(self) -> list[tuple[int, int, int]]:
         return [(e * m, n, k) for e, m, n, k in self.bmm_shapes]
+
+    def signature_extra(self) -> str:
+        return f"e{self.e_local}|c{self.capacity}|h{self.hidden}|f{self.ffn}"
 
     def comm_bytes(self) -> int:
         return self.dispatch_bytes
 
     def anchor(self) -> fx.Node:
         return self.dispatch_node
+
+
+MoeSectionMatch = MoeLayerMatch  # the name it was introduced under

@@ -76,7 +76,7 @@ tile_fused  (TileLink, MLSys '25)   config: block_m, block_n, group_m, comm_ctas
     rank_notify lands: ``pipeline(comm_first=True)`` over W stripe pieces. Multiple consumers: the
     first is fused; the others run after the gather as plain GEMMs.
 
-Adding a model (moe_fused): write ``def model(site, config, profile, ctx) -> Schedule``
+Adding a model: write ``def model(site, config, profile, ctx) -> Schedule``
 from the template's schedule (use ``pipeline`` for a chain of pieces) and register it in
 ``MODELS`` under the template's name. Until then ``rank_configs`` falls back to the template's
 own ``spec.predict`` and, failing that, reports the candidate without a prediction.
@@ -680,44 +680,58 @@ def tile_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> 
 
 Model = Callable[[Site, dict, HardwareProfile, Ctx], "Schedule | None"]
 
-# template name -> model. moe_fused: not written yet (see the module docstring).
 # ---- moe_fused (expert-parallel section as a piece pipeline) ---------------------------------------
 
 
 def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
-    """The capacity axis cut into ``pieces`` (templates/moe_fused/reference.py). NCCL runs the
-    calls in issue order on one stream: every dispatch piece D_i first, then the combines C_i; the
-    experts E_i of a piece start when D_i has landed (and E_{i-1} is done); C_i starts after E_i
-    and after the previous call on the NCCL stream. Collectives beside expert GEMMs pay
+    """The section as a piece pipeline (templates/moe_fused/reference.py, kernels.py). NCCL runs
+    the calls in issue order on one stream: every dispatch piece D_i first, then the combines C_i;
+    the experts E_i of a piece start when D_i has landed (and E_{i-1} is done); C_i starts after
+    E_i and after the previous call on the NCCL stream. Collectives beside expert GEMMs pay
     ``comm_slowdown``, expert GEMMs beside collectives ``gemm_slowdown``; every call after the
-    first pays the launch cost. Total = end of C_{p-1}."""
+    first pays the launch cost. Total = end of the last combine (or of the last experts).
+
+    ``{"pieces": p}``: p all-to-alls of 1/p of the bytes each way, experts 1/p of the GEMM time.
+    ``{"split": "source"}``: W pieces; piece 0 is the own tokens (no transfer, its experts start
+    at t=0), piece r a pairwise exchange with one peer. That exchange moves bytes/W off the rank,
+    what an all-to-all of bytes/(W-1) moves, so it is priced on the all-to-all curve at
+    bytes/(W-1) (on a switched fabric a pair gets the per-rank bandwidth)."""
     if site.kind != "moe":
         return None
-    p = max(1, int(config.get("pieces", 1)))
+    W = max(1, site.world)
+    source = config.get("split") == "source"
+    p = W if source else max(1, int(config.get("pieces", 1)))
     slow_g, slow_c = profile.contention["gemm_slowdown"], profile.contention["comm_slowdown"]
     e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0)
-    piece = site.coll_bytes() / p
+    nbytes = site.coll_bytes() / (W - 1) if source and W > 1 else site.coll_bytes() / p
+    moves = [i for i in range(p) if not (source and i == 0)]  # pieces with a transfer
+    calls = 0
 
-    def call(i: int, contended: bool) -> float:
-        return comm_call_ms(site, profile, piece, ctx, contended=contended, launch=i > 0)
+    def call(contended: bool) -> float:
+        nonlocal calls
+        calls += 1
+        return comm_call_ms(site, profile, nbytes, ctx, contended=contended, launch=calls > 1)
 
-    events, t_comm, d_end = [], 0.0, []
-    for i in range(p):
-        d = call(i, contended=i > 0)
+    events, t_comm, d_end = [], 0.0, {}
+    for i in moves:
+        d = call(contended=i > 0)
         events.append(Event("comm", f"dispatch {i}", t_comm, t_comm + d))
         t_comm += d
-        d_end.append(t_comm)
+        d_end[i] = t_comm
     t_exp = 0.0
     for i in range(p):
-        start = max(t_exp, d_end[i])
+        start = max(t_exp, d_end.get(i, 0.0))
         events.append(Event("compute", f"experts {i}", start, start + e))
         t_exp = start + e
-        c_start = max(t_comm, t_exp)
-        c = call(p + i, contended=i < p - 1)
-        events.append(Event("comm", f"combine {i}", c_start, c_start + c))
-        t_comm = c_start + c
+        if i in d_end:
+            c_start = max(t_comm, t_exp)
+            c = call(contended=i < p - 1)
+            events.append(Event("comm", f"combine {i}", c_start, c_start + c))
+            t_comm = c_start + c
     base = baseline(site, profile, ctx)
-    return Schedule(t_comm, events, base.bound_ms if base else None, f"{p} pieces of {piece / 2**20:.1f} MiB")
+    how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
+    return Schedule(max(t_comm, t_exp), events, base.bound_ms if base else None,
+                    f"{how} of {nbytes / 2**20:.1f} MiB")
 
 
 MODELS: dict[str, Model] = {

@@ -6,18 +6,24 @@ The section as written (demo.moe)::
     y   = swiglu_experts(got as [E_local, W*C, H])
     out = all_to_all(y as [W, E_local, C, H])    # back to the sources
 
-Every slot (token position) is independent through the experts, so the capacity axis C is cut
-into ``pieces``; each piece's dispatch all-to-all is started at once, its experts run as soon as
-it has landed, and its combine all-to-all starts right after (FlashDMoE's "expert tiles start as
-tokens arrive, combine tiles leave as they finish", at piece granularity)::
+Every slot (token position) goes through the experts alone, so the dispatched tokens can be cut
+into pieces; each piece's experts run as soon as it has landed and its combine leaves right after
+(FlashDMoE's "expert tiles start as tokens arrive, combine tiles leave as they finish", at piece
+granularity). Two ways to cut (the plan's config):
 
-    dispatch p0 | dispatch p1 | dispatch p2 ...
-                  experts p0  | experts p1 ...
-                                combine p0  | combine p1 ...
+``{"split": "source"}`` (default) -- one piece per source rank. Round r = 0..W-1: rank i sends
+    its slots for the experts of rank (i + r) % W and receives the slots of source (i - r) % W
+    (an all_to_all_single whose splits are zero but for that one peer, i.e. a pairwise exchange
+    every rank takes part in, in the same order); round 0 is the rank's own tokens and needs no
+    transfer, so its experts run while round 1 is in flight::
 
-The collectives are the asynchronous functional ones on the site's group (NCCL on GPUs: they run
-on NCCL's stream while the compute stream does the experts of the previous piece; gloo here).
-Padding slots travel as they do in the original (payload-efficient dispatch is not built).
+        (local)    | dispatch 1 | dispatch 2 ... | combine 1 | combine 2 ...
+        experts 0  | experts 1  | experts 2 ...       (combine r after experts r)
+
+``{"pieces": p}`` -- the capacity axis C cut into p slices, each a full all-to-all.
+
+The collectives are the asynchronous functional ones on the site's group (gloo here, NCCL on GPUs
+when kernels.py is not usable). Padding slots travel as they do in the original.
 """
 from __future__ import annotations
 
@@ -27,18 +33,73 @@ import torch.nn.functional as F
 from ...runtime import comm
 from ..plans import MoePlan
 
+c10d = torch.ops._c10d_functional
+
 
 def bounds(size: int, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, size))
     return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
-def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
+def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU over ``[E_local, rows, H]``; written into ``out`` when given (kernels.py)."""
+    act = F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3)
+    return torch.bmm(act, w2) if out is None else torch.bmm(act, w2, out=out)
+
+
+def by_source(config: dict) -> bool:
+    return config.get("split", "capacity" if "pieces" in config else "source") == "source"
+
+
+def round_peers(rank: int, world: int, r: int) -> tuple[int, int]:
+    """Round r's (destination of my dispatch piece, source of the piece I receive)."""
+    return (rank + r) % world, (rank - r) % world
+
+
+def one_peer_splits(world: int, peer: int, rows: int) -> list[int]:
+    """all_to_all_single splits that move ``rows`` rows to / from ``peer`` only."""
+    return [rows if j == peer else 0 for j in range(world)]
 
 
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
         plan: MoePlan) -> torch.Tensor:
+    if by_source(plan.config):
+        return run_by_source(buf, w1, w3, w2, group_name, plan)
+    return run_by_capacity(buf, w1, w3, w2, group_name, plan)
+
+
+def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tensor:
+    w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
+    rank, size = comm.rank_and_size(group_name)
+    if size != w:
+        raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {w}")
+    rows = e * c
+    slots = buf.view(w, rows, h)
+    # Every dispatch piece is started first (in round order, the same on every rank) ...
+    sent = []
+    for r in range(1, w):
+        dst, src = round_peers(rank, w, r)
+        # splits cut the input at prefix sums: the one non-empty piece starts at row 0 of it
+        sent.append(c10d.all_to_all_single.default(slots[dst], one_peer_splits(w, src, rows),
+                                                   one_peer_splits(w, dst, rows), group_name))
+    out = buf.new_empty(w, rows, h)
+    # ... the own tokens' experts run while they travel ...
+    out[rank] = experts(slots[rank].view(e, c, h), w1, w3, w2).view(rows, h)
+    back = []
+    for r, t in enumerate(sent, start=1):
+        dst, src = round_peers(rank, w, r)
+        y = experts(comm.wait(t).view(e, c, h), w1, w3, w2).view(rows, h)
+        # ... and each piece goes home as soon as its experts are done.
+        back.append(c10d.all_to_all_single.default(y, one_peer_splits(w, dst, rows),
+                                                   one_peer_splits(w, src, rows), group_name))
+    for r, t in enumerate(back, start=1):
+        dst, _ = round_peers(rank, w, r)
+        out[dst] = comm.wait(t)
+    return out.view(w * rows, h)
+
+
+def run_by_capacity(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tensor:
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     slots = buf.view(w, e, c, h)
     pieces = bounds(c, plan.config.get("pieces", 1))

@@ -10,8 +10,10 @@ After::
     out = overlap_compile.moe_fused(buf, w1, w3, w2, '0', '{plan}')
 
 Only sections whose intermediates stay inside (no saved activations: inference / prefill) are
-found supported (passes.find_moe). No latency model yet: the predictor does not choose it, so it
-runs only where forced (force_template="moe_fused"). Not measured on GPUs (gpu_implemented=False).
+found supported (passes.find_moe). Configurations: ``{"split": "source"}`` (one piece per source
+rank, the own tokens first, no transfer) or ``{"pieces": p}`` (the capacity axis in p slices);
+see reference.py. Latency model: predictor.models.moe_fused. kernels.py (CUDA streams) has not
+run on a GPU yet (gpu_implemented=False): under GPU profiles only force_template picks it.
 """
 from __future__ import annotations
 
@@ -36,18 +38,24 @@ class MoeFusedSpec(TemplateSpec):
         return None
 
     def default_config(self, match: Match) -> dict:
-        return {"pieces": min(2, max(1, getattr(match, "capacity", 1)))}
+        return {"split": "source"}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         cap = getattr(match, "capacity", 1)
-        return [{"pieces": p} for p in (1, 2, 4) if p <= cap] or [self.default_config(match)]
+        return [{"split": "source"}] + [{"pieces": p} for p in (2, 4) if p <= cap]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
-        pieces = config.get("pieces")
-        if set(config) != {"pieces"} or not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
-            raise ValueError(f"moe_fused: config must be {{'pieces': int >= 1}}, got {config!r}")
+        check_config(config)
         return MoePlan(template=self.name, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
                        hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms)
 
 
 SPEC = MoeFusedSpec()
+
+
+def check_config(config: dict) -> None:
+    pieces = config.get("pieces")
+    by_source = config == {"split": "source"}
+    by_capacity = set(config) == {"pieces"} and isinstance(pieces, int) and not isinstance(pieces, bool) and pieces >= 1
+    if not (by_source or by_capacity):
+        raise ValueError(f"moe_fused: config must be {{'split': 'source'}} or {{'pieces': int >= 1}}, got {config!r}")

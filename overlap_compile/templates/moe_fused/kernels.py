@@ -1,0 +1,122 @@
+"""moe_fused on NVIDIA GPUs: the piece pipeline of reference.py with the pieces' all-to-alls on a
+high-priority communication stream and the experts' cuBLAS bmm on the compute stream, ordered by
+events (no host synchronisation, CUDA-graph capturable).
+
+    comm stream     dispatch piece 1 .. P-1 back to back (an event after each), then combine r
+                    once the compute stream's event "experts r done" has fired
+    compute stream  experts of piece 0 (by source: the rank's own tokens, no transfer), then
+                    experts of piece r after its dispatch event
+    join            the compute stream waits for the comm stream before the op returns
+
+Why a separate high-priority stream (the same one priority_stream uses): NCCL kernels queued
+behind expert bmm that fill every SM would start only as bmm blocks retire; on their own
+high-priority stream they get SMs as soon as they are issued, so piece r+1 travels while piece r
+is computed. Every rank issues the same collectives in the same order (round order), as NCCL
+requires. CUDA graphs: only stream/event work and NCCL calls with static split sizes (Python
+lists), which capture. Not yet run on a GPU: spec.gpu_implemented stays False until it is.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plans import MoePlan
+from ..priority_stream.kernels import comm_stream, usable  # noqa: F401  (same stream, same test)
+from . import reference as ref
+
+
+def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
+        plan: MoePlan) -> torch.Tensor:
+    from ...runtime.comm import resolve_group
+
+    pg = resolve_group(group_name)
+    if pg.size() != plan.world:
+        raise ValueError(f"moe_fused: group {group_name!r} has {pg.size()} ranks, the plan was made for {plan.world}")
+    compute = torch.cuda.current_stream(buf.device)
+    side = comm_stream(buf.device)
+    if ref.by_source(plan.config):
+        return _by_source(buf, w1, w3, w2, pg, plan, compute, side)
+    return _by_capacity(buf, w1, w3, w2, pg, plan, compute, side)
+
+
+def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:
+    import torch.distributed as dist
+
+    w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
+    rank, rows = pg.rank(), plan.e_local * plan.capacity
+    slots = buf.view(w, rows, h)
+    out = buf.new_empty(w, rows, h)
+    recv = [buf.new_empty(rows, h) for _ in range(w - 1)]
+    ys = [buf.new_empty(e, c, h) for _ in range(w - 1)]
+    side.wait_stream(compute)  # the buffer is written before the first dispatch reads it
+    landed = []
+    with torch.cuda.stream(side):
+        for r in range(1, w):
+            dst, src = ref.round_peers(rank, w, r)
+            dist.all_to_all_single(recv[r - 1], slots[dst], ref.one_peer_splits(w, src, rows),
+                                   ref.one_peer_splits(w, dst, rows), group=pg)
+            landed.append(_event(side))
+    # own tokens: no transfer, computed while round 1 travels, straight into the output
+    ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h))
+    for r in range(1, w):
+        dst, src = ref.round_peers(rank, w, r)
+        compute.wait_event(landed[r - 1])
+        ref.experts(recv[r - 1].view(e, c, h), w1, w3, w2, out=ys[r - 1])
+        done = _event(compute)
+        with torch.cuda.stream(side):
+            side.wait_event(done)
+            # the output splits put the piece at row 0 of out[dst]: straight into place
+            dist.all_to_all_single(out[dst], ys[r - 1].view(rows, h), ref.one_peer_splits(w, dst, rows),
+                                   ref.one_peer_splits(w, src, rows), group=pg)
+    compute.wait_stream(side)  # join: the result is ready in the caller's stream order
+    _used_on(side, buf, out, *recv, *ys)
+    return out.view(w * rows, h)
+
+
+def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:
+    import torch.distributed as dist
+
+    w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
+    slots = buf.view(w, e, c, h)
+    pieces = ref.bounds(c, plan.config.get("pieces", 1))
+    out = buf.new_empty(w, e, c, h)
+    # the pieces are strided slices of the capacity axis: packed on the compute stream (before the
+    # fork), received into scratch, placed on the comm stream after their combine
+    sends = [slots[:, :, lo:hi].reshape(-1, h) for lo, hi in pieces]
+    recvs = [torch.empty_like(s) for s in sends]
+    ys = [torch.empty_like(s) for s in sends]
+    backs = [torch.empty_like(s) for s in sends]
+    side.wait_stream(compute)
+    landed = []
+    with torch.cuda.stream(side):
+        for s, r in zip(sends, recvs):
+            dist.all_to_all_single(r, s, group=pg)
+            landed.append(_event(side))
+    for (lo, hi), ev, r, y, back in zip(pieces, landed, recvs, ys, backs):
+        n = hi - lo
+        compute.wait_event(ev)
+        got = r.view(w, e, n, h).transpose(0, 1).reshape(e, w * n, h)
+        y.view(w, e, n, h).copy_(ref.experts(got, w1, w3, w2).view(e, w, n, h).transpose(0, 1))
+        done = _event(compute)
+        with torch.cuda.stream(side):
+            side.wait_event(done)
+            dist.all_to_all_single(back, y, group=pg)
+            out[:, :, lo:hi] = back.view(w, e, n, h)
+    compute.wait_stream(side)
+    _used_on(side, buf, out, *sends, *recvs, *ys, *backs)
+    return out.view(w * e * c, h)
+
+
+def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
+    """Compute-stream buffers also used on the comm stream: the caching allocator must not hand
+    their blocks out again before that stream's work on them is done."""
+    seen = set()
+    for t in tensors:
+        if t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            t.record_stream(stream)

@@ -1,0 +1,139 @@
+"""moe_fused over gloo: the rewritten expert-parallel layer equals the layer as written (same
+routing) at world 2 and 4, for both ways of cutting the pieces, on random routing, skewed routing
+(one hot expert, overflowing its capacity) and a capacity factor that drops many choices; the
+per-source schedule equals the one-shot section at W = 3; an uneven-split section is left
+alone with its reason."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_compile.testing.multiprocess import run_distributed
+
+H, F_, E, K_TOP, TOKENS = 16, 24, 4, 2, 12
+
+
+def _layer(cf: float):
+    from overlap_compile.demo.moe import ExpertParallelMoE
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # same full weights on every rank
+    layer = ExpertParallelMoE(H, F_, E, K_TOP, cf, dist.group.WORLD.group_name)
+    full = [torch.randn(E, H, F_) / 4, torch.randn(E, H, F_) / 4, torch.randn(E, F_, H) / 5]
+    e_local = E // w
+    with torch.no_grad():
+        for p, f in zip((layer.w1, layer.w3, layer.w2), full):
+            p.copy_(f[rank * e_local:(rank + 1) * e_local])
+    return layer, full
+
+
+def _rewritten_vs_written(configs: list) -> list:
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+    from overlap_compile.demo.moe import capacity, route
+    from overlap_compile.explain import no_compile_caches
+    from overlap_compile import predictor
+    from overlap_compile.templates.moe_fused.spec import SPEC
+
+    rank, results = dist.get_rank(), []
+    for config in configs:
+        SPEC.candidates = lambda match, profile: [dict(config)]  # this process only: the config under test
+        predictor.clear_cache()  # rankings are cached per site signature
+        layer, full = _layer(1.25)
+        report = oc.Report()
+        with oc.config.patch(force_template="moe_fused"), no_compile_caches():
+            torch._dynamo.reset()
+            fn = torch.compile(layer, backend=functools.partial(overlap_backend, report=report))
+            # one compiled graph for all cases: routing is data, the shapes are static
+            for case in ("random", "one hot expert", "capacity overflow"):
+                torch.manual_seed(1 + rank)
+                x = torch.randn(TOKENS, H)
+                with torch.no_grad():
+                    if case == "one hot expert":  # every token's first choice: expert 0, far past its capacity
+                        layer.router.zero_()
+                        layer.router[0] += 5.0
+                        x = x.abs() + 0.1
+                    elif case == "capacity overflow":  # a random router leaning on expert 1: some choices dropped
+                        layer.router.copy_(torch.randn(E, H) / 4)
+                        layer.router[1] += 0.4
+                        x = x.abs() + 0.1
+                    _, kept, _ = route(x, layer.router, E, K_TOP, capacity(TOKENS, E, K_TOP, 1.25))
+                    want = layer(x)  # the layer as written, eager: same routing
+                    got = fn(x)
+                    oracle = layer.reference_forward(x, full)
+                scale = want.abs().max().clamp_min(1e-6)
+                results.append({"case": case, "config": config, "dropped": int((~kept).sum()),
+                                "err": ((got - want).abs().max() / scale).item(),
+                                "oracle_err": ((want - oracle).abs().max() / scale).item()})
+        (site,) = report.sites
+        code = report.records[0].after
+        for r in results[-3:]:
+            r.update(rewritten=site.rewritten, chosen=site.config, reason=site.reason,
+                     fused="overlap_compile.moe_fused" in code and "all_to_all" not in code)
+    return results
+
+
+@pytest.mark.parametrize("world,configs", [(2, [{"split": "source"}, {"pieces": 3}]), (4, [{"split": "source"}])])
+def test_rewritten_layer_equals_layer_as_written(world, configs):
+    for per_rank in run_distributed(_rewritten_vs_written, world_size=world, args=(configs,), timeout_s=300):
+        assert len(per_rank) == 3 * len(configs)
+        for r in per_rank:
+            assert r["rewritten"] and r["chosen"] == r["config"] and r["fused"], r
+            assert r["err"] < 1e-5 and r["oracle_err"] < 1e-5, (world, r)
+            assert r["case"] == "random" or r["dropped"] > 0, r  # the overflow cases do overflow
+
+
+def _by_source_vs_one_shot() -> float:
+    from overlap_compile.templates.moe_fused import reference
+    from overlap_compile.templates.plans import MoePlan
+
+    w, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(rank)
+    e, c = 2, 5
+    buf = torch.randn(w * e * c, H)
+    ws = [torch.randn(e, H, F_), torch.randn(e, H, F_), torch.randn(e, F_, H)]
+    group = dist.group.WORLD.group_name
+    one = reference.run(buf, *ws, group, MoePlan("moe_fused", w, e, c, H, F_, {"pieces": 1}))
+    got = reference.run(buf, *ws, group, MoePlan("moe_fused", w, e, c, H, F_, {"split": "source"}))
+    return (one - got).abs().max().item()
+
+
+def test_by_source_pieces_equal_one_shot_at_odd_world():
+    """Round r pairs rank i with (i + r) % W and (i - r) % W: every source's piece arrives once and
+    goes home to the right rank, at an odd W too (W = 2, 4: the layer tests above)."""
+    assert max(run_distributed(_by_source_vs_one_shot, world_size=3, timeout_s=120)) < 1e-5
+
+
+def _uneven_section() -> dict:
+    import overlap_compile as oc
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD.group_name
+    ins = [3, 5]  # rows to rank 0, to rank 1: rank j receives ins[j] from each source
+    outs = [ins[rank]] * w
+
+    class Uneven(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = torch.nn.Parameter(torch.randn(1, H, F_)), torch.nn.Parameter(torch.randn(1, H, F_))
+            self.w2 = torch.nn.Parameter(torch.randn(1, F_, H))
+
+        def forward(self, x):
+            got = all_to_all_single(x, outs, ins, group).view(1, -1, H)
+            y = torch.bmm(torch.nn.functional.silu(torch.bmm(got, self.w1)) * torch.bmm(got, self.w3), self.w2)
+            return all_to_all_single(y.view(-1, H), ins, outs, group)
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        report = oc.explain(Uneven(), torch.randn(sum(ins), H), force_template="moe_fused")
+    (rec,) = report.records
+    return {"unchanged": rec.before == rec.after, "sites": [(s.kind, s.rewritten, s.reason) for s in report.sites]}
+
+
+def test_uneven_splits_are_left_alone_with_the_reason():
+    for r in run_distributed(_uneven_section, world_size=2, timeout_s=120):
+        assert r["unchanged"], r
+        ((kind, rewritten, reason),) = r["sites"]
+        assert kind == "moe" and not rewritten and "uneven or dynamic splits" in reason, r
