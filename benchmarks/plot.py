@@ -4,7 +4,9 @@
 
 Per (kind, mode): speedup over the method "sequential" (or "cublas", or "inductor") of the same
 shape, one bar per method, with the overlap bound's speedup drawn as a tick where rows carry
-``bound_ms``. ``--markdown`` also prints a table of the same numbers.
+``bound_ms``. ``--markdown`` also prints a table of the same numbers. ``--metric KEY`` plots
+another time column of the rows (e.g. e2e's ``prefill_ms``); rows without it (errors, skipped
+configurations, checks) are left out.
 """
 from __future__ import annotations
 
@@ -17,31 +19,32 @@ from collections import defaultdict
 BASELINES = ("sequential", "cublas", "inductor")
 
 
-def speedups(rows: list[dict]) -> dict:
+def speedups(rows: list[dict], metric: str = "ms") -> dict:
     """(kind, mode) -> shape label -> method -> (speedup, bound speedup or None)."""
+    rows = [r for r in rows if "method" in r and isinstance(r.get(metric), (int, float)) and r[metric] == r[metric]]
     base = {}
     for r in rows:
-        if r["method"] in BASELINES and r["ms"] == r["ms"]:
-            base[(r["kind"], json.dumps(r["shape"]), r["mode"])] = r["ms"]
+        if r["method"] in BASELINES:
+            base[(r["kind"], json.dumps(r["shape"]), r["mode"])] = r[metric]
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         key = (r["kind"], json.dumps(r["shape"]), r["mode"])
-        if r["method"] in BASELINES or key not in base or not (r["ms"] == r["ms"]):
+        if r["method"] in BASELINES or key not in base:
             continue
-        bound = base[key] / r["bound_ms"] if r.get("bound_ms") else None
+        bound = base[key] / r["bound_ms"] if r.get("bound_ms") and metric == "ms" else None
         label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
-        out[(r["kind"], r["mode"])][label][r["method"]] = (base[key] / r["ms"], bound)
+        out[(r["kind"], r["mode"])][label][r["method"]] = (base[key] / r[metric], bound)
     return out
 
 
-def plot(rows: list[dict], out_dir: str, stem: str) -> list[str]:
+def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for (kind, mode), shapes in sorted(speedups(rows).items()):
+    for (kind, mode), shapes in sorted(speedups(rows, metric).items()):
         methods = sorted({m for d in shapes.values() for m in d})
         labels = list(shapes)
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
@@ -56,7 +59,7 @@ def plot(rows: list[dict], out_dir: str, stem: str) -> list[str]:
                     ax.plot([x - width / 2, x + width / 2], [b, b], color="k", lw=1)
         ax.axhline(1.0, color="gray", ls="--", lw=1)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("speedup over sequential (black tick: bound)")
+        ax.set_ylabel("speedup over baseline" + (f", {metric}" if metric != "ms" else "") + " (tick: bound)")
         ax.set_title(f"{kind} ({mode}) — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}")
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -67,9 +70,9 @@ def plot(rows: list[dict], out_dir: str, stem: str) -> list[str]:
     return paths
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], metric: str = "ms") -> str:
     lines = []
-    for (kind, mode), shapes in sorted(speedups(rows).items()):
+    for (kind, mode), shapes in sorted(speedups(rows, metric).items()):
         methods = sorted({m for d in shapes.values() for m in d})
         lines += [f"\n**{kind}, {mode}** (speedup over sequential; bound in parentheses)\n",
                   "| shape | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
@@ -91,14 +94,16 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--metric", default="ms", help="the rows' time column to compare (default ms)")
     args = ap.parse_args()
     for path in args.files:
         rows = json.load(open(path))
         out_dir = args.out or os.path.dirname(path) or "."
-        for p in plot(rows, out_dir, os.path.splitext(os.path.basename(path))[0]):
+        stem = os.path.splitext(os.path.basename(path))[0] + ("" if args.metric == "ms" else f"-{args.metric}")
+        for p in plot(rows, out_dir, stem, args.metric):
             print("wrote", p)
         if args.markdown:
-            print(markdown(rows))
+            print(markdown(rows, args.metric))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ with Wq/Wk/Wv/W1/W3 sharded by output rows (heads / intermediate columns) and Wo
 columns, exactly the shards DTensor's ColwiseParallel / RowwiseParallel take, so both models give
 the same numbers for the same full weights. The collectives are the autograd-aware functional
 ones, so the backward has the mirrored AG / RS pairs for the compiler to find too.
+
+The RMSNorm weights are replicated while their inputs are sequence shards, so each rank's weight
+gradient is a partial sum: ``finalize_grads`` all-reduces them before the optimizer step, as
+Megatron-LM does for sequence-parallel weights (DTensor does the same reduction itself when the
+optimizer touches its Partial gradients). Without it the ranks' norm weights drift apart.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 
 from overlap_compile.demo.models import LlamaBlock, parallelize_tp_sp
 
-from .common import Built, local
+from .common import Built, all_reduce_grads, local
 
 
 def _full_block(sizes: dict, device: str, dtype, seed: int) -> LlamaBlock:
@@ -67,6 +72,9 @@ class MegatronLlamaBlock(nn.Module):
         self.wq, self.wk, self.wv, self.wo = rows(a.wq.weight), rows(a.wk.weight), rows(a.wv.weight), cols(a.wo.weight)
         self.w1, self.w3, self.w2 = rows(f.w1.weight), rows(f.w3.weight), cols(f.w2.weight)
 
+    def finalize_grads(self) -> None:
+        all_reduce_grads([self.attention_norm, self.ffn_norm], self.group_name)
+
     def _ag(self, t):
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
@@ -93,4 +101,4 @@ def build_llama_megatron(sizes: dict, device: str, dtype, seed: int = 0) -> Buil
     rank, world = dist.get_rank(), dist.get_world_size()
     block = MegatronLlamaBlock(_full_block(sizes, device, dtype, seed), rank, world, dist.group.WORLD.group_name)
     x = _input(sizes, device, dtype, seed).chunk(world, 1)[rank].contiguous()
-    return Built(block, x, local, sizes["batch"] * sizes["seq"])
+    return Built(block, x, local, sizes["batch"] * sizes["seq"], block.finalize_grads)
