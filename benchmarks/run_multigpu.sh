@@ -3,7 +3,7 @@
 # one slow step cannot eat the others. Everything lands in $OUT/results.tar.gz (one file: the
 # device tool brings back at most 8), plus a short log on stdout.
 #   usage: STEPS=profile,predictor,tests,ops,moe,e2e bash benchmarks/run_multigpu.sh
-#   knobs: OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS (see each step)
+#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS (see each step)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -36,7 +36,7 @@ if has predictor; then
 fi
 if has tests; then
   step "GPU tests (world $W)"
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -x -ra ${TESTS:-tests/gpu} > "$R/gpu_tests.log" 2>&1
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q ${TESTS_FLAGS:--x} -ra ${TESTS:-tests/gpu} > "$R/gpu_tests.log" 2>&1
   tail -8 "$R/gpu_tests.log"
 fi
 if has ops; then

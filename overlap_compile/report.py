@@ -45,6 +45,7 @@ class GraphRecord:
     sites: list[SiteReport]
     profile: str | None = None
     pass_seconds: float = 0.0  # wall time of find -> decide -> rewrite on this graph (compile-time cost)
+    error: str | None = None  # the pass failed on this graph and left it unchanged (why)
 
 
 @dataclasses.dataclass
@@ -83,13 +84,15 @@ class Report:
             gemm = ", ".join("x".join(map(str, g)) for g in s.gemms)
             pred = _best_per_template(s.predicted_ms)
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, s.reason])
+        errors = [r.error for r in self.records if r.error]
         if not rows:
-            return "overlap_compile: no GEMM/collective sites found"
+            return "\n".join(errors or ["overlap_compile: no GEMM/collective sites found"])
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header) - 1)]
         lines = []
         for r in [header] + rows:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
         lines.insert(1, "-" * min(160, len(lines[0])))
+        lines += errors
         profiles = sorted({r.profile for r in self.records if r.profile})
         if profiles:
             lines.append(f"profile: {', '.join(profiles)}")
@@ -100,7 +103,7 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"graphs": [{"name": r.name, "profile": r.profile, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
+            {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
             indent=2,
             default=str,
         )

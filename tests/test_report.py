@@ -46,3 +46,29 @@ def test_dump_writes_graphs_report_and_timelines(report, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "report.json").read_text())
     assert [s["kind"] for g in data["graphs"] for s in g["sites"]] == ["gemm_allreduce", "gemm_allreduce"]
+
+
+def test_a_failing_analysis_leaves_the_graph_unchanged_and_says_so(monkeypatch):
+    """An unexpected error while finding sites (the pass's own bug, e.g. a dtype it did not
+    foresee) must not break the user's compile: the graph is kept as it was, a warning is given
+    and the report carries the error."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlap_compile import Report, config
+    from overlap_compile.passes import pipeline
+
+    def broken(graph, name):
+        raise RuntimeError("BFloat16 did not match Float")
+
+    monkeypatch.setattr(pipeline, "find", broken)
+    gm = make_fx(lambda a, b: torch.relu(a @ b))(torch.randn(4, 3), torch.randn(3, 5))
+    before = gm.graph.python_code(root_module="self").src
+    with pytest.warns(UserWarning, match="left unchanged"):
+        record = pipeline.run_on_graph(gm.graph, config.current())
+    assert gm.graph.python_code(root_module="self").src == before == record.after
+    assert record.sites == [] and "BFloat16 did not match Float" in record.error
+    rep = Report()
+    rep.add(record)
+    assert "finding sites in the forward graph failed" in rep.table()
+    assert '"error": "overlap_compile: finding sites' in rep.to_json()

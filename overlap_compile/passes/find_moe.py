@@ -160,7 +160,10 @@ def _activation(b1: fx.Node, mul: fx.Node, b3: fx.Node) -> list[fx.Node] | None:
         todo += [a for a in n.all_input_nodes]
     order = {n: i for i, n in enumerate(b1.graph.nodes)}
     nodes.sort(key=order.__getitem__)
-    probe = torch.linspace(-6, 6, 97)
+    # the probe in the section's dtype: with bf16 / fp16 Inductor's decomposition casts to fp32
+    # and back, so the result is silu rounded to that dtype
+    dtype = val(b1).dtype if val(b1) is not None else torch.float32
+    probe = torch.linspace(-6, 6, 97).to(dtype)
     env = {b1: probe}
     try:
         for n in nodes:
@@ -170,7 +173,9 @@ def _activation(b1: fx.Node, mul: fx.Node, b3: fx.Node) -> list[fx.Node] | None:
     except (KeyError, RuntimeError, TypeError):
         return None
     got = env.get(other[0]) if other[0] is not b1 else probe
-    if got is None or not torch.allclose(got, torch.nn.functional.silu(probe), atol=1e-6):
+    want = torch.nn.functional.silu(probe.float())
+    rtol = 2 * torch.finfo(dtype).eps  # two roundings at most (the cast back, the division)
+    if got is None or not torch.allclose(got.float(), want, rtol=rtol, atol=1e-6):
         return None
     return nodes
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch.fx as fx
 
@@ -29,7 +30,14 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     start = time.perf_counter()
     name = graph_name or graph_role(graph)
     before = readable(graph)
-    matches = find(graph, name)
+    try:
+        matches = find(graph, name)
+    except Exception as e:  # analysis only, nothing touched yet: the graph is kept exactly as it was
+        error = (f"overlap_compile: finding sites in the {name} graph failed ({type(e).__name__}: {e}); "
+                 "the graph is left unchanged")
+        warnings.warn(error)
+        return GraphRecord(name=name, before=before, after=before, sites=[], error=error,
+                           pass_seconds=time.perf_counter() - start)
     profile = None
     profile_name = None
     if matches:

@@ -2,7 +2,8 @@
 cuBLAS + NCCL send/recv on a high-priority stream) against eager torch.mm + the NCCL collective.
 
 Every kind (reduce-scatter, all-gather, all-to-all), odd shapes (rows, K and N not multiples of
-any tile), bf16 and fp16, with and without bias; 20 calls back to back with fresh inputs and no
+any tile), bf16, fp16 and fp32 (an fp32 partial must be copied out of its slot before the slot is
+released), with and without bias; 20 calls back to back with fresh inputs and no
 synchronisation between them (a race between calls shows as a wrong result), then CUDA-graph
 replays with the output poisoned with NaN. After all that: no bounded wait failed, and every
 flag is back at 0. World sizes 2 and 4 (each skipped without enough GPUs).
@@ -23,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2+ CUDA GPUs, found {torch.cuda.device_count()}"),
 ]
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 SHAPES = [(125, 520, 392), (257, 136, 1000)]  # (rows per rank, K, N): odd, not multiples of a tile
 TRANSPORTS = ("p2p", "nccl")
 REPEATS = 20
@@ -65,7 +66,7 @@ def checks() -> list[str]:
             fails.append(f"rank {rank} W={w} {tag}: rel err {e:.3g}")
 
     cases = itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"),
-                              (torch.bfloat16, torch.float16), SHAPES)
+                              (torch.bfloat16, torch.float16, torch.float32), SHAPES)
     for transport, kind, dtype, (chunk, k, n) in cases:
         bias_on = (chunk, k, n) == SHAPES[0]
         plan = _plan(kind, w, chunk, k, n, bias_on, transport)

@@ -296,7 +296,9 @@ def _accumulate(acc, data, flags: _Flags, src: int, step: int) -> torch.Tensor:
     """acc (fp32) += the partial ``src`` pushed into my slot ``src``; then free that slot."""
     flags.wait_ready(src, step)
     slot = data.local[src]
-    acc = slot.float() if acc is None else acc.add_(slot)
+    # a copy even when the slot is fp32 already: the slot is released below and a peer's next
+    # call may overwrite it while acc is still being summed into
+    acc = slot.to(torch.float32, copy=True) if acc is None else acc.add_(slot)
     flags.release(src)
     return acc
 

@@ -174,7 +174,7 @@ if _HAVE_TRITON:
         """Channel c = program id: exec ids c, c + C, ... of the W-1 peer stripes, in GEMM order."""
         c = tl.program_id(0)
         channels = tl.num_programs(0)
-        ok = (rank * 0 + 1).to(tl.int32)  # a tensor: it is loop-carried
+        ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried); rank may arrive as a constexpr 1 (Triton specialises ints equal to 1)
         for e in range(c, (world - 1) * tiles, channels):
             if ok != 0:
                 d, t = rank_ordered_jit(e, rank, world, tiles, 1)
@@ -199,7 +199,7 @@ if _HAVE_TRITON:
         offs_i = tl.arange(0, SUB_M)
         offs_n = tl.arange(0, BN)
         tile_offs = offs_i[:, None] * BN + offs_n[None, :]
-        ok = (rank * 0 + 1).to(tl.int32)  # a tensor: it is loop-carried
+        ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried); rank may arrive as a constexpr 1 (Triton specialises ints equal to 1)
         for t in range(c, tiles, channels):
             if ok != 0:
                 slot = rank * tiles + t
@@ -237,7 +237,7 @@ if _HAVE_TRITON:
                 if q != rank:
                     P.rank_notify(P.peer_ptr(flags_tbl, q, flags_local), rank, USE_ASM)
         if WAIT:
-            ok = (rank * 0 + 1).to(tl.int32)  # a tensor: it is loop-carried
+            ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried); rank may arrive as a constexpr 1 (Triton specialises ints equal to 1)
             for q in range(world):
                 if (q != rank) & (ok != 0):
                     ok = P.rank_wait(flags_local, q, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
