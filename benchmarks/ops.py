@@ -55,8 +55,11 @@ def _only_configs(template: str, only: str):
     if not only:
         yield
         return
+    from overlap_compile import predictor
+
     key, _, value = only.partition("=")
     spec = templates.get_spec(template)
+    predictor.clear_cache()  # rankings are cached per site signature, whatever the candidates were
     cands, default = spec.candidates, spec.default_config
     spec.candidates = lambda m, p: [c for c in cands(m, p) if str(c.get(key)) == value] or [spec.default_config(m)]
     spec.default_config = lambda m: {**default(m), key: value}
@@ -64,6 +67,7 @@ def _only_configs(template: str, only: str):
         yield
     finally:
         del spec.candidates, spec.default_config
+        predictor.clear_cache()
 
 
 def _expand(names: list[str]) -> list[str]:
