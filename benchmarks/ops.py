@@ -88,12 +88,14 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
         for shape in shapes[kind]:
             m, n, k = shape
             torch.manual_seed(rank)
-            a = torch.randn(m, k, device=device, dtype=dtype) / k**0.25
+            full = torch.randn(m, k, device=device, dtype=dtype) / k**0.25
             b = torch.randn(k, n, device=device, dtype=dtype) / k**0.25
+            # an all-gather site's input is this rank's shard of the M rows; the GEMM is over all of them
+            a = full[rank * (m // world):(rank + 1) * (m // world)].contiguous() if kind == "allgather_gemm" else full
             seq = sequential_fn(kind, group, world)
             ref = seq(a, b)
-            gemm_ms = time_ms(lambda: a @ b)
-            y = a @ b
+            gemm_ms = time_ms(lambda: full @ b)
+            y = a if kind == "allgather_gemm" else full @ b
             comm_ms = time_ms(lambda: collective(kind, y, group, world))
             base = {"benchmark": "ops", "device": dev, "world_size": world, "torch": torch.__version__, "date": date,
                     "kind": kind, "shape": shape}

@@ -60,7 +60,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
             return Decision(match, BASELINE, None, f"force_template={forced!r} cannot take this site: {problem}", cands)
         spec = templates.get_spec(forced)
         ranked = predictor.rank_configs(spec, match, profile, options) if profile is not None else []
-        config = ranked[0].config if ranked else spec.default_config(match)
+        config = next((c.config for c in ranked if c.config is not None), None) or spec.default_config(match)
         cands += ranked or [Candidate(forced, config, None)]
         return Decision(match, forced, config, f"force_template={forced!r}", cands)
 

@@ -223,6 +223,9 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
             unique.append(cfg)
 
     timed, untimed = [], []
+    if not unique:
+        untimed.append(Candidate(spec.name, None, None, f"{spec.name} offers no configuration for this site under "
+                                                        f"profile {profile.name!r}"))
     for i, cfg in enumerate(unique):
         if needs_peer_access(spec.name, cfg) and (site.cross_node or not profile.peer_access):
             why = "the group spans nodes" if site.cross_node else f"profile {profile.name!r} has no peer access"

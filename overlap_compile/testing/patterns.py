@@ -13,7 +13,7 @@ KINDS = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall", "allgather_gem
 
 
 def collective(kind: str, t: torch.Tensor, group: str, world: int) -> torch.Tensor:
-    """The collective of a GEMM -> collective site, on ``t`` (sum; equal all-to-all splits)."""
+    """The collective of a site, on ``t`` (sum; equal all-to-all splits; for allgather_gemm the shard)."""
     if kind == "gemm_allreduce":
         return c10d.wait_tensor(c10d.all_reduce(t, "sum", group))
     if kind == "gemm_reducescatter":
@@ -21,6 +21,8 @@ def collective(kind: str, t: torch.Tensor, group: str, world: int) -> torch.Tens
     if kind == "gemm_alltoall":
         rows = [t.shape[0] // world] * world
         return c10d.wait_tensor(c10d.all_to_all_single(t, rows, rows, group))
+    if kind == "allgather_gemm":  # t is the shard; the collective comes before the GEMM
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group))
     raise ValueError(f"unknown pattern kind {kind!r}; known: {list(KINDS)}")
 
 

@@ -33,12 +33,14 @@ class P2PRingSpec(TemplateSpec):
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
     # On GPUs (op.py): transport "p2p" runs kernels.py (copy-engine peer copies over symmetric
     # memory), transport "nccl" with slices=1 one direction runs kernels_nccl.py (cuBLAS + NCCL
-    # send/recv on a high-priority stream). Other configs run the reference (torch.distributed
-    # send/recv from Python, fp32 pieces: 0.06-0.12x of sequential on H200x4), so under a GPU
-    # profile candidates() offers only the configs with a GPU path. Both GPU paths are written
-    # but have not run on a GPU yet (no device time was left): set this to True once
-    # tests/gpu/test_p2p_ring.py passes there (force_template / benchmarks/ops.py run them now).
-    gpu_implemented = False
+    # send/recv on a high-priority stream); both pass tests/gpu/test_p2p_ring.py on 2x H200. Other
+    # configs run the reference (torch.distributed send/recv from Python, fp32 pieces: 0.06-0.12x
+    # of sequential on H200x4). Measured on 2x H200 under CUDA graphs (benchmarks/results/
+    # ops-...-w2-...-p2p_ring.json): copy engine 1.01-1.02x (RS) and 1.33-1.39x (A2A); NCCL send/recv
+    # 0.87-0.91x (its kernels take SMs from the GEMM and its model is 15% optimistic), so under a
+    # GPU profile candidates() offers the copy-engine transport only (force_template with an
+    # explicit config still runs the NCCL one).
+    gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
@@ -66,12 +68,13 @@ class P2PRingSpec(TemplateSpec):
         no peer access); then, on the NCCL transport, slices 1, 2, 4 where they divide the rows
         of one ring message and both ring directions at once (reduce-scatter, all-gather) only
         for W > 2, where the two rings use different links. Under a GPU profile only the configs
-        with a GPU path (slices=1, one direction; see gpu_implemented)."""
+        with a GPU path that measured faster: the copy engine (see gpu_implemented); none where the
+        site has no copy-engine path (stripes not along the leading dimension)."""
         out = []
         if match.stripes.outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
         if _gpu_profile(profile):
-            return out + [self.default_config(match)]
+            return out
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:
