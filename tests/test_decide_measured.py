@@ -82,7 +82,10 @@ def _check_decisions(world, mode, inductor_config):
         assert rewritten >= 1, "no measured win is taken under CUDA graphs"
 
 
-def test_reference_only_templates_are_no_gpu_candidates(fake4):
+def test_reference_only_templates_are_no_gpu_candidates(fake4, monkeypatch):
+    from overlap_compile.templates import get_spec
+
+    monkeypatch.setattr(get_spec("tile_fused"), "gpu_implemented", False)
     (d,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), predictor.load_profile("h200"))
     notes = {c.template: c.note for c in d.candidates}
     assert "no GPU implementation" in notes["tile_fused"]
@@ -97,3 +100,14 @@ def test_p2p_ring_offers_only_the_copy_engine_on_gpus(fake4):
     (d,) = decide([_site("gemm_alltoall", 8192, 4096, 2048, 4)], config.current(), predictor.load_profile("h200"))
     ring = [c for c in d.candidates if c.template == "p2p_ring"]
     assert [c.config["transport"] for c in ring] == ["p2p"], ring
+
+
+def test_tile_fused_offers_all_gather_only_on_gpus(fake4):
+    """Its GEMM + reduce-scatter GPU path is broken (wrong results, timeouts): no candidate there
+    under a GPU profile, with the reason in the report; all-gather sites get one."""
+    prof = predictor.load_profile("h200")
+    (rs,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), prof)
+    (note,) = [c.note for c in rs.candidates if c.template == "tile_fused"]
+    assert "offers no configuration" in note and rs.template != "tile_fused"
+    (ag,) = decide([_site("allgather_gemm", 8192, 3584, 4096, 4)], config.current(), prof)
+    assert [c.predicted_ms is not None for c in ag.candidates if c.template == "tile_fused"] == [True]

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..config import Options
 from .. import templates
+from ..templates.base import gpu_profile
 from .matches import Match
 
 BASELINE = "baseline"
@@ -105,8 +106,7 @@ def _model_error(profile: Any) -> float:
 
 def _no_gpu_path(name: str, profile: Any) -> str | None:
     """Under a GPU profile, a template with no GPU implementation is no candidate."""
-    gpu = str(getattr(profile, "gpu", "") or "")
-    if profile is not None and not gpu.upper().startswith("CPU") and not templates.get_spec(name).gpu_implemented:
+    if gpu_profile(profile) and not templates.get_spec(name).gpu_implemented:
         return f"template {name!r} has no GPU implementation yet (its reference runs, slowly)"
     return None
 

@@ -22,6 +22,12 @@ from .plans import AllGatherGemmPlan, GemmCollectivePlan
 LIB = "overlap_compile"
 
 
+def gpu_profile(profile: Any) -> bool:
+    """A hardware profile of a GPU (not cpu-gloo): candidates offer only configs with a GPU path."""
+    gpu = str(getattr(profile, "gpu", "") or "")
+    return profile is not None and bool(gpu) and not gpu.upper().startswith("CPU")
+
+
 class TemplateSpec:
     name: str = ""
     kinds: tuple[str, ...] = ()

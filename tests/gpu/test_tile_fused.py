@@ -135,13 +135,21 @@ def _cases():
     ]
 
 
+# GEMM + reduce-scatter is known broken on 2x H200 (2026-11-23, torch 2.11 / Triton 3.6): wrong
+# results on some calls (a race between the push/reduce CTAs and the GEMM's tile stores) and
+# local-tile waits timing out; it is not offered under GPU profiles (spec.candidates). The test
+# stays, expected to fail, so that a fix shows up as XPASS.
+RS_BROKEN = pytest.mark.xfail(reason="tile_fused GEMM+RS: race / wait timeouts on 2x H200, see spec.py", strict=False)
+
+
+@pytest.mark.parametrize("kind", ["allgather_gemm", pytest.param("gemm_reducescatter", marks=RS_BROKEN)])
 @pytest.mark.parametrize("world", [2, 4])
-def test_against_mm_and_nccl(world):
+def test_against_mm_and_nccl(world, kind):
     from overlap_compile.testing.multiprocess import run_distributed
 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    cases = [c for c in _cases() if c["m"] % (world * c.get("outer", 1)) == 0]
+    cases = [c for c in _cases() if c["m"] % (world * c.get("outer", 1)) == 0 and c["kind"] == kind]
     for rank_rows in run_distributed(check_cases, world_size=world, args=(cases, 100), backend="nccl",
                                      timeout_s=600):
         for c, eager, replay in rank_rows:

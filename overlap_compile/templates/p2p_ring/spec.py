@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...passes.matches import Match
-from ..base import TemplateSpec
+from ..base import TemplateSpec, gpu_profile
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
@@ -73,7 +73,7 @@ class P2PRingSpec(TemplateSpec):
         out = []
         if match.stripes.outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
-        if _gpu_profile(profile):
+        if gpu_profile(profile):
             return out
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
@@ -102,11 +102,6 @@ class P2PRingSpec(TemplateSpec):
         if match.kind == "allgather_gemm" and bidirectional:
             return [rows // 2, rows - rows // 2]
         return [rows]
-
-
-def _gpu_profile(profile: Any) -> bool:
-    gpu = str(getattr(profile, "gpu", "") or "")
-    return profile is not None and bool(gpu) and not gpu.upper().startswith("CPU")
 
 
 SPEC = P2PRingSpec()

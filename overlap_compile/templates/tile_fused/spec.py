@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...passes.matches import Match
-from ..base import TemplateSpec
+from ..base import TemplateSpec, gpu_profile
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
@@ -33,10 +33,12 @@ COMM_CTA_CHOICES = (4, 8, 16)
 class TileFusedSpec(TemplateSpec):
     name = "tile_fused"
     kinds = ("gemm_reducescatter", "allgather_gemm")
-    # Not a candidate under GPU profiles until its GPU path is validated: the first 2x H200 run of
-    # tests/gpu/test_tile_fused.py timed out in a barrier wait (kernels.py docstring, "Status").
-    # force_template still selects it; CPU/gloo runs use the reference.
-    gpu_implemented = False
+    # GPU path (kernels.py) on 2x H200 (2026-11-23, benchmarks/results/predictor-...-w2-...):
+    # all-gather + GEMM passes tests/gpu/test_tile_fused.py and measured 1.29-1.36x of sequential
+    # under CUDA graphs (0.36-0.41x host-launched: the op's host cost); GEMM + reduce-scatter gave
+    # wrong results on some calls and wait timeouts, and 0.12-0.54x. So under a GPU profile only
+    # all-gather sites get a candidate; force_template still selects it for reduce-scatter.
+    gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
@@ -63,10 +65,13 @@ class TileFusedSpec(TemplateSpec):
         return {"block_m": bm, "block_n": bn, "group_m": 8, "comm_ctas": comm_ctas}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
-        """Reduce-scatter: a few comm CTA counts (fewer: faster GEMM, slower pushes). All-gather:
-        the copy engine moves the data, so one config."""
+        """Reduce-scatter: a few comm CTA counts (fewer: faster GEMM, slower pushes); none under
+        a GPU profile (see gpu_implemented). All-gather: the copy engine moves the data, so one
+        config."""
         if match.kind != "gemm_reducescatter":
             return [self.default_config(match)]
+        if gpu_profile(profile):
+            return []
         return [self.default_config(match, c) for c in COMM_CTA_CHOICES]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan | AllGatherGemmPlan:
