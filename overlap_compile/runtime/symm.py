@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .persistent import allocate
+
 
 @dataclasses.dataclass
 class SymmBuffer:
@@ -172,8 +174,8 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
     pg = resolve_group(group_name)
     rank, world = pg.rank(), pg.size()
     offset = local.data_ptr() - handle.buffer_ptrs[rank]
-    ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
-    pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+    ptrs, pads = allocate(lambda: (torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+                                   torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)))
     buf = SymmBuffer(local, handle, rank, world, offset, ptrs, pads)
     with _lock:
         _cache[ck] = buf

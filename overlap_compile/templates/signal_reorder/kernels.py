@@ -62,6 +62,7 @@ import torch
 
 from ...tiling import TileGrid, WaveSchedule, cdiv
 from ..plans import GemmCollectivePlan
+from ...runtime.persistent import allocate
 
 try:  # Triton is optional on CPU-only installs; available() then says False.
     import triton
@@ -552,8 +553,8 @@ def _layout(device: torch.device, plan: GemmCollectivePlan) -> _Layout:
     lay = _layouts.get(key)
     if lay is None:
         grid, sched = layout(plan)
-        lay = _layouts[key] = _Layout(grid, sched, torch.tensor(wave_table(sched), dtype=torch.int32, device=device),
-                                      {})
+        table = allocate(lambda: torch.tensor(wave_table(sched), dtype=torch.int32, device=device))
+        lay = _layouts[key] = _Layout(grid, sched, table, {})
     return lay
 
 
@@ -629,7 +630,7 @@ def _error_buffer(device: torch.device) -> torch.Tensor:
 
 def _use_device_error_buffer(device: torch.device) -> torch.Tensor:
     with _state_lock:
-        buf = _errors[device.index] = torch.zeros(5, dtype=torch.int32, device=device)
+        buf = _errors[device.index] = allocate(lambda: torch.zeros(5, dtype=torch.int32, device=device))
         return buf
 
 
@@ -762,7 +763,8 @@ def _counters(device: torch.device, plan: GemmCollectivePlan) -> torch.Tensor:
     with _state_lock:
         cnt = _states.get(key)
         if cnt is None:
-            cnt = _states[key] = torch.zeros(len(plan.config["wave_groups"]), dtype=torch.int32, device=device)
+            cnt = _states[key] = allocate(lambda: torch.zeros(len(plan.config["wave_groups"]), dtype=torch.int32,
+                                                              device=device))
         return cnt
 
 

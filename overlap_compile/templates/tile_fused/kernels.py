@@ -57,6 +57,7 @@ from ...tiling import TileGrid
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from . import primitives as P
 from .reference import check_config, stripe_grid
+from ...runtime.persistent import allocate
 
 TEMPLATE = "tile_fused"
 
@@ -287,7 +288,7 @@ def _err_buf(device: torch.device) -> torch.Tensor:
     with _state_lock:
         buf = _err.get(device.index)
         if buf is None:
-            buf = _err[device.index] = torch.zeros(P.ERR_WORDS, dtype=torch.int32, device=device)
+            buf = _err[device.index] = allocate(lambda: torch.zeros(P.ERR_WORDS, dtype=torch.int32, device=device))
         return buf
 
 
@@ -389,7 +390,7 @@ def _zeros_cached(key: tuple, n: int, device: torch.device) -> torch.Tensor:
     with _state_lock:
         t = _local.get(key)
         if t is None:
-            t = _local[key] = torch.zeros(n, dtype=torch.int32, device=device)
+            t = _local[key] = allocate(lambda: torch.zeros(n, dtype=torch.int32, device=device))
         return t
 
 

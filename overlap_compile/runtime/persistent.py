@@ -1,0 +1,41 @@
+"""Long-lived device buffers (flags, error records, pointer tables) allocated outside any CUDA-graph
+memory pool.
+
+Inductor's CUDA-graph trees (``mode="reduce-overhead"``) run a graph's first calls with every
+allocation *of the calling thread* routed into the graph pool, and then refuse to record when a
+tensor in that pool is alive but is not a graph output ("Detected N tensor(s) in the cudagraph
+pool not tracked as outputs"). A template's op creates its caches lazily on its first call, i.e.
+during that warm-up, so they would land in the pool. ``allocate(fn)`` runs ``fn`` on a worker
+thread, whose allocations go to the ordinary caching allocator, and waits for it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+_worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def allocate(fn: Callable[[], T]) -> T:
+    """``fn()`` with its CUDA allocations outside any graph pool; any kernels it queued (a zero
+    fill) have finished when this returns. On CPU, or with no CUDA, simply ``fn()``."""
+    global _worker
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return fn()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("overlap_compile: a persistent buffer was first needed inside a CUDA graph capture; "
+                           "run the op once before capturing")
+    if _worker is None:
+        _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap_compile-alloc")
+    device = torch.cuda.current_device()
+
+    def run() -> T:
+        torch.cuda.set_device(device)
+        out = fn()
+        torch.cuda.current_stream(device).synchronize()
+        return out
+
+    return _worker.submit(run).result()
