@@ -17,11 +17,13 @@ import torch
 
 T = TypeVar("T")
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
+_streams: dict[int, torch.cuda.Stream] = {}  # used by the worker thread only
 
 
 def allocate(fn: Callable[[], T]) -> T:
-    """``fn()`` with its CUDA allocations outside any graph pool; any kernels it queued (a zero
-    fill) have finished when this returns. On CPU, or with no CUDA, simply ``fn()``."""
+    """``fn()`` with its CUDA allocations outside any graph pool, run on the worker thread's own
+    stream; any kernels it queued (a zero fill, a copy) have finished when this returns. On CPU,
+    or with no CUDA, simply ``fn()``."""
     global _worker
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return fn()
@@ -34,8 +36,14 @@ def allocate(fn: Callable[[], T]) -> T:
 
     def run() -> T:
         torch.cuda.set_device(device)
-        out = fn()
-        torch.cuda.current_stream(device).synchronize()
+        # a stream of its own, never the legacy default one: that one would queue behind (and
+        # wait for) the kernels of every stream, including another op's bounded spin waits
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            out = fn()
+        stream.synchronize()
         return out
 
     return _worker.submit(run).result()

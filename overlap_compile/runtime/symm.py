@@ -164,18 +164,25 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
             enable(group_name)
         except Exception:
             pass
-    local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
-    if zero:
-        local.view(-1).view(torch.uint8).zero_()  # bytes: uint32 has no CUDA fill kernel on every torch
-        torch.cuda.synchronize(device)  # zeroed before the rendezvous lets any peer see it
-    handle = symm_mem.rendezvous(local, group_name)
     from .comm import resolve_group
 
     pg = resolve_group(group_name)
     rank, world = pg.rank(), pg.size()
-    offset = local.data_ptr() - handle.buffer_ptrs[rank]
-    ptrs, pads = allocate(lambda: (torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
-                                   torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)))
+
+    def create():
+        # the rendezvous allocates device tables through the caching allocator too: all of it on
+        # the worker thread, outside any CUDA-graph pool (persistent.py)
+        local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+        if zero:
+            local.view(-1).view(torch.uint8).zero_()  # bytes: uint32 has no CUDA fill kernel on every torch
+            torch.cuda.current_stream(device).synchronize()  # zeroed before the rendezvous lets any peer see it
+        handle = symm_mem.rendezvous(local, group_name)
+        offset = local.data_ptr() - handle.buffer_ptrs[rank]
+        ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        return local, handle, offset, ptrs, pads
+
+    local, handle, offset, ptrs, pads = allocate(create)
     buf = SymmBuffer(local, handle, rank, world, offset, ptrs, pads)
     with _lock:
         _cache[ck] = buf

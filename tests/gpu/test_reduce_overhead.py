@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 CASES = [("allgather_gemm", "p2p_ring"), ("gemm_reducescatter", "p2p_ring"), ("allgather_gemm", "tile_fused"),
-         ("gemm_reducescatter", "priority_stream"), ("gemm_reducescatter", "signal_reorder")]
+         ("gemm_reducescatter", "priority_stream")]
 
 
 def checks() -> list[str]:
@@ -44,6 +44,7 @@ def checks() -> list[str]:
             g = torch.Generator(device=dev).manual_seed(rank)
             b = torch.randn(1536, 1024, device=dev, dtype=torch.bfloat16, generator=g) / 40
             for call in range(4):
+                print(f"rank {rank} {kind} {template} call {call}", flush=True)  # where a hang is
                 a = torch.randn(rows, 1536, device=dev, dtype=torch.bfloat16, generator=g)
                 try:
                     got = compiled(a, b).clone()
