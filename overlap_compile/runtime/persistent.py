@@ -11,12 +11,15 @@ thread, whose allocations go to the ordinary caching allocator, and waits for it
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
+_WORKER_NAME = "overlap_compile-alloc"
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
+_lock = threading.Lock()
 _streams: dict[int, torch.cuda.Stream] = {}  # used by the worker thread only
 
 
@@ -30,8 +33,11 @@ def allocate(fn: Callable[[], T]) -> T:
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("overlap_compile: a persistent buffer was first needed inside a CUDA graph capture; "
                            "run the op once before capturing")
-    if _worker is None:
-        _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap_compile-alloc")
+    if threading.current_thread().name.startswith(_WORKER_NAME):  # already there: no second hop (no self-wait)
+        return fn()
+    with _lock:
+        if _worker is None:
+            _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_WORKER_NAME)
     device = torch.cuda.current_device()
 
     def run() -> T:
