@@ -63,11 +63,7 @@ if HAVE_TRITON:
 
     # ---- small PTX pieces -------------------------------------------------------------------
 
-    @triton.jit
-    def _globaltimer(dep):
-        # %globaltimer in ns; ``dep`` orders the read after the previous poll.
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
-                                         is_pure=False, pack=1)
+    from ...runtime.spin_wait import globaltimer as _globaltimer  # %globaltimer in ns, one definition
 
     @triton.jit
     def _red_add(ptr, value, SYS: tl.constexpr):
