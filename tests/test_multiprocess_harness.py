@@ -22,3 +22,16 @@ def test_failing_rank_is_reported_without_waiting_for_the_others():
     with pytest.raises(DistributedFailure, match="failed on rank 0(.|\n)*rank 0 fails on purpose"):
         run_distributed(_rank0_fails_while_rank1_waits, world_size=2, timeout_s=120)
     assert time.monotonic() - start < 60
+
+
+def _teardown_hangs():
+    # what destroy_process_group does after NCCL collectives were captured in a CUDA graph
+    # (pytorch/pytorch#115388): never returns
+    dist.destroy_process_group = lambda *a, **k: time.sleep(3600)
+    return dist.get_rank() * 10
+
+
+def test_results_come_back_when_process_group_teardown_hangs():
+    start = time.monotonic()
+    assert run_distributed(_teardown_hangs, world_size=2, timeout_s=120) == [0, 10]
+    assert time.monotonic() - start < 60

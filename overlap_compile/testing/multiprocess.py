@@ -5,6 +5,11 @@
 The function must be importable by qualified name (a module-level function). Each rank's return
 value comes back in rank order; an exception on any rank is re-raised here with that rank's
 traceback; a rank that does not finish within ``timeout_s`` fails the run (no hang).
+
+A rank reports its result after a barrier and *before* tearing its process group down: with NCCL
+collectives captured in a CUDA graph (mode="reduce-overhead"), ``destroy_process_group`` can hang
+(pytorch/pytorch#115388, seen here after the last case of a test and at the end of an e2e run), so
+the results are in hand and a rank still stuck in teardown a few seconds later is killed.
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+TEARDOWN_S = 10  # seconds a rank that reported gets to tear its process group down and exit
 
 
 class DistributedFailure(RuntimeError):
@@ -44,7 +52,6 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
         fn = getattr(importlib.import_module(module), name)
         result = fn(*args, **kwargs)
         dist.barrier()
-        dist.destroy_process_group()
         queue.put((rank, True, result))
     except BaseException:
         # Report at once and leave the process group alone: the other ranks may be blocked in a
@@ -52,6 +59,8 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
         # the backend's timeout (seen: a benchmark rank failing, the run hanging for minutes).
         # run_distributed stops the other ranks when it reads this.
         queue.put((rank, False, traceback.format_exc()))
+        return
+    dist.destroy_process_group()  # may hang (see the module docstring): the parent kills us then
 
 
 def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
@@ -93,7 +102,7 @@ def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), k
                 break  # other ranks may now hang in a collective: stop them
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=TEARDOWN_S if not errors else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()

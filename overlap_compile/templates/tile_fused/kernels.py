@@ -418,7 +418,10 @@ def _first_call(key: tuple, pg: Any, device: torch.device, body) -> None:
     torch.cuda.synchronize(device)
     import torch.distributed as dist
 
-    dist.barrier(group=pg)
+    # On the persistent worker: NCCL's barrier allocates a one-element tensor on the calling
+    # thread and keeps it until its watchdog retires the work, so under CUDA-graph trees it was
+    # the "1 tensor(s) in the cudagraph pool not tracked as outputs" of the first call.
+    allocate(lambda: dist.barrier(group=pg))
     torch.cuda.synchronize(device)
     _warmed.add(key)
 
