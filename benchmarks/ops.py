@@ -71,8 +71,10 @@ def _only_configs(template: str, only: str):
 
 
 def _expand(names: list[str]) -> list[str]:
-    """p2p_ring is measured as the predictor picks it and with transport "p2p" (copy engine)."""
-    return [x for n in names for x in ([n, "p2p_ring@transport=p2p"] if n == "p2p_ring" else [n])]
+    """Templates as named; "NAME@key=value" restricts NAME's configs (``_only_configs``), e.g.
+    ``--templates p2p_ring,p2p_ring@transport=nccl`` measures the predictor's pick (the copy
+    engine on one node's GPUs) beside the NCCL send/recv transport."""
+    return list(dict.fromkeys(names))
 
 
 def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str]) -> list[dict]:

@@ -2,8 +2,8 @@
 buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
 flags in symmetric memory. Row stripes only (``outer == 1``, slices 1, one direction).
 
-STATUS: not yet run on a GPU (the session's device time ran out before the first run);
-spec.gpu_implemented stays False until tests/gpu/test_p2p_ring.py passes on 2+ GPUs.
+STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
+CUDA-graph replays); spec.gpu_implemented is True.
 
 The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair); each
 rank owns a uint32 flag buffer of 2W entries in symmetric memory:
@@ -34,7 +34,8 @@ GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive):
                                     peer(d).slot[me] <- partial_j (copy engine); READY[me] = 1 on d
     compute       partial_j = a[stripe d] @ b (+ bias) for j = 0..W-2; then for j = 0..W-3:
                   wait READY[r + j + 1], acc (fp32) += slot[r + j + 1], BUSY[me] = 0 on r + j + 1;
-                  my own stripe's GEMM; the last arrival; out = (acc + own) (/ W), in the dtype
+                  my own stripe's GEMM; the last arrival; out = (acc + own + last) (/ W) in one
+                  pass (sum_kernel.py), in the dtype
 
 GEMM -> all-to-all (push blocks to their destination)::
 
@@ -59,6 +60,7 @@ import torch
 from ...runtime import comm, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import a2a_pair, ag_source, check_config, rs_stripe
+from .sum_kernel import sum_into
 
 TEMPLATE = "p2p_ring"
 
@@ -283,11 +285,12 @@ def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     for j in range(w - 2):
         acc = _accumulate(acc, data, flags, (r + j + 1) % w, j)
     own = _gemm(a[r * rows:(r + 1) * rows], b, bias)
-    acc = _accumulate(acc, data, flags, (r + w - 1) % w, w - 2)
-    out = acc.add_(own)
-    if plan.reduce_op == "avg":
-        out = out.div_(w)
-    out = out.to(a.dtype)
+    # The last arrival, the earlier ones and my own partial in one pass (sum_kernel.py: this tail
+    # is what the GEMMs cannot hide), in place into my own partial.
+    last = (r + w - 1) % w
+    flags.wait_ready(last, w - 2)
+    out = sum_into(own, own, data.local[last], acc, 1.0 / w if plan.reduce_op == "avg" else 1.0)
+    flags.release(last)
     compute.wait_stream(copier)
     return out
 
