@@ -165,3 +165,49 @@ def test_bf16_section_is_found_and_rewritten():
     for r in run_distributed(_bf16_rewritten_vs_written, world_size=2, timeout_s=300):
         assert r["rewritten"], r
         assert r["err"] < 2e-2, r  # bf16: the pieces' bmm round like the one-shot bmm, up to a few ulps
+
+
+# Layouts between the dispatch and the experts that moe_fused must refuse: [W*E_local*C, H] ->
+# [E_local, W*C, H] without the source/expert transpose (rows in the wrong order), and one that
+# transposes the [C, H] block (C == H, so every shape still fits: only the row check sees it).
+BAD_LAYOUTS = {
+    "no_transpose": lambda got, w, e, c: got.view(e, w * c, H),
+    "moves_hidden": lambda got, w, e, c: got.view(w, e, c, H).transpose(2, 3).transpose(0, 1).reshape(e, w * c, H),
+}
+
+
+def _bad_layout_section(name: str) -> dict:
+    import overlap_compile as oc
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    w, group, e, c = dist.get_world_size(), dist.group.WORLD.group_name, 2, H
+    split = [e * c] * w
+    layout = BAD_LAYOUTS[name]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = torch.nn.Parameter(torch.randn(e, H, F_)), torch.nn.Parameter(torch.randn(e, H, F_))
+            self.w2 = torch.nn.Parameter(torch.randn(e, F_, H))
+
+        def forward(self, x):
+            h = layout(all_to_all_single(x, split, split, group), w, e, c)
+            y = torch.bmm(torch.nn.functional.silu(torch.bmm(h, self.w1)) * torch.bmm(h, self.w3), self.w2)
+            back = y.view(e, w, c, H).transpose(0, 1).reshape(w * e * c, H)
+            return all_to_all_single(back, split, split, group)
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        report = oc.explain(Layer(), torch.randn(w * e * c, H), force_template="moe_fused")
+    (rec,) = report.records
+    return {"unchanged": rec.before == rec.after,
+            "moe": [(s.rewritten, s.reason) for s in report.sites if s.kind == "moe"]}
+
+
+@pytest.mark.parametrize("name,reason", [("no_transpose", "not laid out [source rank, local expert, slot]"),
+                                         ("moves_hidden", "does not keep each token's row whole")])
+def test_wrong_layouts_are_left_alone_with_the_reason(name, reason):
+    for r in run_distributed(_bad_layout_section, world_size=2, args=(name,), timeout_s=120):
+        assert r["unchanged"], r
+        ((rewritten, why),) = r["moe"]
+        assert not rewritten and reason in why, r

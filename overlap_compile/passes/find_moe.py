@@ -124,9 +124,14 @@ def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
     chain_out = _view_chain(b2, combine_in)
     if chain_in is None or chain_out is None:
         return f"{generic}: the layout between the all-to-alls and the experts is not a chain of views"
-    probe = torch.arange(w * e_local * cap * hidden, dtype=torch.float32).view(w * e_local * cap, hidden)
-    expected_h = probe.view(w, e_local, cap, hidden).transpose(0, 1).reshape(e_local, w * cap, hidden)
-    if not _same(_run_chain(chain_in, probe), expected_h) or not _same(_run_chain(chain_out, expected_h), probe):
+    if not (_moves_whole_rows(chain_in, hidden) and _moves_whole_rows(chain_out, hidden)):
+        return f"{generic}: the layout between the all-to-alls and the experts does not keep each token's row whole"
+    # Whole rows: the layout is a permutation of rows, seen on one number per row (a probe of the
+    # full [W * E_local * C, H] took ~1 s of compile time on an 8x7B-sized block).
+    probe = torch.arange(w * e_local * cap, dtype=torch.float32).view(w * e_local * cap, 1)
+    expected_h = probe.view(w, e_local, cap, 1).transpose(0, 1).reshape(e_local, w * cap, 1)
+    if not _same(_run_chain(chain_in, probe, hidden), expected_h) or \
+            not _same(_run_chain(chain_out, expected_h, hidden), probe):
         return f"{generic}: tokens are not laid out [source rank, local expert, slot] around the experts"
     section = [wait, *chain_in, b1, b3, *act, mul, b2, *chain_out, m.combine_node]
     combine_wait = _wait_of(m.combine_node)
@@ -191,9 +196,39 @@ def _view_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
     return chain[::-1]
 
 
-def _run_chain(chain: list[fx.Node], x: torch.Tensor) -> torch.Tensor:
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _moves_whole_rows(chain: list[fx.Node], hidden: int) -> bool:
+    """Every tensor of the chain (its input too) ends in a dimension of ``hidden`` that stays
+    last: reshapes keep the last size (row-major, so each length-``hidden`` row stays one
+    row) and permutes / transposes never move the last dimension. Then the chain only
+    permutes rows, and running it on one number per row (``_run_chain(.., hidden)``) shows
+    which permutation."""
+    for n in [chain[0].args[0], *chain] if chain else []:
+        shape = static_shape(n)
+        if shape is None or len(shape) < 2 or shape[-1] != hidden:
+            return False
     for n in chain:
-        x = n.target(x, *n.args[1:], **n.kwargs)
+        nd = len(static_shape(n.args[0]))
+        if n.target is aten.permute.default and list(n.args[1])[-1] % nd != nd - 1:
+            return False
+        if n.target is aten.transpose.int and nd - 1 in (n.args[1] % nd, n.args[2] % nd):
+            return False
+    return True
+
+
+def _run_chain(chain: list[fx.Node], x: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The chain on ``x`` whose last dimension stands for a whole row of ``hidden``: reshape
+    sizes get 1 in its place."""
+    for n in chain:
+        args = n.args[1:]
+        if n.target in _RESHAPES:
+            size = list(args[0])
+            if size and size[-1] == hidden:
+                size[-1] = 1
+            args = (size, *args[1:])
+        x = n.target(x, *args, **n.kwargs)
     return x
 
 
