@@ -114,7 +114,10 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
                 config = site.config
                 out = fn().reshape(ref.shape)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                groups = len(config.get("wave_groups", [])) or config.get("chunks") or config.get("slices") or world
+                # pieces the communication is cut into: wave groups, chunks, or p2p_ring's ring
+                # steps (W stripes, each cut into ``slices``)
+                groups = (len(config.get("wave_groups", [])) or config.get("chunks")
+                          or config.get("slices", 1) * world)
                 bound = max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / max(groups, 1)
                 for mode in modes:
                     try:

@@ -4,7 +4,9 @@
 
 Per (kind, mode): speedup over the method "sequential" (or "cublas", or "inductor") of the same
 shape, one bar per method, with the overlap bound's speedup drawn as a tick where rows carry
-``bound_ms``. ``--markdown`` also prints a table of the same numbers. ``--metric KEY`` plots
+``bound_ms``. ``--markdown`` also prints a table of the same numbers, with the share of the
+communication hidden where the baseline row carries ``comm_ms`` (CommFuse's metric:
+(sequential - overlapped) / communication time). ``--metric KEY`` plots
 another time column of the rows (e.g. e2e's ``prefill_ms``); rows without it (errors, skipped
 configurations, checks) are left out.
 """
@@ -34,6 +36,25 @@ def speedups(rows: list[dict], metric: str = "ms") -> dict:
         bound = base[key] / r["bound_ms"] if r.get("bound_ms") and metric == "ms" else None
         label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
         out[(r["kind"], r["mode"])][label][r["method"]] = (base[key] / r[metric], bound)
+    return out
+
+
+def hidden(rows: list[dict]) -> dict:
+    """(kind, mode) -> shape label -> method -> share of the communication hidden,
+    (baseline ms - ms) / the baseline row's comm_ms (1.0: all of it; negative: slower)."""
+    comm = {}
+    for r in rows:
+        if r.get("method") in BASELINES and r.get("comm_ms"):
+            comm[(r["kind"], json.dumps(r["shape"]), r["mode"])] = (r["ms"], r["comm_ms"])
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        key = (r.get("kind"), json.dumps(r.get("shape")), r.get("mode"))
+        ms = r.get("ms")
+        if r.get("method") in BASELINES or key not in comm or not isinstance(ms, (int, float)) or ms != ms:
+            continue
+        base_ms, comm_ms = comm[key]
+        label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
+        out[(r["kind"], r["mode"])][label][r["method"]] = (base_ms - ms) / comm_ms
     return out
 
 
@@ -72,15 +93,19 @@ def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[
 
 def markdown(rows: list[dict], metric: str = "ms") -> str:
     lines = []
+    hid = hidden(rows) if metric == "ms" else {}
     for (kind, mode), shapes in sorted(speedups(rows, metric).items()):
         methods = sorted({m for d in shapes.values() for m in d})
-        lines += [f"\n**{kind}, {mode}** (speedup over sequential; bound in parentheses)\n",
+        lines += [f"\n**{kind}, {mode}** (speedup over sequential; bound in parentheses; share of the "
+                  f"communication hidden)\n",
                   "| shape | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
         for label, d in shapes.items():
             cells = []
             for m in methods:
                 s, b = d.get(m, (None, None))
-                cells.append("-" if s is None else f"{s:.2f}x" + (f" ({b:.2f}x)" if b else ""))
+                h = hid.get((kind, mode), {}).get(label, {}).get(m)
+                cells.append("-" if s is None else f"{s:.2f}x" + (f" ({b:.2f}x)" if b else "")
+                             + (f", {h:.0%} hidden" if h is not None else ""))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         for m in methods:
             vals = [d[m][0] for d in shapes.values() if m in d and d[m][0] > 0]
