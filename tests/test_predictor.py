@@ -246,11 +246,20 @@ def test_p2p_ring_has_no_comm_tail_when_transfers_are_short(group):
     p = h200()
     site = Site("gemm_reducescatter", ((8192, 8192, 7168),), 4, "bfloat16")
     s = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx())
-    piece = models.gemm_ms(site, p, m=2048) * p.contention["gemm_slowdown_reserved"]
+    piece = models.slice_ms(site, p, 2048)
+    gemms = [e for e in s.events if e.lane == "compute" and e.label.startswith("GEMM")]
+    sends = [e for e in s.events if e.lane == "comm"]
     add = [e for e in s.events if e.label == "final add"][0]
-    assert s.total_ms == pytest.approx(4 * piece + (add.end - add.start))  # GEMM-bound: transfers hidden
+    assert gemms[0].end - gemms[0].start == pytest.approx(piece)  # the first piece runs alone
+    slow = models.copy_engine_slowdown(p)  # the others beside a copy, slowed only while it lasts
+    assert all(piece < e.end - e.start <= piece * slow + 1e-12 for e in gemms[1:])
+    assert max(e.end for e in sends) < gemms[-1].end  # GEMM-bound: transfers hidden
+    assert s.total_ms == pytest.approx(sum(e.end - e.start for e in gemms) + (add.end - add.start))
     nccl = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "nccl"}, p, Ctx())
-    assert nccl.total_ms > s.total_ms  # SMs shared with send/recv kernels
+    nccl_gemms = [e for e in nccl.events if e.lane == "compute" and e.label.startswith("GEMM")]
+    # SMs shared with send/recv kernels: the GEMM pieces are slower than beside copy engines
+    # (the totals also differ by the two paths' different sums of the partials)
+    assert sum(e.end - e.start for e in nccl_gemms) > sum(e.end - e.start for e in gemms)
     ag = Site("allgather_gemm", ((8192, 7168, 8192),), 4, "bfloat16")
     assert models.p2p_ring(ag, {"slices": 2, "bidirectional": True, "transport": "p2p"}, p, Ctx()).total_ms > 0
 

@@ -38,7 +38,8 @@ from .profile import (
 
 __all__ = [
     "load_profile", "predict_baseline", "rank_configs", "clear_cache", "HardwareProfile", "ProfileError",
-    "site_of", "schedule_for", "launch_mode", "loaded_profile", "signal_reorder_candidates",
+    "site_of", "schedule_for", "launch_mode", "loaded_profile", "signal_reorder_candidates", "op_overhead_ms",
+    "site_host_ms", "host_calls",
 ]
 
 _lock = threading.RLock()
@@ -174,7 +175,7 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
         if key in _cache:
             return _cache[key]
     sched = baseline(site, profile, ctx)
-    ms = None if sched is None else sched.total_ms
+    ms = None if sched is None else sched.total_ms + site_host_ms(profile, ctx.mode)
     if opts.search == "exhaustive" and ms is not None:
         from . import exhaustive
 
@@ -186,13 +187,30 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     return ms
 
 
-def op_overhead_ms(profile: HardwareProfile, template: str, mode: str) -> float:
-    """The profile's host overhead of ``template``'s op per call in ``mode``: its own measured
-    figure when the profile has one (``per_template``, host-launched only), else the mode's."""
+def op_overhead_ms(profile: HardwareProfile, template: str, mode: str, calls: int = 1) -> float:
+    """The profile's host overhead of ``template``'s op per call in ``mode``, beyond the site's own
+    (``site_host_ms``): its own measured figure when the profile has one (``per_template``,
+    host-launched only), else the mode's; plus ``per_call`` for every collective call / transfer
+    after the first that the op issues from Python (a chunk's event, stream switch and
+    torch.distributed call: host time that grows with the chunk count)."""
     table = profile.raw.get("op_overhead_ms", {})
     if mode == "eager" and template in table.get("per_template", {}):
-        return float(table["per_template"][template])
-    return float(table.get(mode, 0.0))
+        base = float(table["per_template"][template])
+    else:
+        base = float(table.get(mode, 0.0))
+    return base + max(0, calls - 1) * float(table.get("per_call", {}).get(mode, 0.0))
+
+
+def site_host_ms(profile: HardwareProfile, mode: str) -> float:
+    """Host time before a site's first kernel runs, as written or rewritten alike: host-launched,
+    the GEMM and collective launches the measured window starts with (``op_overhead_ms.site``);
+    0 under CUDA graphs."""
+    return float(profile.raw.get("op_overhead_ms", {}).get("site", {}).get(mode, 0.0))
+
+
+def host_calls(sched: Schedule) -> int:
+    """Collective calls / transfers a schedule issues (its comm-lane bars; at least one)."""
+    return max(1, sum(1 for e in sched.events if e.lane == "comm"))
 
 
 def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options: Any = None) -> list:
@@ -242,7 +260,7 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
         # A rewritten site runs one Python custom op where the baseline ran plain kernels: when
         # kernels are host-launched its dispatch, plan handling and stream/event work add a fixed
         # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
-        overhead = op_overhead_ms(profile, spec.name, ctx.mode)
+        overhead = op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched)) + site_host_ms(profile, ctx.mode)
         note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
         timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note)))
     timed.sort(key=lambda t: (round(t[0], 9), t[1]))  # float noise never beats the template's order

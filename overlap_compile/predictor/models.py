@@ -47,9 +47,13 @@ p2p_ring  (CommFuse, arXiv 2604.24013)   config: slices, bidirectional, transpor
     travel the ring; the piece of step i waits for its shard. Transfers are serialised on the
     comm lane: ``t_x = max(t_p, t_x) + xfer`` (RS/A2A) or ``t_p = max(t_p, t_x) + piece`` (AG).
     ``xfer`` is the ``copy_engine`` curve (transport "p2p": peer copies, no SMs; GEMM slowdown
-    ``gemm_slowdown_reserved``) or the ``p2p`` curve (transport "nccl": send/recv kernels; GEMM
-    slowdown ``gemm_slowdown``) at the piece's bytes (halved when bidirectional: two rings in
-    opposite directions on full-duplex links), plus the launch cost.
+    ``gemm_slowdown_copy_engine``) or the ``p2p`` curve times ``comm_slowdown`` (transport "nccl":
+    send/recv kernels; GEMM slowdown ``gemm_slowdown``) at the piece's bytes (halved when
+    bidirectional: two rings in opposite directions on full-duplex links), plus the launch cost.
+    A piece is slowed only while a transfer runs beside it (``slowed``); pieces are row slices
+    of the GEMM at its rate per tile (``slice_ms``). Copy engine: the all-gather first stages the
+    shard (one read + write) and meets its peers (``peer_sync_ms``); the reduce-scatter ends with
+    its fp32 sums (``rs_accumulate_bytes``), the all-to-all with placing the received blocks.
 
 priority_stream  (resource-aware overlap)   config: chunks, optional block_m/block_n/stages
     The GEMM is cut into ``chunks`` row chunks on the compute stream; chunk i's collective runs
@@ -184,6 +188,35 @@ def gemm_ms(site: Site, profile: HardwareProfile, m: int | None = None, kernel: 
     return sum(profile.gemm.ms(m if m is not None else gm, gn, gk, site.dtype, kernel) for gm, gn, gk in site.gemms)
 
 
+# cuBLAS's usual bf16/fp16 tile on Hopper: what sets how many waves a GEMM's output takes.
+CUBLAS_TILE = (128, 256)
+
+
+def _wave_efficiency(rows: int, n: int, sms: int) -> float:
+    """Fraction of the last wave's SM slots a GEMM of ``rows x n`` outputs fills, averaged over its
+    waves (tiles / (waves * SMs)): 1.0 when the tile count is a multiple of the SM count."""
+    tiles = cdiv(rows, CUBLAS_TILE[0]) * cdiv(n, CUBLAS_TILE[1])
+    return tiles / (cdiv(tiles, sms) * sms)
+
+
+def slice_ms(site: Site, profile: HardwareProfile, rows: int, kernel: str | None = None) -> float:
+    """One row slice of the site's GEMM(s), as the templates cut it (chunks, ring pieces,
+    stripes): the same kernel on fewer rows runs at the whole GEMM's rate per tile, corrected for
+    wave quantisation, with the GEMM floor as the lower bound. (The table's own small-M entries
+    are single short measurements, 10-28% slower than repeated ones -- see the profile's notes --
+    and a slice's time must be consistent with the whole: W slices of a GEMM do not take 15-20%
+    longer than the GEMM.)"""
+    total = 0.0
+    for gm, gn, gk in site.gemms:
+        if rows >= gm:
+            total += profile.gemm.ms(gm, gn, gk, site.dtype, kernel)
+            continue
+        whole = profile.gemm.ms(gm, gn, gk, site.dtype, kernel)
+        quant = _wave_efficiency(gm, gn, profile.sm_count) / _wave_efficiency(rows, gn, profile.sm_count)
+        total += max(profile.gemm.floor_ms, whole * rows / gm * quant)
+    return total
+
+
 def comm_call_ms(site: Site, profile: HardwareProfile, nbytes: float, ctx: Ctx, collective: str | None = None,
                  contended: bool = False, launch: bool = True) -> float:
     """One collective call: the curve, times ``comm_slowdown`` when a GEMM runs beside it, plus the
@@ -193,6 +226,45 @@ def comm_call_ms(site: Site, profile: HardwareProfile, nbytes: float, ctx: Ctx, 
     if contended:
         t *= profile.contention["comm_slowdown"]
     return t + (profile.launch(ctx.mode) if launch else 0.0)
+
+
+def hbm_ms(profile: HardwareProfile, nbytes: float) -> float:
+    """An elementwise pass moving ``nbytes`` through HBM (reads + writes) at ``gemm.mem_gbps``."""
+    return nbytes / (profile.gemm.mem_gbps * 1e9) * 1e3
+
+
+def profile_extra(profile: HardwareProfile, key: str, default: float, section: str | None = None) -> float:
+    """A number the profile JSON may carry beyond what profile.py validates (``raw[key]`` or
+    ``raw[section][key]``). Older and seeded profiles lack it: ``default`` is the model as it was
+    before the quantity was measured."""
+    table = profile.raw.get(section, {}) if section else profile.raw
+    value = table.get(key, default) if isinstance(table, dict) else default
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def copy_engine_slowdown(profile: HardwareProfile) -> float:
+    """A cuBLAS GEMM beside copy-engine peer copies: the copies take no SMs and a few percent of
+    HBM bandwidth, so this is much smaller than a collective's ``gemm_slowdown``
+    (``contention.gemm_slowdown_copy_engine``; profiles without it: ``gemm_slowdown_reserved``)."""
+    return profile_extra(profile, "gemm_slowdown_copy_engine", profile.contention["gemm_slowdown_reserved"],
+                         "contention")
+
+
+def peer_sync_ms(profile: HardwareProfile) -> float:
+    """One cross-GPU flag handshake of the copy-engine paths (a flag written into a peer's memory
+    over NVLink, then a one-thread spin-wait kernel that sees it): ``peer_sync_ms`` (default 0)."""
+    return profile_extra(profile, "peer_sync_ms", 0.0)
+
+
+def slowed(piece: float, beside: float, slow: float) -> float:
+    """A GEMM piece of ``piece`` ms (alone) that shares the GPU with a transfer of ``beside`` ms
+    started with it: it runs ``slow`` times slower while the transfer lasts, at full speed after.
+    (Charging the whole piece, as a flat factor did, overstates the cost of short transfers.)"""
+    if beside <= 0 or slow <= 1:
+        return piece
+    if piece * slow <= beside:
+        return piece * slow
+    return piece + beside * (1 - 1 / slow)
 
 
 def overlap_bound(g: float, c: float, first_compute: float, last_comm: float) -> float:
@@ -554,36 +626,78 @@ def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Sc
     W = site.world
     s = max(1, int(config.get("slices", 1)))
     bidir = bool(config.get("bidirectional", False))
-    transport = config.get("transport", "nccl")
-    curve = "copy_engine" if transport == "p2p" else "p2p"
-    slow = profile.contention["gemm_slowdown_reserved" if transport == "p2p" else "gemm_slowdown"]
+    copy_engine = config.get("transport", "nccl") == "p2p"
+    curve = "copy_engine" if copy_engine else "p2p"
+    # NCCL send/recv kernels take SMs: the GEMM slows by gemm_slowdown and they by comm_slowdown.
+    # Copy engines take no SMs: the GEMM barely slows and the copy runs at its curve.
+    slow = copy_engine_slowdown(profile) if copy_engine else profile.contention["gemm_slowdown"]
     rows = max(1, site.m // (W * s))
-    piece = gemm_ms(site, profile, m=rows) * slow
+    piece = slice_ms(site, profile, rows)
     width = site.k if site.kind == "allgather_gemm" else site.n
     nbytes = rows * width * site.itemsize / (2 if bidir else 1)
-    xfer = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=True)
-    xfer0 = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=True, launch=False)
+    xfer = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=not copy_engine)
+    xfer0 = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=not copy_engine, launch=False)
     n_remote = (W - 1) * s
-    compute = [piece] * (W * s)
     g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    sync = peer_sync_ms(profile) if copy_engine else 0.0
     if site.kind == "allgather_gemm":
-        # local shard first (no transfer), then step i's pieces wait for shard i
+        # local shard first (no transfer), then step i's pieces wait for shard i; a piece runs
+        # beside the transfer of the next one, the last alone
         comm: list[float | None] = [None] * s + [xfer0] + [xfer] * (n_remote - 1)
+        compute = [slowed(piece, xfer if i + 1 < W * s else 0.0, slow) for i in range(W * s)]
+        head = (ag_stage_ms(site, profile) + sync) if copy_engine else 0.0
         end, events = pipeline(compute, comm, comm_first=True,
                                compute_labels=[f"GEMM shard {i // s}.{i % s}" for i in range(W * s)],
                                comm_labels=[f"recv {i // s}.{i % s}" if i >= s else "" for i in range(W * s)])
+        events = shifted(events, head, "stage shard + peer handshake")
         first_compute, last_comm = piece, xfer
+        end += head
     else:
+        # peers' chunks first, each sent once computed; a piece runs beside the previous send
         comm = [xfer0] + [xfer] * (n_remote - 1) + [None] * s
-        tail = 0.0
-        if site.kind == "gemm_reducescatter":  # the local chunk + the last received partial
-            tail = 3 * rows * s * site.n * site.itemsize / (profile.gemm.mem_gbps * 1e9) * 1e3
+        compute = [slowed(piece, xfer if 0 < i <= n_remote else 0.0, slow) for i in range(W * s)]
+        tail = sync + ring_tail_ms(site, profile, rows * s, copy_engine)
         end, events = pipeline(compute, comm, comm_first=False, tail=tail,
                                compute_labels=[f"GEMM chunk {i // s}.{i % s}" for i in range(W * s)],
                                comm_labels=[f"send {i // s}.{i % s}" for i in range(W * s)])
         first_compute, last_comm = piece, 0.0
     note = f"{W}x{s} pieces of {rows} rows: GEMM {piece:.4f} ms, {curve} {xfer:.4f} ms each"
     return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+def ag_stage_ms(site: Site, profile: HardwareProfile) -> float:
+    """Copy-engine all-gathers (p2p_ring, tile_fused) first copy the local shard into the symmetric
+    buffer the peers pull from: one read + one write of the shard, before any GEMM."""
+    return hbm_ms(profile, 2 * (site.m // site.world) * site.k * site.itemsize)
+
+
+def rs_accumulate_bytes(world: int, itemsize: int) -> int:
+    """Bytes per output element that p2p_ring's copy-engine reduce-scatter moves summing the
+    partials (kernels.run_reducescatter): arrivals before the own GEMM into an fp32 sum (the
+    first widened: read + write fp32; each further one: read sum, read slot, write sum), then one
+    pass (sum_kernel.py) reading the own partial, the last arrival and the sum, writing the result."""
+    early = 0 if world <= 2 else (itemsize + 4) + (world - 3) * (8 + itemsize)
+    return early + 3 * itemsize + (4 if world > 2 else 0)
+
+
+def ring_tail_ms(site: Site, profile: HardwareProfile, stripe_rows: int, copy_engine: bool) -> float:
+    """What follows the last GEMM piece of a p2p_ring reduce-scatter / all-to-all on the compute
+    stream. Copy engine: the reduce-scatter's fp32 sums (rs_accumulate_bytes), the all-to-all's
+    placement of every received block into the output (read + write). NCCL transport: the sum of
+    the local chunk and the last received partial (three passes)."""
+    elems = stripe_rows * site.n
+    if not copy_engine:
+        return hbm_ms(profile, 3 * elems * site.itemsize) if site.kind == "gemm_reducescatter" else 0.0
+    if site.kind == "gemm_reducescatter":
+        return hbm_ms(profile, elems * rs_accumulate_bytes(site.world, site.itemsize))
+    return hbm_ms(profile, 2 * (site.world - 1) * elems * site.itemsize)
+
+
+def shifted(events: list[Event], head: float, label: str) -> list[Event]:
+    """The events of a schedule that starts ``head`` ms later, behind a compute bar of that length."""
+    if head <= 0:
+        return events
+    return [Event("compute", label, 0.0, head)] + [Event(e.lane, e.label, e.start + head, e.end + head) for e in events]
 
 
 # ---- priority_stream ------------------------------------------------------------------------------
@@ -602,10 +716,11 @@ def priority_stream(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx
     piece = gemm_ms(site, profile, m=rows, kernel=kern)
     if config.get("block_m") and kern is None:
         piece /= 0.9  # a tile config the profile does not know: a generic Triton kernel
-    comm_full = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True)
-    comm_last = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False)
-    comm_alone_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False, launch=False)
-    comm_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True, launch=False)
+    place = ps_place_ms(site, profile, c)
+    comm_full = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True) + place
+    comm_last = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False) + place
+    comm_alone_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=False, launch=False) + place
+    comm_first = comm_call_ms(site, profile, site.coll_bytes() / c, ctx, contended=True, launch=False) + place
     g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
     if site.kind == "allgather_gemm":
         compute = [piece * slow] * (c - 1) + [piece]  # the last chunk's GEMM runs alone
@@ -625,6 +740,15 @@ def priority_stream(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx
     return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
 
 
+def ps_place_ms(site: Site, profile: HardwareProfile, chunks: int) -> float:
+    """priority_stream's all-to-all / all-gather with several chunks receive each chunk source-major
+    into a scratch buffer and copy it to its strided rows on the comm stream (kernels.py
+    place_received / place_gathered): one read + one write of the chunk after its collective."""
+    if chunks <= 1 or site.kind not in ("gemm_alltoall", "allgather_gemm"):
+        return 0.0
+    return hbm_ms(profile, 2 * site.coll_bytes() / chunks)
+
+
 # ---- tile_fused (TileLink) ------------------------------------------------------------------------
 
 TF_PUSH_GBPS_PER_CTA = 12.0  # NVLink store rate of one push CTA (assumed; calibrate on GPU)
@@ -640,15 +764,21 @@ def tile_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> 
     slow = profile.contention["gemm_slowdown_reserved"]
     launch = profile.launch(ctx.mode)
     if site.kind == "allgather_gemm":
+        # as p2p_ring's copy-engine all-gather: the shard staged, a barrier, then the pulls, each
+        # stripe's GEMM beside the next pull (copy engines: gemm_slowdown_copy_engine)
         first = site.gemms[0]
-        piece = profile.gemm.ms(rows, first[1], first[2], site.dtype) * slow
+        piece = profile.gemm.ms(rows, first[1], first[2], site.dtype)
         rest = sum(profile.gemm.ms(m, n, k, site.dtype) for m, n, k in site.gemms[1:])
         shard = rows * site.k * site.itemsize
         xfer = profile.comm_ms("copy_engine", shard, W, site.cross_node) + launch
         comm: list[float | None] = [None] + [xfer] * (W - 1)
-        end, events = pipeline([piece] * W, comm, comm_first=True,
+        compute = [slowed(piece, xfer if i + 1 < W else 0.0, copy_engine_slowdown(profile)) for i in range(W)]
+        head = ag_stage_ms(site, profile) + peer_sync_ms(profile)
+        end, events = pipeline(compute, comm, comm_first=True,
                                compute_labels=[f"GEMM rows of rank r+{i}" for i in range(W)],
                                comm_labels=[""] + [f"pull shard r+{i}" for i in range(1, W)])
+        events = shifted(events, head, "stage shard + barrier")
+        end += head
         if rest:
             events.append(Event("compute", "other consumers", end, end + rest))
             end += rest

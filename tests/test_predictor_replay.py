@@ -1,0 +1,46 @@
+"""CPU tests of benchmarks/predictor_replay.py's row selection and best/chosen metric."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import predictor_replay as pr  # noqa: E402
+
+
+def _row(method, ms, config=None, mode="cuda_graph", **kw):
+    return {"method": method, "config": config, "mode": mode, "ms": ms, "kind": "gemm_alltoall",
+            "shape": [8192, 4096, 2048], "world_size": 2, "date": "2026-11-23", **kw}
+
+
+def test_rows_of_the_python_reference_are_not_replayed():
+    assert pr.ran_reference(_row("p2p_ring", 4.0, {"slices": 1, "transport": "nccl"}, date="2026-11-22"))
+    assert pr.ran_reference(_row("p2p_ring", 4.0, {"slices": 2, "transport": "nccl"}))
+    assert not pr.ran_reference(_row("p2p_ring", 0.3, {"slices": 1, "transport": "p2p"}))
+    assert not pr.ran_reference(_row("signal_reorder", 0.3, {}, date="2026-11-22"))
+
+
+def test_best_chosen_within_a_template_and_for_the_decision():
+    seq = _row("sequential", 1.0)
+    a, b = _row("priority_stream", 0.8, {"chunks": 2}), _row("priority_stream", 0.9, {"chunks": 4})
+    # the model ranks chunks=4 first (0.7 < 0.75) but chunks=2 measured faster: 0.8 / 0.9
+    preds = [(seq, 1.0), (a, 0.75), (b, 0.7)]
+    out = pr.best_chosen(preds, {"cuda_graph": 1.0, "eager": 1.0})
+    assert out[("cuda_graph", "priority_stream")] == [0.8 / 0.9]
+    assert out[("cuda_graph", "argmin")] == [0.8 / 0.9]
+    # a margin the predicted gain (1.0 / 0.7) does not clear keeps the baseline: 0.8 / 1.0
+    assert pr.best_chosen(preds, {"cuda_graph": 1.5, "eager": 1.5})[("cuda_graph", "decide")] == [0.8]
+
+
+def test_a_config_measured_twice_keeps_its_best_time():
+    seq = _row("sequential", 1.0)
+    a1, a2 = _row("p2p_ring", 0.9, {"transport": "p2p"}), _row("p2p_ring", 0.7, {"transport": "p2p"})
+    out = pr.best_chosen([(seq, 1.0), (a1, 0.8), (a2, 0.8)], {"cuda_graph": 1.0, "eager": 1.0})
+    assert out[("cuda_graph", "argmin")] == [1.0]  # p2p_ring at its best 0.7 is the fastest and chosen
+    assert ("cuda_graph", "p2p_ring") not in out  # one config: nothing to choose between
+
+
+def test_signed_errors_are_grouped_per_mode_method_and_kind():
+    errs = [(_row("sequential", 1.0), 0.1), (_row("p2p_ring", 1.0, {}), -0.2)]
+    g = pr.error_groups(errs)
+    assert g[("cuda_graph", "all", "all")] == [0.1, -0.2]
+    assert g[("cuda_graph", "p2p_ring", "gemm_alltoall")] == [-0.2]
