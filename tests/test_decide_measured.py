@@ -84,13 +84,18 @@ def _check_decisions(world, mode, inductor_config):
         assert rewritten >= 1, "no measured win is taken under CUDA graphs"
 
 
-def test_reference_only_templates_are_no_gpu_candidates(fake4):
+def test_reference_only_templates_are_no_gpu_candidates(fake4, monkeypatch):
+    """A template without a GPU path (spec.gpu_implemented False: moe_fused today) is no
+    candidate under a GPU profile, with the reason; an explicit request still gets it."""
+    from overlap_compile.templates import get_spec
+
+    monkeypatch.setattr(get_spec("priority_stream"), "gpu_implemented", False)
     (d,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), predictor.load_profile("h200"))
     notes = {c.template: c.note for c in d.candidates}
-    assert "no GPU implementation" in notes["tile_fused"]
-    with config.patch(force_template="tile_fused"):  # an explicit request still gets it
+    assert "no GPU implementation" in notes["priority_stream"]
+    with config.patch(force_template="priority_stream"):
         (forced,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), predictor.load_profile("h200"))
-    assert forced.template == "tile_fused"
+    assert forced.template == "priority_stream"
 
 
 def test_p2p_ring_offers_only_the_copy_engine_on_gpus(fake4):
@@ -101,13 +106,10 @@ def test_p2p_ring_offers_only_the_copy_engine_on_gpus(fake4):
     assert [c.config["transport"] for c in ring] == ["p2p"], ring
 
 
-def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4, monkeypatch):
-    """Its GEMM + reduce-scatter GPU path is broken (wrong results, timeouts): even once the
-    template is a GPU candidate, reduce-scatter sites get no configuration under a GPU profile
-    (the reason is in the report); all-gather sites get one."""
-    from overlap_compile.templates import get_spec
-
-    monkeypatch.setattr(get_spec("tile_fused"), "gpu_implemented", True)
+def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4):
+    """Its GEMM + reduce-scatter GPU path is broken (wrong results, timeouts): reduce-scatter
+    sites get no configuration under a GPU profile (the reason is in the report); all-gather
+    sites, whose GPU path passes, get one."""
     prof = predictor.load_profile("h200")
     (rs,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), prof)
     (note,) = [c.note for c in rs.candidates if c.template == "tile_fused"]

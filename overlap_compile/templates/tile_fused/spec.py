@@ -34,14 +34,14 @@ class TileFusedSpec(TemplateSpec):
     name = "tile_fused"
     kinds = ("gemm_reducescatter", "allgather_gemm")
     # GPU path (kernels.py) on 2x H200 (2026-11-23, benchmarks/results/predictor-...-w2-...):
-    # all-gather + GEMM passes tests/gpu/test_tile_fused.py (eager and torch.cuda.graph replays)
-    # and measured 1.29-1.36x of sequential under CUDA graphs (0.36-0.41x host-launched: the op's
-    # host cost), but inside Inductor's CUDA-graph trees (mode="reduce-overhead", the mode that
-    # makes it pay) its first call failed (tests/gpu/test_reduce_overhead.py); GEMM +
-    # reduce-scatter gave wrong results on some calls and wait timeouts, and 0.12-0.54x. So it is
-    # not a GPU candidate yet (force_template still selects it), and when it is, candidates()
-    # already offers no reduce-scatter configuration under a GPU profile.
-    gpu_implemented = False
+    # all-gather + GEMM passes tests/gpu/test_tile_fused.py (100 calls back to back, eager and
+    # torch.cuda.graph replays), runs under Inductor's CUDA-graph trees
+    # (tests/gpu/test_reduce_overhead.py, after its first-call barrier moved off the graph pool)
+    # and measured 1.29-1.36x of sequential under CUDA graphs (0.36-0.41x host-launched: the
+    # op's host cost, which the predictor charges). GEMM + reduce-scatter gave wrong results on
+    # some calls and wait timeouts, and 0.12-0.54x: candidates() offers no reduce-scatter
+    # configuration under a GPU profile (force_template still selects it).
+    gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
