@@ -2,8 +2,9 @@
 # One device call on a multi-GPU machine, steps chosen by name, each with its own time limit so
 # one slow step cannot eat the others. Everything lands in $OUT/results.tar.gz (one file: the
 # device tool brings back at most 8), plus a short log on stdout.
-#   usage: STEPS=profile,predictor,tests,ops,moe,e2e bash benchmarks/run_multigpu.sh
-#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS (see each step)
+#   usage: STEPS=profile,predictor,tests,ops,moe,sweep,e2e bash benchmarks/run_multigpu.sh
+#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS,
+#          SWEEP_ARGS (see each step)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -49,6 +50,11 @@ if has moe; then
   step "moe (world $W)"
   timeout ${MOE_TIMEOUT:-120} python3 benchmarks/moe.py --world "$W" --out "$R" ${MOE_ARGS:-} > "$R/moe.log" 2>&1
   grep -v Warn "$R/moe.log" | tail -20
+fi
+if has sweep; then
+  step "occupancy sweep (world $W)"
+  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/occupancy_sweep.py --world "$W" --out "$R" ${SWEEP_ARGS:-} > "$R/sweep.log" 2>&1
+  grep -v Warn "$R/sweep.log" | tail -30
 fi
 if has e2e; then
   step "e2e (world $W)"

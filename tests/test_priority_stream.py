@@ -317,6 +317,38 @@ def test_plan_validates_config():
             SPEC.plan(rs, bad, 1000)
     tiled = {"chunks": 2, "block_m": 128, "block_n": 256, "stages": 3}
     assert SPEC.plan(rs, tiled, 1000).config == tiled
+    shaped = {"chunks": 2, "block_m": 128, "block_n": 128, "stages": 2, "programs": 96}
+    assert SPEC.plan(rs, shaped, 1000).config == shaped
+    for bad, words in [({"chunks": 2, "block_m": 128, "block_n": 128, "programs": 0}, "'programs'"),
+                       ({"chunks": 2, "stages": 3}, "need a tile"), ({"chunks": 2, "programs": 64}, "need a tile")]:
+        with pytest.raises(ValueError, match=words):
+            SPEC.plan(rs, bad, 1000)
+
+
+@pytest.mark.parametrize("outer,world,chunk,chunks", [(1, 1, 7, 2), (1, 3, 5, 2), (2, 3, 4, 3)])
+def test_gemm_hook_computes_what_cublas_does(outer, world, chunk, chunks):
+    """The GPU path's Triton GEMM enters through compute_chunk's ``mm`` hook: called with 2-D
+    row-major operands only (once per stripe where a chunk's rows are not one range), it must
+    give exactly what the mm/bmm path gives."""
+    st = RowStripes(outer, world, chunk)
+    lay = reference.Layout(st, tuple(reference.bounds(st.stripe_rows, chunks)))
+    g = torch.Generator().manual_seed(outer * 100 + world * 10 + chunk)
+    a, b, bias = torch.randn(st.rows, 6, generator=g), torch.randn(6, 5, generator=g), torch.randn(5, generator=g)
+    calls = []
+
+    def mm(x, w, bb, out):
+        assert x.dim() == 2 and out.dim() == 2 and out.stride(1) == 1
+        calls.append(tuple(x.shape))
+        out.copy_(torch.addmm(bb, x, w))
+
+    for c in range(len(lay.chunks)):
+        rows = slice(*lay.buffer_rows(c))
+        want = torch.full((st.rows, 5), float("nan"))[rows]
+        got = torch.full((st.rows, 5), float("nan"))[rows]
+        reference.compute_chunk(a, b, bias, lay, c, want)
+        reference.compute_chunk(a, b, bias, lay, c, got, mm)
+        torch.testing.assert_close(got, want)
+    assert calls and all(r >= 1 for r, _ in calls)
 
 
 def test_chunk_geometry():

@@ -1,5 +1,6 @@
 """priority_stream's CUDA path (kernels.py: cuBLAS chunks on the compute stream, NCCL on a
-high-priority stream) against eager torch.mm + the NCCL collective, and against reference.py.
+high-priority stream; with a tile config, TILE, the chunks on the persistent Triton GEMM with
+fewer programs and stages) against eager torch.mm + the NCCL collective, and against reference.py.
 
 Needs 2+ CUDA GPUs (one NCCL rank per GPU) and skips with the reason otherwise. Outputs are
 poisoned with NaN before CUDA-graph replays, so a row that is not written fails. Errors are
@@ -34,11 +35,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _config(chunks: int) -> dict:
-    return {"chunks": chunks, "block_m": None, "block_n": None, "stages": None}
+# occupancy shaping: the persistent Triton GEMM with a small tile, 2 stages, 64 programs
+TILE = {"block_m": 128, "block_n": 128, "stages": 2, "programs": 64}
 
 
-def _gemm_plan(kind, w, outer, chunk, bias, chunks):
+def _config(chunks: int, tiled: bool = False) -> dict:
+    return {"chunks": chunks, **(TILE if tiled else {"block_m": None, "block_n": None, "stages": None})}
+
+
+def _gemm_plan(kind, w, outer, chunk, bias, chunks, tiled=False):
     from overlap_compile.templates.plans import GemmCollectivePlan
 
     m = outer * w * chunk
@@ -46,7 +51,7 @@ def _gemm_plan(kind, w, outer, chunk, bias, chunks):
         outer, chunk = 1, m
     return GemmCollectivePlan(template="priority_stream", kind=kind, m=m, n=N, k=K, world=w,
                               reduce_op=None if kind == "gemm_alltoall" else "sum", outer=outer, chunk=chunk,
-                              has_bias=bias, config=_config(chunks))
+                              has_bias=bias, config=_config(chunks, tiled))
 
 
 def _striped(y, outer, chunk, w):
@@ -133,10 +138,11 @@ def gemm_collective_checks() -> list[str]:
         failures.append(f"rank {rank}: comm stream priority {kernels.comm_stream(dev).priority} != {greatest}")
     op = torch.ops.overlap_compile.priority_stream_gemm_collective
     g = torch.Generator(device="cuda").manual_seed(rank)
-    cases = itertools.product(GEMM_KINDS, DTYPES, STRIPES, (False, True), CHUNKS)
-    for kind, dtype, (outer, chunk), has_bias, chunks in cases:
-        plan = _gemm_plan(kind, w, outer, chunk, has_bias, chunks)
-        tag = f"{kind} {str(dtype)[6:]} stripes={(outer, chunk)} bias={has_bias} chunks={chunks}"
+    cases = [(*c, False) for c in itertools.product(GEMM_KINDS, DTYPES, STRIPES, (False, True), CHUNKS)]
+    cases += [(kind, dtype, st, True, CHUNKS[-1], True) for kind, dtype, st in itertools.product(GEMM_KINDS, DTYPES, STRIPES)]
+    for kind, dtype, (outer, chunk), has_bias, chunks, tiled in cases:
+        plan = _gemm_plan(kind, w, outer, chunk, has_bias, chunks, tiled)
+        tag = f"{kind} {str(dtype)[6:]} stripes={(outer, chunk)} bias={has_bias} chunks={chunks} tiled={tiled}"
         a = torch.randn(plan.m, K, device=dev, dtype=dtype, generator=g)
         b = torch.randn(K, N, device=dev, dtype=dtype, generator=g)
         bias = torch.randn(N, device=dev, dtype=dtype, generator=g) if has_bias else None

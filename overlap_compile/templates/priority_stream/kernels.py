@@ -5,7 +5,8 @@ reference.py is the algorithm (chunk bounds, segments, the GEMM of a chunk); thi
 decides where each piece runs:
 
     compute stream   chunk c's GEMM (reference.compute_chunk: mm/addmm or bmm/baddbmm, i.e.
-                     cuBLAS) into its contiguous slice of the send buffer
+                     cuBLAS, or with a tile config the persistent Triton GEMM, ``tile_gemm``)
+                     into its contiguous slice of the send buffer
     comm stream      waits for chunk c (an event recorded on the compute stream right after the
                      GEMM), then issues chunk c's collective (ProcessGroupNCCL with
                      async_op=False enqueues the NCCL kernel on the *current* stream, i.e. this
@@ -29,6 +30,7 @@ Importing this module touches no CUDA state: streams are created on first use.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -102,6 +104,28 @@ def reduce_op(name: str | None) -> Any:
     return getattr(dist.ReduceOp, _REDUCE_OPS[key])
 
 
+# ---- the GEMM: cuBLAS, or the persistent Triton GEMM shaped for co-residence -------------------
+
+def tile_gemm(config: dict, device: torch.device) -> ref.MatMul | None:
+    """None (cuBLAS) unless the config names a tile; then signal_reorder's persistent TMA GEMM
+    with that tile, ``stages`` pipeline stages (shared memory per block: fewer leave room for
+    NCCL's blocks on the same SMs) and ``programs`` persistent programs (fewer leave whole SMs
+    to NCCL). This is the occupancy-shaping knob of resource-aware overlap."""
+    if config.get("block_m") is None:
+        return None
+    from ..signal_reorder import kernels as SR
+
+    bm, bn, stages, programs = config["block_m"], config["block_n"], config.get("stages"), config.get("programs")
+
+    def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        cfg = SR.default_config(a.dtype, bm, bn)
+        if stages is not None:
+            cfg = dataclasses.replace(cfg, num_stages=int(stages))
+        SR.gemm(a, b, bias, cfg, programs, out=out)
+
+    return mm
+
+
 # ---- GEMM -> collective ----------------------------------------------------------------------
 
 def _collective(plan: GemmCollectivePlan, lay: ref.Layout, c: int, send_c: torch.Tensor, result: torch.Tensor,
@@ -140,7 +164,7 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     result = send if plan.kind == "gemm_allreduce" else a.new_empty(plan.result_rows, plan.n)
     for c in range(len(lay.chunks)):
         send_c = send[slice(*lay.buffer_rows(c))]
-        ref.compute_chunk(a, b, bias, lay, c, send_c)
+        ref.compute_chunk(a, b, bias, lay, c, send_c, tile_gemm(plan.config, a.device))
         # Event on the compute stream after chunk c; the comm stream waits for it (this also
         # orders the first collective after everything the caller queued before the op, and
         # inside a CUDA graph capture it forks the comm stream into the graph).
@@ -186,7 +210,7 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
                 ref.place_gathered(gathered, gath_c, lay, c)  # after the event: not on the GEMM's path
     for c, (ev, gath_c) in enumerate(landed):
         compute.wait_event(ev)
-        ref.gemm_gathered(gath_c, bs, biases, ys, lay, c)
+        ref.gemm_gathered(gath_c, bs, biases, ys, lay, c, tile_gemm(plan.config, shard.device))
     compute.wait_stream(side)  # join: the placed gathered rows too
     _used_on(side, shard, gath, gathered)
     return [gathered] + ys

@@ -38,7 +38,7 @@ collective of chunk c runs while chunk c+1 is computed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +48,7 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 
 TEMPLATE = "priority_stream"
 KINDS = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall", "allgather_gemm")
-CONFIG_KEYS = ("chunks", "block_m", "block_n", "stages")
+CONFIG_KEYS = ("chunks", "block_m", "block_n", "stages", "programs")
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -60,10 +60,12 @@ def _positive_int(v: Any) -> bool:
 def config_problem(config: Any) -> str | None:
     """Why ``config`` is not a valid priority_stream configuration (None: it is valid).
 
-    ``chunks``: GEMM pieces along M (>= 1). ``block_m``/``block_n``/``stages``: an optional GEMM
-    tile config that shapes the GEMM's occupancy so the collective's kernels co-reside; None =
-    cuBLAS. (Until the Triton GEMM for this template exists every chunk runs on cuBLAS; the tile
-    config is validated and kept in the plan so that plans stay stable when it arrives.)
+    ``chunks``: GEMM pieces along M (>= 1). ``block_m``/``block_n``/``stages``/``programs``: an
+    optional GEMM tile config that shapes the GEMM's occupancy so that the collective's kernels
+    co-reside (occupancy shaping): on GPUs the chunks then run on the persistent Triton GEMM
+    (signal_reorder's) with that tile, that many pipeline stages (shared memory per block) and
+    that many persistent programs (SMs it holds; None = all). block_m/block_n None = cuBLAS at
+    its own tile choice. The reference (CPU) computes the same product either way.
     """
     if not isinstance(config, dict):
         return f"config must be a dict with keys {list(CONFIG_KEYS)}, got {config!r}"
@@ -72,12 +74,14 @@ def config_problem(config: Any) -> str | None:
         return f"unknown config keys {unknown}; allowed: {list(CONFIG_KEYS)}"
     if not _positive_int(config.get("chunks", 1)):
         return f"config 'chunks' must be an integer >= 1, got {config.get('chunks')!r}"
-    for key in ("block_m", "block_n", "stages"):
+    for key in ("block_m", "block_n", "stages", "programs"):
         v = config.get(key)
         if v is not None and not _positive_int(v):
             return f"config {key!r} must be None (cuBLAS) or an integer >= 1, got {v!r}"
     if (config.get("block_m") is None) != (config.get("block_n") is None):
         return "config 'block_m' and 'block_n' must be given together (a tile) or both be None (cuBLAS)"
+    if config.get("block_m") is None and (config.get("stages") is not None or config.get("programs") is not None):
+        return "config 'stages' and 'programs' shape the Triton GEMM: they need a tile ('block_m', 'block_n')"
     return None
 
 
@@ -192,13 +196,24 @@ def _as_matrix(x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+MatMul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
+
+
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+              mm: MatMul | None = None) -> None:
     """``out[j] = a[j] @ b (+ bias)`` for ``[W, len, .]`` views, written in place.
 
     One ``mm``/``addmm`` when both views are plain row ranges (all-reduce, outer == 1 with one
     chunk), else one ``bmm``/``baddbmm`` with b broadcast (batch stride 0): no operand copies.
+    ``mm(a2, b, bias, out2)``: another 2-D GEMM writing into ``out2`` (the GPU path's Triton
+    GEMM), called once per matrix (once per stripe where the rows are not one range).
     """
     a2, o2 = _as_matrix(a), _as_matrix(out)
+    if mm is not None:
+        pairs = [(a2, o2)] if a2 is not None and o2 is not None else list(zip(a, out))
+        for x, y in pairs:
+            mm(x, b, bias, y)
+        return
     if a2 is not None and o2 is not None:
         if bias is None:
             torch.mm(a2, b, out=o2)
@@ -213,10 +228,10 @@ def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.T
 
 
 def compute_chunk(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, lay: Layout, c: int,
-                  send_c: torch.Tensor) -> None:
+                  send_c: torch.Tensor, mm: MatMul | None = None) -> None:
     """Chunk c of ``a @ b + bias`` into its contiguous send buffer ``[W * q, n]``."""
     for seg in lay.segments_of(c):
-        gemm_into(chunk_block(send_c, lay.world, seg), stripe_block(a, lay.stripes, seg), b, bias)
+        gemm_into(chunk_block(send_c, lay.world, seg), stripe_block(a, lay.stripes, seg), b, bias, mm)
 
 
 def place_gathered(gathered: torch.Tensor, gath_c: torch.Tensor, lay: Layout, c: int) -> None:
@@ -226,12 +241,12 @@ def place_gathered(gathered: torch.Tensor, gath_c: torch.Tensor, lay: Layout, c:
 
 
 def gemm_gathered(gath_c: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  ys: list[torch.Tensor], lay: Layout, c: int) -> None:
+                  ys: list[torch.Tensor], lay: Layout, c: int, mm: MatMul | None = None) -> None:
     """Every consumer's GEMM on chunk c of the gather, written to its rows of ``ys[i]``."""
     for seg in lay.segments_of(c):
         rows = chunk_block(gath_c, lay.world, seg)
         for b, bias, y in zip(bs, biases, ys):
-            gemm_into(stripe_block(y, lay.stripes, seg), rows, b, bias)
+            gemm_into(stripe_block(y, lay.stripes, seg), rows, b, bias, mm)
 
 
 def place_received(result: torch.Tensor, recv_c: torch.Tensor, lay: Layout, c: int) -> None:
