@@ -7,6 +7,7 @@ text on every rank, which is how the decision-agreement check compares ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any
@@ -50,6 +51,7 @@ class GemmCollectivePlan:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
+    @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
     def from_json(text: str) -> "GemmCollectivePlan":
         return GemmCollectivePlan(**_load(text, "GemmCollectivePlan"))
 
@@ -78,6 +80,7 @@ class AllGatherGemmPlan:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
+    @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
     def from_json(text: str) -> "AllGatherGemmPlan":
         d = _load(text, "AllGatherGemmPlan")
         d["ns"], d["has_bias"] = tuple(d["ns"]), tuple(d["has_bias"])
@@ -94,6 +97,7 @@ def _load(text: str, what: str) -> dict[str, Any]:
     return d
 
 
+@functools.lru_cache(maxsize=512)
 def plan_digest(plan_json: str) -> str:
     """Short hash of a plan, compared across ranks before the first run of a rewritten op."""
     return hashlib.sha256(plan_json.encode()).hexdigest()[:16]
@@ -117,5 +121,6 @@ class MoePlan:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
+    @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
     def from_json(text: str) -> "MoePlan":
         return MoePlan(**_load(text, "MoePlan"))
