@@ -8,6 +8,10 @@ Quantities (all stored in the profile JSON, each with a note of what it was fitt
 * ``contention.gemm_slowdown_copy_engine`` and ``peer_sync_ms``: a cuBLAS GEMM beside
   copy-engine peer copies, and one cross-GPU flag handshake; fitted to the CUDA-graph runs of the
   copy-engine paths (p2p_ring transport "p2p", tile_fused all-gather).
+* ``nccl_call_ms``: the start-up latency of an isolated NCCL call (launch, rank handshake, ring
+  pipeline fill), of which the curves' back-to-back small-message time already holds a part;
+  fitted to the CUDA-graph runs of the templates that split a collective into several calls
+  (signal_reorder groups, priority_stream chunks, p2p_ring NCCL sends).
 * ``op_overhead_ms.site.eager``: host time before a site's first kernel, the median of
   (host-launched - CUDA graph) of the sequential baseline over the same run's same shape.
 * ``op_overhead_ms.per_template`` and ``op_overhead_ms.per_call.eager``: a template op's host
@@ -36,6 +40,7 @@ from predictor_replay import committed_results, load_rows, mean_abs, predictions
 COPY_ENGINE_SLOWDOWNS = [1.0 + i / 100 for i in range(0, 21)]
 PEER_SYNC_MS = [i / 1000 for i in range(0, 41, 2)]
 PER_CALL_MS = [i / 1000 for i in range(0, 301, 5)]
+NCCL_CALL_MS = [i / 1000 for i in range(0, 61, 5)]
 
 
 def _profile(raw: dict):
@@ -63,6 +68,26 @@ def fit_copy_engine(raw: dict, rows: list[dict], sites: dict) -> tuple[float, fl
             score = statistics.mean(errs) if errs else float("inf")
             if score < best[2] - 1e-12:
                 best = (slow, sync, score)
+    return best
+
+
+def nccl_call_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["mode"] == "cuda_graph" and r["method"] != "sequential" and r["method"] != "tile_fused"
+            and (r.get("config") or {}).get("transport") != "p2p"]
+
+
+def fit_nccl_call(raw: dict, rows: list[dict], sites: dict) -> tuple[float, float]:
+    """(nccl_call_ms, mean |error|) minimising the mean |error| of the CUDA-graph rows of templates
+    that issue NCCL calls (no host cost in them)."""
+    fit = nccl_call_rows(rows)
+    best = (0.0, float("inf"))
+    for lat in NCCL_CALL_MS:
+        trial = copy.deepcopy(raw)
+        trial["nccl_call_ms"] = lat
+        errs = [abs(e) for _, e in replay(fit, _profile(trial), sites)]
+        score = statistics.mean(errs) if errs else float("inf")
+        if score < best[1] - 1e-12:
+            best = (lat, score)
     return best
 
 
@@ -128,13 +153,15 @@ def fitted_raw(raw: dict, rows: list[dict], sites: dict) -> tuple[dict, dict]:
     slow, sync, ce_score = fit_copy_engine(out, rows, sites)
     out["contention"]["gemm_slowdown_copy_engine"] = slow
     out["peer_sync_ms"] = sync
+    lat, nccl_score = fit_nccl_call(out, rows, sites)
+    out["nccl_call_ms"] = lat
     host = fit_host(out, rows, sites)
     table = out.setdefault("op_overhead_ms", {})
     table["site"] = {"eager": round(host["site"], 4), "cuda_graph": 0.0}
     table["per_call"] = {"eager": host["per_call"], "cuda_graph": 0.0}
     table["per_template"] = {**table.get("per_template", {}), **{t: round(v, 4) for t, v in host["per_template"].items()}}
     return out, {"gemm_slowdown_copy_engine": slow, "peer_sync_ms": sync, "copy_engine_rows_error": ce_score,
-                 "host": host}
+                 "nccl_call_ms": lat, "nccl_rows_error": nccl_score, "host": host}
 
 
 def errors(rows: list[dict], raw: dict, sites: dict) -> dict[str, float]:
@@ -163,6 +190,7 @@ def pooled_holdout(rows: list[dict], raw: dict, sites: dict, how: str) -> dict:
         errs = replay(check, profile_from_dict(prof, source=name), sites)
         held += errs
         print(f"  {name}: copy engine x{got['gemm_slowdown_copy_engine']:.2f} sync {got['peer_sync_ms']:.3f} ms, "
+              f"NCCL call {got['nccl_call_ms']:.3f} ms, "
               f"per call {got['host']['per_call']:.3f} ms; held out: cuda_graph "
               f"{mean_abs(errs, 'cuda_graph', True):.1%} (templates) / eager {mean_abs(errs, 'eager', True):.1%}")
     return {f"{m}{'' if t else '+seq'}": mean_abs(held, m, templates_only=t)

@@ -95,3 +95,30 @@ def test_priority_stream_places_chunked_all_to_all_on_the_comm_stream():
     assert models.ps_place_ms(site, p, 1) == 0.0
     assert models.ps_place_ms(site, p, 4) == pytest.approx(2 * 8192 * 4096 * 2 / 4 / (p.gemm.mem_gbps * 1e9) * 1e3)
     assert models.ps_place_ms(Site("gemm_allreduce", ((8192, 4096, 2048),), 4, "bfloat16"), p, 4) == 0.0
+
+
+def test_nccl_call_startup_beyond_the_curve_and_the_launch_gap():
+    """nccl_call_ms: each further NCCL call pays the start-up latency its curve's back-to-back
+    small-message time does not hold, hidden behind a longer host launch gap; not the first call,
+    not copy-engine copies; absent (the built-in h200 today) it changes nothing."""
+    site = Site("gemm_allreduce", ((8192, 8192, 4096),), 2, "bfloat16")
+    graph, eager = Ctx(mode="cuda_graph"), Ctx(mode="eager")
+    off, on = h200(), h200(nccl_call_ms=0.04)
+    nbytes = 16 * 2**20
+    alpha = on.comm_ms("all_reduce", 0, 2)
+    assert models.nccl_call_ms(site, off, "all_reduce") == 0.0
+    assert models.nccl_call_ms(site, on, "all_reduce") == pytest.approx(0.04 - alpha)
+    assert models.nccl_call_ms(site, on, "copy_engine") == 0.0
+    base = models.comm_call_ms(site, off, nbytes, graph)
+    assert models.comm_call_ms(site, on, nbytes, graph) == pytest.approx(base - off.launch("cuda_graph") + 0.04 - alpha)
+    assert models.comm_call_ms(site, on, nbytes, graph, launch=False) == models.comm_call_ms(site, off, nbytes, graph,
+                                                                                             launch=False)
+    # host-launched: the start-up runs during the launch gap, the larger of the two counts
+    assert models.comm_call_ms(site, on, nbytes, eager) == pytest.approx(
+        models.comm_call_ms(site, off, nbytes, eager) - off.launch("eager") + max(off.launch("eager"), 0.04 - alpha))
+    # signal_reorder: one group issues one call (nothing changes); several groups pay it where
+    # the comm lane is the critical path
+    cfg = {"block_m": 128, "block_n": 256, "group_m": 8, "programs": 108}
+    grow = [models.signal_reorder(site, c, on, graph).total_ms - models.signal_reorder(site, c, off, graph).total_ms
+            for c in (dict(cfg, wave_groups=[19]), dict(cfg, wave_groups=[2, 2, 3, 3, 3, 3, 3]))]
+    assert grow[0] == 0.0 and grow[1] > 0.0

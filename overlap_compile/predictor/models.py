@@ -222,10 +222,29 @@ def comm_call_ms(site: Site, profile: HardwareProfile, nbytes: float, ctx: Ctx, 
     """One collective call: the curve, times ``comm_slowdown`` when a GEMM runs beside it, plus the
     per-call launch cost when ``launch`` (every call of a site but its first: the first one is
     enqueued while the GEMM runs, as in the baseline, whose single call pays none)."""
-    t = profile.comm_ms(collective or site.collective, nbytes, site.world, site.cross_node)
+    curve = collective or site.collective
+    t = profile.comm_ms(curve, nbytes, site.world, site.cross_node)
     if contended:
         t *= profile.contention["comm_slowdown"]
-    return t + (profile.launch(ctx.mode) if launch else 0.0)
+    if not launch:
+        return t
+    # the call's start-up runs during its launch gap; only what exceeds the gap adds
+    return t + max(profile.launch(ctx.mode), nccl_call_ms(site, profile, curve))
+
+
+def nccl_call_ms(site: Site, profile: HardwareProfile, curve: str) -> float:
+    """GPU time each further NCCL call of a site costs beyond its curve. The curves time one call
+    repeated back to back, where the next call's start-up (kernel launch, the ranks' handshake,
+    the ring's pipeline fill) overlaps the previous call's drain: their small-message time is less
+    than an isolated call's start-up latency ``nccl_call_ms``. A site's further calls are isolated
+    (each waits for its GEMM group / chunk first), so each pays the difference (default 0: as the
+    curve). It overlaps the call's host launch (comm_call_ms takes the larger of the two): under
+    CUDA graphs it shows, host-launched the launch gap mostly hides it. Copy-engine transfers are
+    plain peer copies: no NCCL start-up."""
+    latency = profile_extra(profile, "nccl_call_ms", 0.0)
+    if curve == "copy_engine" or latency <= 0:
+        return 0.0
+    return max(0.0, latency - profile.comm_ms(curve, 0, site.world, site.cross_node))
 
 
 def hbm_ms(profile: HardwareProfile, nbytes: float) -> float:
