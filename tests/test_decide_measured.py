@@ -106,6 +106,16 @@ def test_p2p_ring_offers_only_the_copy_engine_on_gpus(fake4):
     assert [c.config["transport"] for c in ring] == ["p2p"], ring
 
 
+def test_p2p_ring_allreduce_is_offered_only_off_gpus(fake4):
+    """p2p_ring's all-reduce (reduce-scatter + gather of the reduced stripes) has not run on a
+    GPU: no configuration under a GPU profile (the reason is in the report), predicted on CPU."""
+    (gpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("h200"))
+    (note,) = [c.note for c in gpu.candidates if c.template == "p2p_ring"]
+    assert "offers no configuration" in note and gpu.template != "p2p_ring"
+    (cpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("cpu-gloo"))
+    assert any(c.template == "p2p_ring" and c.predicted_ms for c in cpu.candidates)
+
+
 def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4):
     """Its GEMM + reduce-scatter GPU path is broken (wrong results, timeouts): reduce-scatter
     sites get no configuration under a GPU profile (the reason is in the report); all-gather

@@ -8,6 +8,7 @@ level so the spawned ranks can import them.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -123,6 +124,13 @@ def check_reduce_scatter_and_all_to_all() -> int:
             _assert_matches(ours, eager, truth, hops=w, what=f"RS {reduce_op} {what}")
             checks += 1
 
+        if outer == 1:  # all-reduce: the RS over W row stripes of the output, then their gather
+            plan = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, m, has_bias, config), m=m)
+            ours = op(a, b, bias, group, plan.to_json())
+            eager = c10d.wait_tensor(c10d.all_reduce(_mm(a, b, bias), "sum", group))
+            _assert_matches(ours, eager, sum(ys), hops=w, what=f"AR {what}")
+            checks += 1
+
         if outer == 1 and not config["bidirectional"]:
             plan = _gemm_plan("gemm_alltoall", w, outer, chunk, has_bias, config, None)
             ours = op(a, b, bias, group, plan.to_json())
@@ -173,8 +181,9 @@ def check_bad_calls() -> list[str]:
         (_gemm_plan("gemm_reducescatter", w, 1, 5, True, config), a, b, None),  # bias missing
         (_gemm_plan("gemm_reducescatter", w, 1, 5, False, config, "max"), a, b, None),
         (_gemm_plan("gemm_reducescatter", w, 1, 5, False, {"slices": 0}), a, b, None),
-        (_gemm_plan("gemm_allreduce", w, 1, 5, False, config), a, b, None),
     ]
+    ar = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, 5, False, config), m=w * 5 + 1)
+    bad.append((ar, torch.randn(w * 5 + 1, K), b, None))  # all-reduce rows not a multiple of W
     for plan, a_, b_, bias in bad:
         with pytest.raises(ValueError) as info:
             op(a_, b_, bias, group, plan.to_json())
@@ -203,7 +212,7 @@ def test_ops_match_eager(world):
     rs, ag, bad = results[0]
     assert rs >= 30 and ag == 16
     assert "do not match the plan" in bad[0] and "has_bias" in bad[1]
-    assert "'max'" in bad[2] and "slices" in bad[3] and "does not implement gemm_allreduce" in bad[4]
+    assert "'max'" in bad[2] and "slices" in bad[3] and "multiple of the world size" in bad[4]
 
 
 def _op_suite():
@@ -253,8 +262,8 @@ def test_supports_gives_reasons():
     assert SPEC.supports(_rs_match(reduce_op="avg")) is None
     assert "'max'" in SPEC.supports(_rs_match(reduce_op="max"))
     assert SPEC.supports(_ag_match()) is None
-    ar = _rs_match(cls=GemmAllReduceMatch)
-    assert "does not implement gemm_allreduce" in SPEC.supports(ar)
+    assert SPEC.supports(_rs_match(cls=GemmAllReduceMatch)) is None
+    assert "not a multiple of the world size" in SPEC.supports(_rs_match(m=22, cls=GemmAllReduceMatch))
     assert SPEC.supports(_rs_match(cls=GemmAllToAllMatch, reduce_op=None)) is None
     a2a_outer = _rs_match(m=40, outer=2, cls=GemmAllToAllMatch, reduce_op=None)
     assert "leading dimension" in SPEC.supports(a2a_outer)

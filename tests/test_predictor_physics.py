@@ -122,3 +122,39 @@ def test_nccl_call_startup_beyond_the_curve_and_the_launch_gap():
     grow = [models.signal_reorder(site, c, on, graph).total_ms - models.signal_reorder(site, c, off, graph).total_ms
             for c in (dict(cfg, wave_groups=[19]), dict(cfg, wave_groups=[2, 2, 3, 3, 3, 3, 3]))]
     assert grow[0] == 0.0 and grow[1] > 0.0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_p2p_ring_allreduce_is_its_reduce_scatter_then_the_gather(world):
+    """All-reduce = the ring reduce-scatter over W row stripes, then W-1 reduced stripes moved
+    with nothing to hide them (and, on the copy engine, the own stripe staged + one handshake)."""
+    p = h200()
+    ce = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    ar = Site("gemm_allreduce", ((8192, 8192, 4096),), world, "bfloat16")
+    rs = models.p2p_ring(dataclasses.replace(ar, kind="gemm_reducescatter"), ce, p, Ctx(mode="cuda_graph"))
+    s = models.p2p_ring(ar, ce, p, Ctx(mode="cuda_graph"))
+    stripe = 8192 // world * 8192 * 2
+    hop = models.comm_call_ms(ar, p, stripe, Ctx(mode="cuda_graph"), collective="copy_engine", contended=False)
+    stage = models.hbm_ms(p, 2 * stripe) + models.peer_sync_ms(p)
+    assert s.total_ms == pytest.approx(rs.total_ms + (world - 1) * hop + stage)
+    assert s.events[-1].lane == "comm" and s.events[-1].start == pytest.approx(rs.total_ms)
+    assert models.p2p_ring(Site("gemm_allreduce", ((8191, 8192, 4096),), world, "bfloat16"), ce, p, Ctx()) is None
+
+
+def test_signal_reorder_search_stays_fast_with_thousands_of_waves():
+    """A CPU profile's few "SMs" give a GPU-sized GEMM thousands of waves; the O(groups x
+    waves^2) search then runs on units of several waves (it ran for many minutes before) and
+    every partition still covers every wave exactly once."""
+    import time
+
+    p = predictor.load_profile("cpu-gloo")
+    site = Site("gemm_allreduce", ((8192, 8192, 4096),), 4, "float32")
+    start = time.monotonic()
+    configs = models.signal_reorder_configs(site, p, Ctx())
+    assert time.monotonic() - start < 10 and configs
+    for cfg in configs:
+        geo = models.sr_geometry(site, cfg, p)
+        assert sum(cfg["wave_groups"]) == geo.waves and min(cfg["wave_groups"]) >= 1, cfg
+    assert any(models.sr_geometry(site, c, p).waves > models.MAX_SEARCHED_WAVES for c in configs)
+    # a coarse partition of 1000 waves in units of 8: first/last one unit, the rest in between
+    assert all(sum(g) == 1000 for g in models.coarse_partitions(1000, 1.0, lambda lo, hi, last: 0.1, 2, 4))

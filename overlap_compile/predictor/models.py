@@ -103,6 +103,9 @@ COLLECTIVE_OF = {
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 MAX_LISTED_GROUPS = 6  # signal_reorder: best partition listed per group count up to this
+# signal_reorder: the partition search is O(groups x waves^2); beyond this many waves (a CPU
+# profile's few "SMs" on a GPU-sized GEMM: thousands) it runs on units of several waves
+MAX_SEARCHED_WAVES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +536,27 @@ def best_wave_partitions(waves: int, wave_ms: float, comm: Callable[[int, int, b
     return out
 
 
+def coarse_partitions(waves: int, wave_ms: float, comm: Callable[[int, int, bool], float], first_max: int,
+                      last_max: int) -> list[tuple[int, ...]]:
+    """best_wave_partitions on units of q = ceil(waves / MAX_SEARCHED_WAVES) waves (the last unit
+    takes the remainder), returned in waves. The first / last group bounds become one unit where
+    q exceeds them: with this many waves they are a small share of the GEMM either way."""
+    q = cdiv(waves, MAX_SEARCHED_WAVES)
+    units = cdiv(waves, q)
+
+    def unit_comm(lo: int, hi: int, last: bool) -> float:
+        return comm(lo * q, min(hi * q, waves), last)
+
+    found = best_wave_partitions(units, wave_ms * q, unit_comm, max(1, first_max // q), max(1, last_max // q),
+                                 MAX_LISTED_GROUPS)
+    out = []
+    for _, groups in (v for _, v in sorted(found.items())):
+        sizes = [g * q for g in groups]
+        sizes[-1] -= units * q - waves  # the last unit is short
+        out.append(tuple(sizes))
+    return out
+
+
 def best_any_count(waves: int, wave_ms: float, comm: Callable[[int, int, bool], float], first_max: int,
                    last_max: int) -> tuple[float, tuple[int, ...]] | None:
     """The minimum over all group counts at once (O(T^2)): (t_m, groups) or None if none is valid."""
@@ -587,6 +611,10 @@ def signal_reorder_configs(site: Site, profile: HardwareProfile, ctx: Ctx, group
         geo = sr_geometry(site, cfg0, profile)
         wave = sr_wave_ms(geo, profile)
         comm = sr_comm_fn(site, geo, profile, ctx)
+        if geo.waves > MAX_SEARCHED_WAVES:
+            configs += [dict(base, programs=programs, wave_groups=list(g))
+                        for g in coarse_partitions(geo.waves, wave, comm, ctx.first_max, ctx.last_max)]
+            continue
         found = best_wave_partitions(geo.waves, wave, comm, ctx.first_max, ctx.last_max, MAX_LISTED_GROUPS)
         parts = [g for _, (_, g) in sorted(found.items())]
         if geo.waves > MAX_LISTED_GROUPS:
@@ -640,6 +668,8 @@ def sr_reorder_ms(site: Site, config: dict, profile: HardwareProfile) -> float:
 
 
 def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind == "gemm_allreduce":
+        return p2p_ring_allreduce(site, config, profile, ctx)
     if site.kind not in ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall"):
         return None
     W = site.world
@@ -682,6 +712,28 @@ def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Sc
         first_compute, last_comm = piece, 0.0
     note = f"{W}x{s} pieces of {rows} rows: GEMM {piece:.4f} ms, {curve} {xfer:.4f} ms each"
     return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """All-reduce = the ring reduce-scatter over W row stripes of the output, then the W-1
+    reduced stripes of the peers brought here with nothing left to hide them: W-1 transfers of
+    a stripe, counted one after the other (the copy curve is measured one copy at a time; the
+    copies of several peers share this GPU's links), plus, on the copy engine, the own stripe
+    staged into the symmetric buffer and one handshake. Not yet measured on a GPU."""
+    if site.m % site.world:
+        return None
+    rs = p2p_ring(dataclasses.replace(site, kind="gemm_reducescatter"), config, profile, ctx)
+    if rs is None:
+        return None
+    W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
+    stripe_bytes = (site.m // W) * site.n * site.itemsize
+    curve = "copy_engine" if copy_engine else "p2p"
+    hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective=curve, contended=False)
+    gather = (W - 1) * hop + ((hbm_ms(profile, 2 * stripe_bytes) + peer_sync_ms(profile)) if copy_engine else 0.0)
+    events = rs.events + [Event("comm", f"gather {W - 1} reduced stripes", rs.total_ms, rs.total_ms + gather)]
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    note = rs.note + f"; then the reduced stripes gathered: {gather:.4f} ms"
+    return Schedule(rs.total_ms + gather, events, overlap_bound(g_base, c_base, 0.0, gather), note)
 
 
 def ag_stage_ms(site: Site, profile: HardwareProfile) -> float:

@@ -1,7 +1,7 @@
 """p2p_ring's GPU paths (kernels.py: copy-engine peer copies over symmetric memory; kernels_nccl.py:
 cuBLAS + NCCL send/recv on a high-priority stream) against eager torch.mm + the NCCL collective.
 
-Every kind (reduce-scatter, all-gather, all-to-all), odd shapes (rows, K and N not multiples of
+Every kind (reduce-scatter, all-gather, all-to-all; all-reduce on the copy engine), odd shapes (rows, K and N not multiples of
 any tile), bf16, fp16 and fp32 (an fp32 partial must be copied out of its slot before the slot is
 released), with and without bias; 20 calls back to back with fresh inputs and no
 synchronisation between them (a race between calls shows as a wrong result), then CUDA-graph
@@ -37,8 +37,10 @@ def _plan(kind, w, chunk, k, n, bias, transport):
     if kind == "allgather_gemm":
         return AllGatherGemmPlan(template="p2p_ring", m=w * chunk, k=k, ns=(n, 72), world=w, outer=1, chunk=chunk,
                                  has_bias=(bias, False), config=cfg, timeout_ms=5000)
+    reduces = kind in ("gemm_reducescatter", "gemm_allreduce")
     return GemmCollectivePlan(template="p2p_ring", kind=kind, m=w * chunk, n=n, k=k, world=w,
-                              reduce_op="sum" if kind == "gemm_reducescatter" else None, outer=1, chunk=chunk,
+                              reduce_op="sum" if reduces else None, outer=1,
+                              chunk=w * chunk if kind == "gemm_allreduce" else chunk,  # AR: the plan's convention
                               has_bias=bias, config=cfg, timeout_ms=5000)
 
 
@@ -65,8 +67,10 @@ def checks() -> list[str]:
         if not e < TOL[dtype]:
             fails.append(f"rank {rank} W={w} {tag}: rel err {e:.3g}")
 
-    cases = itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"),
-                              (torch.bfloat16, torch.float16, torch.float32), SHAPES)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    cases = list(itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"), dtypes,
+                                   SHAPES))
+    cases += list(itertools.product(("p2p",), ("gemm_allreduce",), dtypes, SHAPES))  # copy engine only
     for transport, kind, dtype, (chunk, k, n) in cases:
         bias_on = (chunk, k, n) == SHAPES[0]
         plan = _plan(kind, w, chunk, k, n, bias_on, transport)

@@ -36,6 +36,8 @@ def usable(group_name: str, device: torch.device, plan) -> str | None:
     """Why this path cannot run the plan (None: it can)."""
     from ..priority_stream.kernels import usable as nccl_on_cuda
 
+    if getattr(plan, "kind", None) == "gemm_allreduce":
+        return "the NCCL GPU path implements reduce-scatter, all-gather and all-to-all (all-reduce: the reference)"
     if plan.config.get("slices", 1) != 1 or plan.config.get("bidirectional", False):
         return "the NCCL GPU path runs slices=1 in one direction (other configs: the reference)"
     if not nccl_on_cuda(group_name, device):

@@ -13,6 +13,9 @@ needs, so that the transfer of step s runs while step s+1 is computed:
                     during step s-1 and is forwarded right in the meantime.
     all-to-all      W-1 pairwise exchanges, farthest destination first (send to r - s, receive from
                     r + s); the block that stays here is computed last.
+    all-reduce      the reduce-scatter above over W row stripes of the output (m a multiple of W),
+                    then W-1 ring steps passing the reduced stripes on (an all-gather with no GEMM
+                    to hide it: that tail is what the predictor weighs against the collective).
 
 Config (spec.default_config): ``slices`` cuts every ring message into that many row slices (sent
 as soon as each is computed, so a step pipelines against itself); ``bidirectional`` runs two rings
@@ -48,7 +51,7 @@ CONFIG_KEYS = ("slices", "bidirectional", "transport")
 # stripes); where that path cannot run, this reference computes the same result with send/recv.
 TRANSPORTS = ("nccl", "p2p")
 REDUCE_OPS = ("sum", "avg")
-KINDS = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
+KINDS = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "gemm_allreduce")
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -290,6 +293,34 @@ def _all_to_all(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.
     return out
 
 
+# ---- all-reduce = reduce-scatter + all-gather of the reduced stripes ----------------------------
+
+def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
+    """The reduce-scatter half of an all-reduce plan: the output cut into W row stripes."""
+    if plan.m % plan.world:
+        raise ValueError(f"p2p_ring: all-reduce cuts the {plan.m} output rows into {plan.world} stripes; "
+                         f"m must be a multiple of the world size")
+    return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world)
+
+
+def _all_reduce(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
+    rs = allreduce_stripes(plan)
+    mine = _reduce_scatter(a, b, bias, group_name, rs)
+    ring = Ring(group_name, plan.world, plan.timeout_ms)
+    r, w, rows = ring.rank, plan.world, rs.chunk
+    out = a.new_empty(plan.m, plan.n)
+    out[r * rows:(r + 1) * rows] = mine
+    piece = mine
+    for s in range(1, w):  # stripe r - s arrives from the left while stripe r - s + 1 goes right
+        buf, handle = _forward(ring, piece, Lane(1, (0, rows)), 1000 + s)  # tags apart from the RS half's
+        ring.wait(handle)
+        src = ag_source(r, w, s)
+        out[src * rows:(src + 1) * rows] = buf
+        piece = buf
+    ring.finish()
+    return out
+
+
 def out_shape(plan: GemmCollectivePlan) -> tuple[int, int]:
     """The op returns the collective's result rows as a matrix (no glue needed)."""
     return (plan.result_rows, plan.n)
@@ -302,6 +333,8 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
         return _reduce_scatter(a, b, bias, group_name, plan)
     if plan.kind == "gemm_alltoall":
         return _all_to_all(a, b, bias, group_name, plan)
+    if plan.kind == "gemm_allreduce":
+        return _all_reduce(a, b, bias, group_name, plan)
     raise ValueError(f"p2p_ring does not implement {plan.kind} (it implements {', '.join(KINDS)})")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...passes.matches import Match
 from ..base import TemplateSpec, gpu_profile
+from ...tiling import RowStripes
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
@@ -30,7 +31,7 @@ SLICE_CHOICES = (1, 2, 4)
 
 class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
-    kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall")
+    kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "gemm_allreduce")
     # On GPUs (op.py): transport "p2p" runs kernels.py (copy-engine peer copies over symmetric
     # memory), transport "nccl" with slices=1 one direction runs kernels_nccl.py (cuBLAS + NCCL
     # send/recv on a high-priority stream); both pass tests/gpu/test_p2p_ring.py on 2x H200. Other
@@ -45,9 +46,14 @@ class P2PRingSpec(TemplateSpec):
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
         if reason:
-            if match.kind == "gemm_allreduce":
-                reason += "; an all-reduce has no stripe that stays local, so the ring would leave a tail"
             return reason
+        if match.kind == "gemm_allreduce":
+            if match.m % match.world_size:
+                return (f"p2p_ring all-reduce cuts the output into {match.world_size} row stripes: "
+                        f"m={match.m} is not a multiple of the world size")
+            if match.reduce_op not in REDUCE_OPS:
+                return f"p2p_ring reduces with {' or '.join(REDUCE_OPS)} only, not {match.reduce_op!r}"
+            return None
         if getattr(match, "stripes", None) is None:
             return "p2p_ring needs the collective's row stripes (the finder did not determine them)"
         if match.kind == "gemm_reducescatter" and match.reduce_op not in REDUCE_OPS:
@@ -71,10 +77,12 @@ class P2PRingSpec(TemplateSpec):
         with a GPU path that measured faster: the copy engine (see gpu_implemented); none where the
         site has no copy-engine path (stripes not along the leading dimension)."""
         out = []
-        if match.stripes.outer == 1:
+        if self._stripes(match).outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
         if gpu_profile(profile):
-            return out
+            # all-reduce (reduce-scatter + the gather of the reduced stripes) has not run on a GPU
+            # yet: no GPU configuration until it is measured (force_template still runs it)
+            return out if match.kind != "gemm_allreduce" else []
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:
@@ -88,17 +96,26 @@ class P2PRingSpec(TemplateSpec):
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
-    def _directions(match: Match) -> tuple[bool, ...]:
+    def _stripes(match: Match) -> RowStripes:
+        """The row stripes the ring moves: the collective's, or for an all-reduce the W stripes
+        its reduce-scatter half cuts the output into (reference.allreduce_stripes)."""
+        if match.kind == "gemm_allreduce":
+            return RowStripes(1, match.world_size, match.m // match.world_size)
+        return match.stripes
+
+    @classmethod
+    def _directions(cls, match: Match) -> tuple[bool, ...]:
         if match.kind == "gemm_alltoall" or match.world_size <= 2:
             return (False,)
-        split = match.n if match.kind == "gemm_reducescatter" else match.stripes.stripe_rows
+        split = match.n if match.kind in ("gemm_reducescatter", "gemm_allreduce") else cls._stripes(match).stripe_rows
         return (False, True) if split >= 2 else (False,)
 
-    @staticmethod
-    def _message_rows(match: Match, bidirectional: bool) -> list[int]:
-        """Rows of each ring's messages before slicing: a stripe (reduce-scatter, all-to-all) or a
-        shard (all-gather; its two halves when bidirectional, as reference.lanes cuts it)."""
-        rows = match.stripes.stripe_rows
+    @classmethod
+    def _message_rows(cls, match: Match, bidirectional: bool) -> list[int]:
+        """Rows of each ring's messages before slicing: a stripe (reduce-scatter, all-reduce,
+        all-to-all) or a shard (all-gather; its two halves when bidirectional, as reference.lanes
+        cuts it)."""
+        rows = cls._stripes(match).stripe_rows
         if match.kind == "allgather_gemm" and bidirectional:
             return [rows // 2, rows - rows // 2]
         return [rows]
