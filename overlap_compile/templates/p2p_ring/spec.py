@@ -37,7 +37,8 @@ class P2PRingSpec(TemplateSpec):
     # send/recv on a high-priority stream); both pass tests/gpu/test_p2p_ring.py on 2x H200. Other
     # configs run the reference (torch.distributed send/recv from Python, fp32 pieces: 0.06-0.12x
     # of sequential on H200x4). Measured on 2x H200 under CUDA graphs (benchmarks/results/
-    # ops-...-w2-...-p2p_ring.json): copy engine 1.01-1.02x (RS) and 1.33-1.39x (A2A); NCCL send/recv
+    # ops-...-w2-...-p2p_ring*.json): copy engine 1.15-1.56x (RS, with the one-pass sum of
+    # sum_kernel.py; 1.01-1.02x before it), 1.13-1.22x (AG) and 1.33-1.39x (A2A); NCCL send/recv
     # 0.87-0.91x (its kernels take SMs from the GEMM and its model is 15% optimistic), so under a
     # GPU profile candidates() offers the copy-engine transport only (force_template with an
     # explicit config still runs the NCCL one).
