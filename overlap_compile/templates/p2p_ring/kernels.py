@@ -59,7 +59,7 @@ import torch
 
 from ...runtime import comm, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
-from .reference import a2a_pair, ag_source, allreduce_stripes, check_config, rs_stripe
+from .reference import a2a_pair, ag_source, allreduce_gather, allreduce_stripes, check_config, rs_stripe
 from .sum_kernel import sum_into
 
 TEMPLATE = "p2p_ring"
@@ -184,35 +184,15 @@ def _start(device: torch.device, plan) -> tuple[torch.cuda.Stream, torch.cuda.St
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
                   group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
     """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather."""
-    rows = plan.chunk
+    w, rows, dev = plan.world, plan.chunk, shard.device
     shard = shard.contiguous()
-    compute, copier = _start(shard.device, plan)
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (rows, plan.k), shard.dtype, dev)
+    flags = _Flags(group_name, f"allgather/{rows}x{plan.k}/{shard.dtype}", w, dev, plan.timeout_ms,
+                   "all-gather")
+    r = data.rank
+    compute, copier = _start(dev, plan)
     gathered = shard.new_empty(plan.m, plan.k)
     ys = [shard.new_empty(plan.m, n) for n in plan.ns]
-    r, peers, events = _publish_and_pull(shard, gathered, group_name, plan.world, "allgather", plan.timeout_ms,
-                                         "all-gather", compute, copier)
-    for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
-        _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
-    for src, ev in zip(peers, events):
-        compute.wait_event(ev)
-        part = gathered[src * rows:(src + 1) * rows]
-        for b, bias, y in zip(bs, biases, ys):
-            _gemm(part, b, bias, out=y[src * rows:(src + 1) * rows])
-    compute.wait_stream(copier)
-    shard.record_stream(copier)
-    gathered.record_stream(copier)
-    return [gathered] + ys
-
-
-def _publish_and_pull(shard: torch.Tensor, gathered: torch.Tensor, group_name: str, w: int, key: str,
-                      timeout_ms: int, what: str, compute: torch.cuda.Stream, copier: torch.cuda.Stream):
-    """All-gather of equal row stripes by copy-engine pulls: ``shard`` (my stripe) is published
-    in my symmetric buffer and every peer's stripe copied into its rows of ``gathered`` on the
-    copy stream. Returns (my rank, the peers in pull order, an event per pulled stripe)."""
-    rows, width, dev = shard.shape[0], shard.shape[1], shard.device
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (rows, width), shard.dtype, dev)
-    flags = _Flags(group_name, f"{key}/{rows}x{width}/{shard.dtype}", w, dev, timeout_ms, what)
-    r = data.rank
     peers = [ag_source(r, w, s) for s in range(1, w)]
     # Publish and meet on the compute stream, before the first GEMM: a wait kernel queued
     # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
@@ -235,7 +215,17 @@ def _publish_and_pull(shard: torch.Tensor, gathered: torch.Tensor, group_name: s
             ev = torch.cuda.Event()
             ev.record(copier)
             events.append(ev)
-    return r, peers, events
+    for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
+        _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
+    for src, ev in zip(peers, events):
+        compute.wait_event(ev)
+        part = gathered[src * rows:(src + 1) * rows]
+        for b, bias, y in zip(bs, biases, ys):
+            _gemm(part, b, bias, out=y[src * rows:(src + 1) * rows])
+    compute.wait_stream(copier)
+    shard.record_stream(copier)
+    gathered.record_stream(copier)
+    return [gathered] + ys
 
 
 # ---- GEMM -> reduce-scatter / all-to-all / all-reduce ----------------------------------------------
@@ -254,17 +244,10 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
 
 def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                   plan: GemmCollectivePlan) -> torch.Tensor:
-    """The reduce-scatter over W row stripes of the output (reference.allreduce_stripes), then
-    the reduced stripes gathered by copy-engine pulls: ``[m, n]`` on every rank."""
+    """The reduce-scatter over W row stripes of the output, then the all-gather (copy-engine
+    pulls, no GEMM) of the reduced stripes: ``[m, n]`` on every rank (reference.allreduce_*)."""
     mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan))
-    compute, copier = _start(a.device, plan)
-    out = a.new_empty(plan.m, plan.n)
-    _publish_and_pull(mine, out, group_name, plan.world, "allreduce", plan.timeout_ms, "all-reduce (gather)",
-                      compute, copier)
-    compute.wait_stream(copier)
-    mine.record_stream(copier)
-    out.record_stream(copier)
-    return out
+    return run_allgather(mine, [], [], group_name, allreduce_gather(plan))[0]
 
 
 def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int]):

@@ -14,8 +14,8 @@ needs, so that the transfer of step s runs while step s+1 is computed:
     all-to-all      W-1 pairwise exchanges, farthest destination first (send to r - s, receive from
                     r + s); the block that stays here is computed last.
     all-reduce      the reduce-scatter above over W row stripes of the output (m a multiple of W),
-                    then W-1 ring steps passing the reduced stripes on (an all-gather with no GEMM
-                    to hide it: that tail is what the predictor weighs against the collective).
+                    then the all-gather above of the reduced stripes, with no GEMM to hide it
+                    (that tail is what the predictor weighs against the collective).
 
 Config (spec.default_config): ``slices`` cuts every ring message into that many row slices (sent
 as soon as each is computed, so a step pipelines against itself); ``bidirectional`` runs two rings
@@ -303,22 +303,15 @@ def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
     return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world)
 
 
+def allreduce_gather(plan: GemmCollectivePlan) -> AllGatherGemmPlan:
+    """The all-gather half: the W reduced ``[m / W, n]`` stripes, no GEMM after it."""
+    return AllGatherGemmPlan(template=plan.template, m=plan.m, k=plan.n, ns=(), world=plan.world, outer=1,
+                             chunk=plan.m // plan.world, has_bias=(), config=plan.config, timeout_ms=plan.timeout_ms)
+
+
 def _all_reduce(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
-    rs = allreduce_stripes(plan)
-    mine = _reduce_scatter(a, b, bias, group_name, rs)
-    ring = Ring(group_name, plan.world, plan.timeout_ms)
-    r, w, rows = ring.rank, plan.world, rs.chunk
-    out = a.new_empty(plan.m, plan.n)
-    out[r * rows:(r + 1) * rows] = mine
-    piece = mine
-    for s in range(1, w):  # stripe r - s arrives from the left while stripe r - s + 1 goes right
-        buf, handle = _forward(ring, piece, Lane(1, (0, rows)), 1000 + s)  # tags apart from the RS half's
-        ring.wait(handle)
-        src = ag_source(r, w, s)
-        out[src * rows:(src + 1) * rows] = buf
-        piece = buf
-    ring.finish()
-    return out
+    mine = _reduce_scatter(a, b, bias, group_name, allreduce_stripes(plan))
+    return run_allgather(mine, [], [], group_name, allreduce_gather(plan))[0]
 
 
 def out_shape(plan: GemmCollectivePlan) -> tuple[int, int]:
