@@ -106,14 +106,15 @@ def test_p2p_ring_offers_only_the_copy_engine_on_gpus(fake4):
     assert [c.config["transport"] for c in ring] == ["p2p"], ring
 
 
-def test_p2p_ring_allreduce_is_offered_only_off_gpus(fake4):
-    """p2p_ring's all-reduce (reduce-scatter + gather of the reduced stripes) has not run on a
-    GPU: no configuration under a GPU profile (the reason is in the report), predicted on CPU."""
+def test_p2p_ring_allreduce_is_offered_on_gpus_over_the_copy_engine(fake4):
+    """p2p_ring's all-reduce (reduce-scatter + copy-engine gather of the reduced stripes) measured
+    1.09-1.34x of sequential on 2x H200 under CUDA graphs: a GPU profile offers it the copy
+    engine only, a CPU profile every transport and slicing."""
     (gpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("h200"))
-    (note,) = [c.note for c in gpu.candidates if c.template == "p2p_ring"]
-    assert "offers no configuration" in note and gpu.template != "p2p_ring"
+    ring = [c for c in gpu.candidates if c.template == "p2p_ring"]
+    assert [c.config["transport"] for c in ring] == ["p2p"] and ring[0].predicted_ms, ring
     (cpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("cpu-gloo"))
-    assert any(c.template == "p2p_ring" and c.predicted_ms for c in cpu.candidates)
+    assert len([c for c in cpu.candidates if c.template == "p2p_ring" and c.predicted_ms]) > 1
 
 
 def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4):

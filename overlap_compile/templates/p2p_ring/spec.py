@@ -38,7 +38,8 @@ class P2PRingSpec(TemplateSpec):
     # configs run the reference (torch.distributed send/recv from Python, fp32 pieces: 0.06-0.12x
     # of sequential on H200x4). Measured on 2x H200 under CUDA graphs (benchmarks/results/
     # ops-...-w2-...-p2p_ring*.json): copy engine 1.15-1.56x (RS, with the one-pass sum of
-    # sum_kernel.py; 1.01-1.02x before it), 1.13-1.22x (AG) and 1.33-1.39x (A2A); NCCL send/recv
+    # sum_kernel.py; 1.01-1.02x before it), 1.13-1.22x (AG), 1.33-1.39x (A2A) and 1.09-1.34x (AR:
+    # the reduce-scatter then the copy-engine gather, ...-p2p_ring-allreduce.json); NCCL send/recv
     # 0.87-0.91x (its kernels take SMs from the GEMM and its model is 15% optimistic), so under a
     # GPU profile candidates() offers the copy-engine transport only (force_template with an
     # explicit config still runs the NCCL one).
@@ -81,9 +82,7 @@ class P2PRingSpec(TemplateSpec):
         if self._stripes(match).outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
         if gpu_profile(profile):
-            # all-reduce (reduce-scatter + the gather of the reduced stripes) has not run on a GPU
-            # yet: no GPU configuration until it is measured (force_template still runs it)
-            return out if match.kind != "gemm_allreduce" else []
+            return out
         for bidir in self._directions(match):
             sizes = self._message_rows(match, bidir)
             for slices in SLICE_CHOICES:
