@@ -226,9 +226,9 @@ def print_best_chosen(ratios: dict[tuple, list[float]]) -> None:
 
 def needed_gain(profile) -> dict[str, float]:
     from overlap_compile import config
+    from overlap_compile.passes.decide import required_gain
 
-    err = profile.raw.get("model_error", {})
-    return {m: config.current().min_speedup * (1 + float(err.get(m, 0.0))) for m in ("eager", "cuda_graph")}
+    return {m: required_gain(config.current(), profile, m) for m in ("eager", "cuda_graph")}
 
 
 def main() -> None:

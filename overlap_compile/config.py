@@ -44,6 +44,9 @@ class Options:
     comm_priority: str | int = "highest"
     signal_timeout_ms: int = 10000
     dump_dir: str | None = None
+    # host-launched graphs: let a site's op overhead hide behind the GPU work the host queued
+    # before it (passes/host_pacing.py); False prices every op as if launched from idle
+    host_pacing: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -58,8 +61,9 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 
 
 def _validate(o: Options) -> None:
-    if not isinstance(o.enabled, bool):
-        _fail("enabled", o.enabled, "True or False")
+    for key in ("enabled", "host_pacing"):
+        if not isinstance(getattr(o, key), bool):
+            _fail(key, getattr(o, key), "True or False")
     if not isinstance(o.templates, tuple) or not all(t in TEMPLATE_NAMES for t in o.templates):
         _fail("templates", o.templates, f"a subset of {list(TEMPLATE_NAMES)}")
     if o.force_template is not None and o.force_template not in TEMPLATE_NAMES + ("baseline",):
@@ -99,7 +103,7 @@ def _coerce(key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if key == "enabled":
+    if key in ("enabled", "host_pacing"):
         low = text.lower()
         if low in ("1", "true", "yes", "on"):
             return True

@@ -25,6 +25,7 @@ class Candidate:
     config: dict | None
     predicted_ms: float | None
     note: str = ""  # why a template is not a candidate, or how it was measured
+    host_ms: float = 0.0  # the part of predicted_ms that is host time (host-launched; 0 in CUDA graphs)
 
 
 @dataclasses.dataclass
@@ -40,8 +41,16 @@ class Decision:
         return self.template != BASELINE
 
 
-def decide(matches: list[Match], options: Options, profile: Any = None) -> list[Decision]:
-    return [_decide_one(m, options, profile) for m in matches]
+def decide(matches: list[Match], options: Options, profile: Any = None, graph: Any = None) -> list[Decision]:
+    """One Decision per match. Each site on its own first (``_decide_one``); then, for a
+    host-launched ``graph``, the sites whose op host time would hide behind the GPU work queued
+    before them (passes/host_pacing.py)."""
+    decisions = [_decide_one(m, options, profile) for m in matches]
+    if graph is not None and profile is not None:
+        from . import host_pacing
+
+        decisions = host_pacing.pace(graph, decisions, options, profile)
+    return decisions
 
 
 def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
@@ -50,7 +59,8 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
     if match.unsupported:
         return Decision(match, BASELINE, None, match.unsupported, [])
     base_ms = predictor.predict_baseline(match, profile, options) if profile is not None else None
-    cands = [Candidate(BASELINE, None, base_ms)]
+    base_host = predictor.site_host_ms(profile, predictor.launch_mode()) if base_ms is not None else 0.0
+    cands = [Candidate(BASELINE, None, base_ms, host_ms=base_host)]
 
     forced = options.force_template
     if forced == BASELINE:
@@ -78,8 +88,8 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         return Decision(match, BASELINE, None, "no prediction available for this site; kept as written", cands)
     best = min(timed, key=lambda c: c.predicted_ms)
     gain = base_ms / best.predicted_ms
-    margin = _model_error(profile)
-    needed = options.min_speedup * (1.0 + margin)
+    margin = model_error(profile)
+    needed = required_gain(options, profile)
     if gain < needed:
         why = f"min_speedup {options.min_speedup}" + (f" x (1 + the profile's model error {margin:.1%})" if margin else "")
         return Decision(
@@ -92,16 +102,23 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
                     f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
 
 
-def _model_error(profile: Any) -> float:
-    """The profile's measured mean |error| of template predictions in the current launch mode
-    (``model_error``, from benchmarks/predictor_replay.py): a predicted gain must clear
-    min_speedup by that much too, or a rewrite the model is merely optimistic about could lose."""
+def required_gain(options: Options, profile: Any, mode: str | None = None) -> float:
+    """The predicted speedup a rewrite needs in ``mode`` (default: the current launch mode):
+    min_speedup x (1 + the profile's model error there)."""
+    return options.min_speedup * (1.0 + model_error(profile, mode))
+
+
+def model_error(profile: Any, mode: str | None = None) -> float:
+    """The profile's measured mean |error| of template predictions in ``mode`` (default: the
+    current launch mode; ``model_error``, from benchmarks/predictor_replay.py): a predicted gain
+    must clear min_speedup by that much too, or a rewrite the model is merely optimistic about
+    could lose."""
     if profile is None:
         return 0.0
     from ..predictor import launch_mode
 
     table = getattr(profile, "raw", {}).get("model_error", {})
-    return float(table.get(launch_mode(), 0.0))
+    return float(table.get(mode or launch_mode(), 0.0))
 
 
 def _no_gpu_path(name: str, profile: Any) -> str | None:

@@ -45,7 +45,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
 
         profile = predictor.load_profile(options.profile)
         profile_name = getattr(profile, "name", None)
-    decisions = decide(matches, options, profile)
+    decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms)
     after = readable(graph)

@@ -262,7 +262,8 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
         # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
         overhead = op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched)) + site_host_ms(profile, ctx.mode)
         note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
-        timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note)))
+        timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note,
+                                                                  host_ms=overhead)))
     timed.sort(key=lambda t: (round(t[0], 9), t[1]))  # float noise never beats the template's order
     ranked = [c for _, _, c in timed]
     if opts.search == "exhaustive" and ranked:

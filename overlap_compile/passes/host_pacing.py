@@ -1,0 +1,170 @@
+"""host_pacing: in a host-launched graph, is a rewritten site's host time hidden or exposed?
+
+Without CUDA graphs the host issues a graph's kernels one after another while the GPU runs them.
+A template's op costs 0.3-1.0 ms of host time per call (profile ``op_overhead_ms``;
+``benchmarks/host_profile.py`` shows where it goes: torch's custom-op dispatch, Triton's
+launcher, stream and event work). ``decide`` prices each site on its own, starting from an idle
+host, so that time is exposed and adds to the op's GPU time. That is what ``benchmarks/ops.py``
+measures host-launched, with the ranks synchronised before every call, and there the baseline
+wins. Inside a graph the host is usually ahead of the GPU by the GPU time of the work it has
+already queued, and then the same op costs nothing extra. On 2x H200, the Llama-3-8B TP+SP block
+with p2p_ring forced on all 10 sites ran at 1.012x (train) and 1.080x (prefill) of
+torch.compile's default. The per-site rule had kept all 10 sites as written
+(``benchmarks/results/e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-23-default-*.json``).
+
+So for host-launched graphs, ``pace`` simulates the graph on two clocks, taking its nodes in
+order:
+
+    other node    host += launch_ms; gpu = max(gpu, host)
+                  (a kernel cannot start before it is issued; its own GPU time is unknown here
+                  and taken as 0, which can only shrink the host's lead: the simulation errs
+                  towards exposing host time)
+    site          lead = max(0, gpu - host)    the GPU work queued ahead of it
+                  gpu  = max(gpu, host) + t + max(0, h - lead);  host += h
+                  (t: predicted GPU time; h: host time, baseline launches or the op's overhead.
+                  With no lead, this is decide's own price t + h.)
+
+and the graph ends at max(host, gpu). Then the sites kept as written are tried, largest GPU gain
+first. A site switches to its fastest candidate on the GPU when two things hold: that
+candidate's GPU time alone clears min_speedup x (1 + the profile's CUDA-graph model error),
+since the error of the GPU schedule is what is left once the host part is simulated; and the
+simulated graph ends earlier with it.
+
+Not applied under CUDA graphs (no host time to hide), with ``force_template``, with
+``search="exhaustive"`` (measured times mix host and GPU), or with ``host_pacing=False``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch.fx as fx
+
+from ..config import Options
+from .decide import Candidate, Decision, required_gain
+
+
+@dataclasses.dataclass
+class _Site:
+    index: int  # into the decisions list
+    baseline: Candidate
+    fastest: Candidate | None  # the fastest candidate on the GPU alone (host time left out)
+
+
+def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: Any) -> list[Decision]:
+    """``decisions`` with the sites whose op host time hides behind queued GPU work rewritten."""
+    from .. import predictor
+
+    if (predictor.launch_mode() != "eager" or not options.host_pacing or options.force_template is not None
+            or options.search != "predict" or not decisions):
+        return decisions
+    sites = {d.match.anchor(): _Site(i, d.candidates[0], _fastest_on_gpu(d)) for i, d in enumerate(decisions)
+             if not d.match.unsupported and d.candidates and d.candidates[0].predicted_ms is not None}
+    if not sites:
+        return decisions
+    launch = profile.launch("eager")
+    site_nodes = {n for d in decisions if not d.match.unsupported for n in _nodes_of(d.match)}
+    # the graph in order: a launch cost per kernel node, a _Site per site (at its anchor)
+    steps: list[float | _Site] = []
+    for node in graph.nodes:
+        if node in sites:
+            steps.append(sites[node])
+        elif node not in site_nodes and _is_kernel(node):
+            steps.append(launch)
+    chosen = {id(s): (s.baseline if not decisions[s.index].rewrites else _chosen(decisions[s.index]))
+              for s in sites.values()}
+    needed = required_gain(options, profile, "cuda_graph")
+    out = list(decisions)
+    for s in sorted(sites.values(), key=lambda s: -_gpu_gain_ms(s)):
+        d = decisions[s.index]
+        if d.rewrites or s.fastest is None:
+            continue
+        base_gpu, fast_gpu = _gpu_ms(s.baseline), _gpu_ms(s.fastest)
+        if fast_gpu <= 0 or base_gpu / fast_gpu < needed:
+            continue
+        before, _ = _simulate(steps, chosen)
+        trial = {**chosen, id(s): s.fastest}
+        after, leads = _simulate(steps, trial)
+        lead = leads[id(s)]
+        if after < before:
+            chosen = trial
+            out[s.index] = Decision(
+                d.match, s.fastest.template, s.fastest.config,
+                f"host-launched graph: predicted {base_gpu / fast_gpu:.2f}x on the GPU ({fast_gpu:.3f} vs "
+                f"{base_gpu:.3f} ms); the op's {s.fastest.host_ms:.3f} ms of host time runs while the GPU works "
+                f"through the {lead:.3f} ms queued before it (simulated graph {before:.3f} -> {after:.3f} ms)",
+                d.candidates)
+        else:
+            out[s.index] = dataclasses.replace(d, reason=(
+                f"{d.reason}; in this host-launched graph the {lead:.3f} ms of GPU work queued before it would "
+                f"not hide the op's {s.fastest.host_ms:.3f} ms of host time (simulated graph {before:.3f} -> "
+                f"{after:.3f} ms)"))
+    return out
+
+
+def _simulate(steps: list, chosen: dict) -> tuple[float, dict]:
+    """(end time, {site id: GPU lead when the host reached it}) of the two-clock model above."""
+    host = gpu = 0.0
+    leads = {}
+    for step in steps:
+        if isinstance(step, float):
+            host += step
+            gpu = max(gpu, host)
+            continue
+        c = chosen[id(step)]
+        h = c.host_ms
+        lead = max(0.0, gpu - host)
+        leads[id(step)] = lead
+        gpu = max(gpu, host) + _gpu_ms(c) + max(0.0, h - lead)
+        host += h
+    return max(host, gpu), leads
+
+
+def _gpu_ms(c: Candidate) -> float:
+    return c.predicted_ms - c.host_ms
+
+
+def _gpu_gain_ms(s: _Site) -> float:
+    return _gpu_ms(s.baseline) - _gpu_ms(s.fastest) if s.fastest is not None else float("-inf")
+
+
+def _fastest_on_gpu(d: Decision) -> Candidate | None:
+    timed = [c for c in d.candidates[1:] if c.predicted_ms is not None and c.config is not None]
+    return min(timed, key=_gpu_ms) if timed else None
+
+
+def _chosen(d: Decision) -> Candidate:
+    """The candidate a rewriting decision took (its template and config)."""
+    for c in d.candidates:
+        if c.template == d.template and c.config == d.config and c.predicted_ms is not None:
+            return c
+    return d.candidates[0]
+
+
+def _is_kernel(node: fx.Node) -> bool:
+    """Nodes that cost a launch: ATen ops that are not views or size queries."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    name = str(node.target)
+    if getattr(node.target, "is_view", False) or ".sym_" in name or name.startswith("sym_"):
+        return False
+    return hasattr(node.target, "_schema")  # an OpOverload; python builtins on sizes are not kernels
+
+
+def _nodes_of(match: Any) -> set[fx.Node]:
+    """Every graph node a match names (its fields, nested lists, tuples and dataclasses)."""
+    found: set[fx.Node] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if isinstance(v, fx.Node):
+            found.add(v)
+        elif depth and isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, depth - 1)
+        elif depth and dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name), depth - 1)
+
+    walk(match, 4)
+    return found

@@ -1,0 +1,116 @@
+"""passes/host_pacing.py: in a host-launched graph, an op's host time hides behind the GPU work
+queued before it -- and only then. Sites decided under the built-in H200 profile on a fake
+2-rank group (no memory, no GPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from overlap_compile import config, predictor
+from overlap_compile.passes import host_pacing
+from overlap_compile.passes.decide import Candidate, decide
+from overlap_compile.passes.find import find
+from overlap_compile.passes.pipeline import run_on_graph
+from overlap_compile.testing.patterns import collective
+
+M, N, K = 8192, 8192, 2048  # an all-reduce site p2p_ring runs 1.34x faster on 2x H200 (CUDA graph)
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def host_launched():
+    from torch._inductor import config as ic
+
+    with ic.patch({"triton.cudagraphs": False}):
+        yield
+
+
+def _chain(group: str, between: int):
+    """Three GEMM -> all-reduce sites in a row, ``between`` pointwise pairs (mul, add) after
+    each: like a stack of row-parallel projections."""
+    def fn(x, w1, w2):
+        y = x
+        for w in (w1, w2, w2):
+            y = collective("gemm_allreduce", y[:, :K] @ w, group, 2)
+            for _ in range(between):
+                y = y * 1.0001 + 1
+        return y
+
+    bf = torch.bfloat16
+    return make_fx(fn, tracing_mode="fake")(torch.empty(M, K, dtype=bf), torch.empty(K, N, dtype=bf),
+                                            torch.empty(K, N, dtype=bf))
+
+
+def test_later_sites_rewritten_when_the_gpu_is_ahead(group, host_launched):
+    """Alone, each site keeps the baseline (the op's ~0.45 ms host time exposed). In the graph,
+    the first site has no GPU work queued before it and stays; the next two find ~0.8-1 ms
+    queued and are rewritten -- through the pipeline, as a compiled model would be."""
+    gm = _chain(group, between=1)
+    alone = decide(find(gm.graph), config.current(), predictor.load_profile("h200"))
+    assert [d.template for d in alone] == ["baseline"] * 3
+    with config.patch(profile="h200"):
+        record = run_on_graph(gm.graph, config.current())
+    assert [s.template for s in record.sites] == ["baseline", "p2p_ring", "p2p_ring"], [s.reason for s in record.sites]
+    assert "would not hide the op's" in record.sites[0].reason
+    assert all("host-launched graph" in s.reason and "queued before it" in s.reason for s in record.sites[1:])
+    assert "p2p_ring" in record.after
+
+
+def test_host_bound_graph_keeps_the_baseline(group, host_launched):
+    """60 pointwise pairs after each site: 2.6 ms of launches, more than a site's GPU time, so
+    the host is never ahead and no op's host time can hide."""
+    gm = _chain(group, between=60)
+    ds = decide(find(gm.graph), config.current(), predictor.load_profile("h200"), graph=gm.graph)
+    assert [d.template for d in ds] == ["baseline"] * 3
+    assert all("would not hide" in d.reason for d in ds)
+
+
+@pytest.mark.parametrize("why", ["cuda_graph", "host_pacing_off", "forced_baseline"])
+def test_pacing_leaves_decisions_alone(group, why):
+    """Under CUDA graphs there is no host time to hide; host_pacing=False and force_template
+    turn it off: decisions equal the per-site ones."""
+    from torch._inductor import config as ic
+
+    gm = _chain(group, between=1)
+    matches = find(gm.graph)
+    prof = predictor.load_profile("h200")
+    patch = {"host_pacing": False} if why == "host_pacing_off" else (
+        {"force_template": "baseline"} if why == "forced_baseline" else {})
+    with ic.patch({"triton.cudagraphs": why == "cuda_graph"}), config.patch(**patch):
+        alone = decide(matches, config.current(), prof)
+        paced = decide(matches, config.current(), prof, graph=gm.graph)
+    assert [(d.template, d.config, d.reason) for d in paced] == [(d.template, d.config, d.reason) for d in alone]
+    if why == "host_pacing_off":  # the same options with pacing on do rewrite: the switch matters
+        with ic.patch({"triton.cudagraphs": False}):
+            assert any(d.rewrites for d in decide(matches, config.current(), prof, graph=gm.graph))
+
+
+def test_two_clock_simulation_by_hand():
+    """launch 0.1; site A (baseline: GPU 1.0, host 0.05); launch 0.1; site B (op: GPU 0.5, host
+    0.4). A: lead 0, gpu = 0.1 + 1.0 + 0.05 = 1.15, host 0.15. Launch: host 0.25, gpu 1.15.
+    B: lead 0.9 >= 0.4, gpu = 1.15 + 0.5 = 1.65, host 0.65. End 1.65. With B's host time 1.2:
+    gpu = 1.15 + 0.5 + 0.3 = 1.95, host 1.45: end 1.95."""
+    a = host_pacing._Site(0, Candidate("baseline", None, 1.05, host_ms=0.05), None)
+    b = host_pacing._Site(1, Candidate("baseline", None, 0.55, host_ms=0.05), None)
+    op = Candidate("p2p_ring", {}, 0.9, host_ms=0.4)
+    slow_op = Candidate("p2p_ring", {}, 1.7, host_ms=1.2)
+    steps = [0.1, a, 0.1, b]
+    end, leads = host_pacing._simulate(steps, {id(a): a.baseline, id(b): op})
+    assert end == pytest.approx(1.65) and leads[id(a)] == 0.0 and leads[id(b)] == pytest.approx(0.9)
+    end, _ = host_pacing._simulate(steps, {id(a): a.baseline, id(b): slow_op})
+    assert end == pytest.approx(1.95)
+
+
+def test_option_is_validated():
+    with pytest.raises(ValueError, match="host_pacing"):
+        config.Options(host_pacing="yes")
+    assert config._coerce("host_pacing", "off") is False
