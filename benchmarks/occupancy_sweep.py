@@ -28,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.timing import graphed, time_ms  # noqa: E402
+from overlap_compile.testing.patterns import gemm_then_collective  # noqa: E402
 
 TILES = [(128, 256, 3), (128, 128, 4), (128, 128, 2)]  # (block_m, block_n, stages)
 PROGRAM_FRACTIONS = [1.0, 0.9, 0.8, 0.65]  # of the SM count
@@ -54,20 +55,6 @@ def _plan(kind: str, m: int, n: int, k: int, world: int, config: dict):
                               has_bias=False, config=config)
 
 
-def _collective(kind: str, y: torch.Tensor, group) -> torch.Tensor:
-    w = dist.get_world_size(group)
-    if kind == "gemm_allreduce":
-        dist.all_reduce(y, group=group)
-        return y
-    if kind == "gemm_reducescatter":
-        out = y.new_empty(y.shape[0] // w, y.shape[1])
-        dist.reduce_scatter_tensor(out, y, group=group)
-        return out
-    out = torch.empty_like(y)
-    dist.all_to_all_single(out, y, group=group)
-    return out
-
-
 def worker(args: dict) -> list[dict]:
     import overlap_compile as oc
     from overlap_compile.templates.priority_stream import kernels, reference
@@ -89,8 +76,10 @@ def worker(args: dict) -> list[dict]:
             "world_size": world, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "kind": kind, "shape": [m, n, k], "mode": mode}
 
+    seq = gemm_then_collective(kind, group.group_name, world)  # the pattern the compiler finds
+
     def sequential():
-        return _collective(kind, a @ b, group)
+        return seq(a, b)
 
     want = sequential().float()
     rows = [{**base, "method": "sequential", "config": None, "ms": timed(sequential)}]

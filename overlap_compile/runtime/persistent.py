@@ -53,3 +53,8 @@ def allocate(fn: Callable[[], T]) -> T:
         return out
 
     return _worker.submit(run).result()
+
+
+def zeros_int32(n: int, device: torch.device | int | str) -> torch.Tensor:
+    """``n`` int32 zeros outside any graph pool (``allocate``): flags and error records."""
+    return allocate(lambda: torch.zeros(n, dtype=torch.int32, device=device))

@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from .persistent import allocate
+from .persistent import zeros_int32
 
 try:  # Triton is optional on CPU-only installs
     import triton
@@ -145,7 +145,7 @@ def record_buffer(device: torch.device) -> torch.Tensor:
 def _use_device_record(device: torch.device) -> torch.Tensor:
     key = (device.type, device.index if device.index is not None else 0)
     with _lock:
-        buf = _records[key] = allocate(lambda: torch.zeros(len(RECORD), dtype=torch.int32, device=device))
+        buf = _records[key] = zeros_int32(len(RECORD), device)
         return buf
 
 

@@ -13,6 +13,8 @@ and of one shape. Without Triton, or on CPU tensors, the same sum runs as torch 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # Triton is optional on CPU-only installs
@@ -40,8 +42,6 @@ if HAVE_TRITON:
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    import os
-
     return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 

@@ -62,7 +62,7 @@ import torch
 
 from ...tiling import TileGrid, WaveSchedule, cdiv
 from ..plans import GemmCollectivePlan
-from ...runtime.persistent import allocate
+from ...runtime.persistent import allocate, zeros_int32
 
 try:  # Triton is optional on CPU-only installs; available() then says False.
     import triton
@@ -630,7 +630,7 @@ def _error_buffer(device: torch.device) -> torch.Tensor:
 
 def _use_device_error_buffer(device: torch.device) -> torch.Tensor:
     with _state_lock:
-        buf = _errors[device.index] = allocate(lambda: torch.zeros(5, dtype=torch.int32, device=device))
+        buf = _errors[device.index] = zeros_int32(5, device)
         return buf
 
 
@@ -763,8 +763,7 @@ def _counters(device: torch.device, plan: GemmCollectivePlan) -> torch.Tensor:
     with _state_lock:
         cnt = _states.get(key)
         if cnt is None:
-            cnt = _states[key] = allocate(lambda: torch.zeros(len(plan.config["wave_groups"]), dtype=torch.int32,
-                                                              device=device))
+            cnt = _states[key] = zeros_int32(len(plan.config["wave_groups"]), device)
         return cnt
 
 

@@ -59,7 +59,7 @@ from ...tiling import TileGrid
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from . import primitives as P
 from .reference import check_config, stripe_grid
-from ...runtime.persistent import allocate
+from ...runtime.persistent import allocate, zeros_int32
 
 TEMPLATE = "tile_fused"
 
@@ -290,7 +290,7 @@ def _err_buf(device: torch.device) -> torch.Tensor:
     with _state_lock:
         buf = _err.get(device.index)
         if buf is None:
-            buf = _err[device.index] = allocate(lambda: torch.zeros(P.ERR_WORDS, dtype=torch.int32, device=device))
+            buf = _err[device.index] = zeros_int32(P.ERR_WORDS, device)
         return buf
 
 
@@ -392,7 +392,7 @@ def _zeros_cached(key: tuple, n: int, device: torch.device) -> torch.Tensor:
     with _state_lock:
         t = _local.get(key)
         if t is None:
-            t = _local[key] = allocate(lambda: torch.zeros(n, dtype=torch.int32, device=device))
+            t = _local[key] = zeros_int32(n, device)
         return t
 
 
