@@ -42,8 +42,13 @@ first bounded wait had started, and a rank compiling several variants kept its p
 the bound; the first call now compiles everything (Triton warmup) and meets the peers at a host
 barrier before any wait. The asm operands are now always tensors (a constant operand is the
 likely 3.6 rejection). 2026-11-23 on 2x H200: all-gather + GEMM passes its GPU tests (also under
-CUDA-graph trees) and is a GPU candidate; GEMM + reduce-scatter still fails on some calls (a race
-not found yet), so spec.py offers it no configuration under GPU profiles.
+CUDA-graph trees) and is a GPU candidate; GEMM + reduce-scatter still fails on some calls, so
+spec.py offers it no configuration under GPU profiles. Likely cause, found on 1x H100 the same day
+(tests/gpu/test_kernel_loading.py): the first call launched the push kernel, which spins on the
+GEMM's tiles, before the GEMM's first launch, and CUDA's lazy loading held the GEMM's load until
+the spin ran out its bound (3.0 s timeout vs 2.5 ms once preloaded); the flags left unconsumed by
+that call then released later calls' waits early (wrong results). Warm-up now loads every kernel
+(``_loaded``); the 2-GPU test has not run since.
 """
 from __future__ import annotations
 
@@ -428,6 +433,21 @@ def _first_call(key: tuple, pg: Any, device: torch.device, body) -> None:
     _warmed.add(key)
 
 
+def _loaded(compiled: Any) -> Any:
+    """Load a kernel Triton compiled (``warmup``) onto the GPU now, not at its first launch.
+
+    Triton loads a compiled kernel's module at its first launch, and under CUDA's lazy loading
+    (the default) loading can wait for the context to go idle. A first GEMM+RS call thus
+    deadlocked until the bound ran out: the push kernel spun waiting for the GEMM's tiles while
+    the GEMM, launched after it, waited to be loaded until the push kernel finished. NVIDIA's
+    lazy-loading guide names this hazard and the cure: load every kernel before any of them spins.
+    ``_init_handles`` loads the module and queries the function's attributes, which loads it."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    return compiled
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -454,7 +474,7 @@ def _launch_gemm(mode: int, a, b, bias, c, flags, rows, n, k, tiles, world, rank
         if mode == MODE_RS and not use_asm:
             cd = None  # no bulk-store wait without asm: plain stores, ordered by the CTA barrier
         try:
-            (_tile_gemm_kernel.warmup if _warming else _tile_gemm_kernel[(programs,)])(
+            _loaded((_tile_gemm_kernel.warmup if _warming else _tile_gemm_kernel[(programs,)])(
                 ops.a, ad, ops.b, bd, bias if bias is not None else c, c, cd, flags, err,
                 rows, n, k, ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1),
                 c.stride(0) if mode == MODE_AG else 0,
@@ -464,7 +484,7 @@ def _launch_gemm(mode: int, a, b, bias, c, flags, rows, n, k, tiles, world, rank
                 HAS_BIAS=bias is not None, FLATTEN=flatten, DOT_PRECISION=SR._dot_precision(a.dtype),
                 USE_ASM=use_asm, USE_TIMER=use_asm, num_warps=cfg.num_warps, num_stages=stages,
                 **({"grid": (programs,)} if _warming else {}),
-            )
+            ))
         except Exception as e:
             if torch.cuda.is_current_stream_capturing():
                 raise
@@ -486,7 +506,7 @@ def _launch_small(name: str, kernel, grid, *args, **meta) -> None:
         try:
             extra = {"USE_TIMER": use_asm} if name not in ("notify",) else {}
             if _warming:
-                kernel.warmup(*args, **meta, USE_ASM=use_asm, **extra, grid=grid)
+                _loaded(kernel.warmup(*args, **meta, USE_ASM=use_asm, **extra, grid=grid))
             else:
                 kernel[grid](*args, **meta, USE_ASM=use_asm, **extra)
         except Exception as e:
