@@ -46,6 +46,18 @@ def check_ops(cases: list[dict]) -> list[tuple]:
             if c["op"] == "avg":
                 exp = exp / world
             out.append((c, _rel(got, exp)))
+        elif c["kind"] == "gemm_allreduce":
+            m = world * c["chunk"]
+            a, b = torch.randn(m, c["k"], dtype=dtype), torch.randn(c["k"], c["n"], dtype=dtype)
+            bias = torch.randn(c["n"], dtype=dtype) if c["bias"] else None
+            plan = GemmCollectivePlan("tile_fused", "gemm_allreduce", m, c["n"], c["k"], world, c["op"], 1, m,
+                                      bias is not None, cfg)
+            got = op_rs(a, b, bias, group, plan.to_json())
+            exp = (a.float() @ b.float() + (bias.float() if bias is not None else 0)).to(dtype)
+            dist.all_reduce(exp, op=dist.ReduceOp.SUM)
+            if c["op"] == "avg":
+                exp = exp / world
+            out.append((c, _rel(got, exp)))
         else:
             shard = torch.randn(st.stripe_rows, c["k"], dtype=dtype)
             bs = [torch.randn(c["k"], n, dtype=dtype) for n in c["ns"]]
@@ -74,6 +86,8 @@ def _cases(world: int) -> list[dict]:
         dict(rs, outer=3, chunk=5, n=17, k=7, op="avg", bias=False),  # dim > 0 scatter (strided stripes)
         dict(rs, outer=1, chunk=1, n=1, k=1),                      # the tiniest site
         dict(rs, outer=2, chunk=33, n=70, k=24, dtype="bfloat16", bm=32, bn=16),
+        dict(rs, kind="gemm_allreduce", outer=1, chunk=29, n=41, k=11),     # all-reduce: W stripes of 29 rows
+        dict(rs, kind="gemm_allreduce", outer=1, chunk=8, n=24, k=16, op="avg", bias=False, dtype="bfloat16"),
         dict(ag, outer=1, chunk=21, ns=[35, 9], k=13),
         dict(ag, outer=2, chunk=5, ns=[17], k=7, bias=False),
         dict(ag, outer=1, chunk=40, ns=[48], k=32, dtype="bfloat16"),
@@ -162,4 +176,12 @@ def test_latency_model():
     few = tile_fused(rs, {"block_m": 128, "block_n": 256, "comm_ctas": 1}, p, Ctx("cuda_graph"))
     many = tile_fused(rs, {"block_m": 128, "block_n": 256, "comm_ctas": 16}, p, Ctx("cuda_graph"))
     assert few.total_ms != many.total_ms
-    assert tile_fused(Site("gemm_allreduce", ((64, 64, 64),), 2, "float32"), {}, p, Ctx()) is None
+    # all-reduce: the same site's reduce-scatter plus the reduced stripes' push and copy-out, which
+    # nothing hides (at least the copy-out of (W-1)/W of the output through HBM); rows must split in W
+    cfg = {"block_m": 128, "block_n": 256, "comm_ctas": 8}
+    ar = tile_fused(Site("gemm_allreduce", ((8192, 8192, 4096),), 4, "bfloat16"), cfg, p, Ctx("cuda_graph"))
+    rs_of_ar = tile_fused(rs, cfg, p, Ctx("cuda_graph"))
+    out_bytes = 8192 * 8192 * 2
+    assert ar.total_ms >= rs_of_ar.total_ms + predictor.models.hbm_ms(p, 2 * out_bytes * 3 / 4) - 1e-9
+    assert ar.events[-1].lane == "comm" and ar.events[-1].end == pytest.approx(ar.total_ms)
+    assert tile_fused(Site("gemm_allreduce", ((66, 64, 64),), 4, "float32"), cfg, p, Ctx()) is None

@@ -43,7 +43,10 @@ def _gemm(K, mode, a, b, bias, c, flags, err, rows, n, k, tiles, world, rank, ch
         C_TMA=False, HAS_BIAS=bias is not None, FLATTEN=False, DOT_PRECISION="ieee", USE_ASM=False, USE_TIMER=False)
 
 
-def check_reduce_scatter(world: int, outer: int, chunk: int, n: int, k: int, channels: int, avg: bool) -> None:
+def check_reduce_scatter(world: int, outer: int, chunk: int, n: int, k: int, channels: int, avg: bool,
+                         allreduce: bool = False) -> None:
+    """The GEMM + reduce-scatter kernels, and with ``allreduce`` (outer 1) the reduce CTAs'
+    pushes of the reduced tiles and the gather kernel: every rank ends with the whole sum."""
     import torch
 
     from overlap_compile.templates.tile_fused import kernels as K
@@ -61,10 +64,15 @@ def check_reduce_scatter(world: int, outer: int, chunk: int, n: int, k: int, cha
     ready = [torch.zeros(world * T, dtype=torch.int32) for _ in range(world)]
     recv = [torch.full((world * T, bm, bn), float("nan")) for _ in range(world)]
     arrived = [torch.zeros(world * T, dtype=torch.int32) for _ in range(world)]
-    out = [torch.full((st.stripe_rows, n), float("nan")) for _ in range(world)]
+    out = [torch.full(((world if allreduce else 1) * st.stripe_rows, n), float("nan")) for _ in range(world)]
+    mine = [o[r * chunk:(r + 1) * chunk] if allreduce else o for r, o in enumerate(out)]
+    gat = [torch.full((world * T, bm, bn), float("nan")) for _ in range(world)]
+    done = [torch.zeros(world * T, dtype=torch.int32) for _ in range(world)]
     err = [torch.zeros(5, dtype=torch.int32) for _ in range(world)]
     recv_tbl = torch.tensor([t.data_ptr() for t in recv], dtype=torch.int64)
     arrived_tbl = torch.tensor([t.data_ptr() for t in arrived], dtype=torch.int64)
+    gat_tbl = torch.tensor([t.data_ptr() for t in gat], dtype=torch.int64)
+    done_tbl = torch.tensor([t.data_ptr() for t in done], dtype=torch.int64)
     for r in range(world):
         _gemm(K, K.MODE_RS, a[r], b[r], bias, part[r], ready[r], err[r], st.stripe_rows, n, k, T, world, r, chunk,
               3, bm, bn)
@@ -73,18 +81,28 @@ def check_reduce_scatter(world: int, outer: int, chunk: int, n: int, k: int, cha
         K._push_kernel[(channels,)](part[r], ready[r], recv_tbl, arrived_tbl, arrived[r], err[r], T, world, r, 0, 10,
                                     BM=bm, BN=bn, SUB_M=8, USE_ASM=False, USE_TIMER=False)
     for r in range(world):
-        K._reduce_kernel[(channels,)](part[r], ready[r], recv[r], arrived[r], out[r], err[r], st.stripe_rows, n,
+        K._reduce_kernel[(channels,)](part[r], ready[r], recv[r], arrived[r], mine[r], err[r],
+                                      gat_tbl, gat[r], done_tbl, done[r], st.stripe_rows, n,
                                       out[r].stride(0), T, world, r, 0, 10, 1.0 / world if avg else 1.0,
-                                      BM=bm, BN=bn, SUB_M=8, GROUP_M=2, USE_ASM=False, USE_TIMER=False)
+                                      BM=bm, BN=bn, SUB_M=8, GROUP_M=2, GATHER=allreduce, USE_ASM=False,
+                                      USE_TIMER=False)
+    if allreduce:
+        for r in range(world):
+            assert done[r].tolist() == [0 if q == r else 1 for q in range(world) for _ in range(T)], done[r]
+            K._gather_kernel[(channels,)](gat[r], done[r], out[r], err[r], st.stripe_rows, n, out[r].stride(0),
+                                          chunk, T, world, r, 0, 10, BM=bm, BN=bn, SUB_M=8, GROUP_M=2,
+                                          USE_ASM=False, USE_TIMER=False)
     total = sum(a[q] @ b[q] + bias for q in range(world))
     if avg:
         total = total / world
     for r in range(world):
         assert err[r].tolist() == [0] * 5, (r, err[r])
         assert ready[r].abs().sum() == 0 and arrived[r].abs().sum() == 0, "signals not returned to zero"
-        exp = st.stripe(total, r)
+        assert done[r].abs().sum() == 0, "gather signals not returned to zero"
+        exp = total if allreduce else st.stripe(total, r)
         assert torch.allclose(out[r], exp, rtol=1e-4, atol=1e-4), (r, (out[r] - exp).abs().max())
-    print(f"reduce-scatter W={world} outer={outer} chunk={chunk} n={n} channels={channels} ok")
+    what = "all-reduce" if allreduce else "reduce-scatter"
+    print(f"{what} W={world} outer={outer} chunk={chunk} n={n} channels={channels} ok")
 
 
 def check_allgather(world: int, outer: int, chunk: int, n: int, k: int) -> None:
@@ -184,6 +202,8 @@ def main() -> None:
     check_barrier(3)
     check_reduce_scatter(2, 1, 37, 45, 20, 2, False)
     check_reduce_scatter(3, 2, 11, 33, 9, 3, True)
+    check_reduce_scatter(2, 1, 37, 45, 20, 2, False, allreduce=True)
+    check_reduce_scatter(3, 1, 19, 33, 9, 3, True, allreduce=True)
     check_allgather(2, 1, 21, 35, 18)
     check_allgather(3, 2, 5, 17, 7)
     print("ALL OK")

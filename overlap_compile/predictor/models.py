@@ -827,6 +827,8 @@ TF_REDUCE_GBPS_PER_CTA = 60.0  # HBM rate of one reduce CTA (assumed; calibrate 
 
 
 def tile_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind == "gemm_allreduce":
+        return tile_fused_allreduce(site, config, profile, ctx)
     if site.kind not in ("gemm_reducescatter", "allgather_gemm"):
         return None
     W = site.world
@@ -877,6 +879,31 @@ def tile_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> 
     note = (f"{W} stripes of {rows} rows on {sms - ctas} SMs: GEMM {piece:.4f} ms, push {push:.4f} ms "
             f"({gbps:.0f} GB/s from {ctas} CTAs) each")
     return Schedule(end, events, overlap_bound(g_base, c_base, piece, 0.0), note)
+
+
+def tile_fused_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """All-reduce = tile_fused's reduce-scatter over W row stripes, whose reduce CTAs also push
+    every reduced tile to the W-1 peers, then the gather kernel copying the peers' tiles into the
+    output. The own stripe is the GEMM's last, so both trail it with nothing to hide them: W-1
+    pushes of a stripe from comm_ctas CTAs (or the peer bandwidth), and a read + write of the
+    W-1 received stripes by as many CTAs. Not yet measured on a GPU."""
+    if site.m % site.world:
+        return None
+    rs = tile_fused(dataclasses.replace(site, kind="gemm_reducescatter"), config, profile, ctx)
+    if rs is None:
+        return None
+    W = site.world
+    ctas = max(1, int(config.get("comm_ctas", 8)))
+    stripe = (site.m // W) * site.n * site.itemsize
+    push = (W - 1) * max(profile.comm_ms("copy_engine", stripe, W, site.cross_node),
+                         stripe / (ctas * TF_PUSH_GBPS_PER_CTA * 1e6))
+    copy_out = 2 * (W - 1) * stripe / (min(profile.gemm.mem_gbps, ctas * TF_REDUCE_GBPS_PER_CTA) * 1e6)
+    gather = push + copy_out + profile.launch(ctx.mode)
+    events = rs.events + [Event("comm", f"push reduced tiles to {W - 1} peers, copy theirs out", rs.total_ms,
+                                rs.total_ms + gather)]
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    note = rs.note + f"; then the reduced stripe pushed and the peers' copied out: {gather:.4f} ms"
+    return Schedule(rs.total_ms + gather, events, overlap_bound(g_base, c_base, 0.0, gather), note)
 
 
 Model = Callable[[Site, dict, HardwareProfile, Ctx], "Schedule | None"]

@@ -87,6 +87,23 @@ class AllGatherGemmPlan:
         return AllGatherGemmPlan(**d)
 
 
+# ---- all-reduce = reduce-scatter over W row stripes + all-gather of the reduced stripes --------
+# (p2p_ring and tile_fused build their all-reduce from their two halves)
+
+def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
+    """The reduce-scatter half of an all-reduce plan: the output cut into W row stripes."""
+    if plan.m % plan.world:
+        raise ValueError(f"{plan.template}: all-reduce cuts the {plan.m} output rows into {plan.world} stripes; "
+                         f"m must be a multiple of the world size")
+    return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world)
+
+
+def allreduce_gather(plan: GemmCollectivePlan) -> "AllGatherGemmPlan":
+    """The all-gather half: the W reduced ``[m / W, n]`` stripes, no GEMM after it."""
+    return AllGatherGemmPlan(template=plan.template, m=plan.m, k=plan.n, ns=(), world=plan.world, outer=1,
+                             chunk=plan.m // plan.world, has_bias=(), config=plan.config, timeout_ms=plan.timeout_ms)
+
+
 def _load(text: str, what: str) -> dict[str, Any]:
     try:
         d = json.loads(text)

@@ -58,8 +58,8 @@ import threading
 import torch
 
 from ...runtime import comm, spin_wait, symm
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan
-from .reference import a2a_pair, ag_source, allreduce_gather, allreduce_stripes, check_config, rs_stripe
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
+from .reference import a2a_pair, ag_source, check_config, rs_stripe
 from .sum_kernel import sum_into
 
 TEMPLATE = "p2p_ring"

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ...runtime import comm
 from ...tiling import RowStripes
 from ..base import gemm_tile
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
 
 CONFIG_KEYS = ("slices", "bidirectional", "transport")
 # "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU; kernels_nccl.py on
@@ -294,20 +294,6 @@ def _all_to_all(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.
 
 
 # ---- all-reduce = reduce-scatter + all-gather of the reduced stripes ----------------------------
-
-def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
-    """The reduce-scatter half of an all-reduce plan: the output cut into W row stripes."""
-    if plan.m % plan.world:
-        raise ValueError(f"p2p_ring: all-reduce cuts the {plan.m} output rows into {plan.world} stripes; "
-                         f"m must be a multiple of the world size")
-    return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world)
-
-
-def allreduce_gather(plan: GemmCollectivePlan) -> AllGatherGemmPlan:
-    """The all-gather half: the W reduced ``[m / W, n]`` stripes, no GEMM after it."""
-    return AllGatherGemmPlan(template=plan.template, m=plan.m, k=plan.n, ns=(), world=plan.world, outer=1,
-                             chunk=plan.m // plan.world, has_bias=(), config=plan.config, timeout_ms=plan.timeout_ms)
-
 
 def _all_reduce(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
     mine = _reduce_scatter(a, b, bias, group_name, allreduce_stripes(plan))

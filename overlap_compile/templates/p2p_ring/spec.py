@@ -98,7 +98,7 @@ class P2PRingSpec(TemplateSpec):
     @staticmethod
     def _stripes(match: Match) -> RowStripes:
         """The row stripes the ring moves: the collective's, or for an all-reduce the W stripes
-        its reduce-scatter half cuts the output into (reference.allreduce_stripes)."""
+        its reduce-scatter half cuts the output into (plans.allreduce_stripes)."""
         if match.kind == "gemm_allreduce":
             return RowStripes(1, match.world_size, match.m // match.world_size)
         return match.stripes

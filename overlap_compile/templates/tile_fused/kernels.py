@@ -61,9 +61,9 @@ from typing import Any
 import torch
 
 from ...tiling import TileGrid
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_stripes
 from . import primitives as P
-from .reference import check_config, stripe_grid
+from .reference import check_config, check_plan, stripe_grid
 from ...runtime.persistent import allocate, zeros_int32
 
 TEMPLATE = "tile_fused"
@@ -196,10 +196,13 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _reduce_kernel(part_ptr, ready_ptr, recv_ptr, arrived_ptr, out_ptr, err_ptr,
+                       gat_tbl, gat_local, done_tbl, done_local,
                        rows, N, stride_om, tiles, world, rank, timeout_ns, max_polls, scale,
                        BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr, GROUP_M: tl.constexpr,
-                       USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Own stripe: tile t = partial[slot(r, t)] + sum of the W-1 received tiles, in fp32."""
+                       GATHER: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Own stripe: tile t = partial[slot(r, t)] + sum of the W-1 received tiles, in fp32.
+        GATHER (all-reduce): each reduced row chunk is also pushed to slot (r, t) of every peer's
+        gather buffer, and the tile announced there (peer_tile_notify of done[r*T + t])."""
         c = tl.program_id(0)
         channels = tl.num_programs(0)
         tiles_m = (rows + BM - 1) // BM
@@ -232,8 +235,47 @@ if _HAVE_TRITON:
                                 acc += tl.load(src + tile_offs).to(tl.float32)
                         r_out = tm * BM + i * SUB_M + offs_i
                         mask = (r_out < rows)[:, None] & (cols < N)[None, :]
-                        tl.store(out_ptr + r_out.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                                 (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+                        val = (acc * scale).to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + r_out.to(tl.int64)[:, None] * stride_om + cols[None, :], val, mask=mask)
+                        if GATHER:
+                            for q in range(world):
+                                if q != rank:
+                                    dst = P.peer_ptr(gat_tbl, q, gat_local) + (rank * tiles + t).to(tl.int64) * (
+                                        BM * BN) + i * SUB_M * BN
+                                    tl.store(dst + tile_offs, val)
+                    if GATHER:
+                        for q in range(world):
+                            if q != rank:
+                                P.peer_tile_notify(P.peer_ptr(done_tbl, q, done_local), rank * tiles + t, USE_ASM)
+
+    @triton.jit
+    def _gather_kernel(gat_ptr, done_ptr, out_ptr, err_ptr, rows, N, stride_om, chunk, tiles, world, rank,
+                       timeout_ns, max_polls, BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr,
+                       GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
+        """All-reduce: the peers' reduced tiles, as their done[q*T + t] notifies land, copied from
+        the gather buffer to their rows of the output (stripe q = rows [q*chunk, (q+1)*chunk))."""
+        c = tl.program_id(0)
+        channels = tl.num_programs(0)
+        tiles_m = (rows + BM - 1) // BM
+        tiles_n = (N + BN - 1) // BN
+        offs_i = tl.arange(0, SUB_M)
+        offs_n = tl.arange(0, BN)
+        tile_offs = offs_i[:, None] * BN + offs_n[None, :]
+        ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried), as in the kernels above
+        for e in range(c, (world - 1) * tiles, channels):
+            if ok != 0:
+                q, t = rank_ordered_jit(e, rank, world, tiles, 1)
+                ok = P.peer_tile_wait(done_ptr, q * tiles + t, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                if ok != 0:
+                    P.consume(done_ptr + q * tiles + t, 1, USE_ASM)
+                    tm, tn = SR.tile_coords_jit(t, tiles_m, tiles_n, GROUP_M)
+                    cols = tn * BN + offs_n
+                    for i in range(BM // SUB_M):
+                        val = tl.load(gat_ptr + (q * tiles + t).to(tl.int64) * (BM * BN) + i * SUB_M * BN + tile_offs)
+                        r_loc = tm * BM + i * SUB_M + offs_i
+                        r_out = (q * chunk + r_loc).to(tl.int64)
+                        mask = (r_loc < rows)[:, None] & (cols < N)[None, :]
+                        tl.store(out_ptr + r_out[:, None] * stride_om + cols[None, :], val, mask=mask)
 
     @triton.jit
     def _barrier_kernel(flags_tbl, flags_local, err_ptr, world, rank, timeout_ns, max_polls,
@@ -576,10 +618,12 @@ def _gemm_cfg(device, m, n, k, dtype, plan) -> Any:
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
         plan: GemmCollectivePlan) -> torch.Tensor:
-    """GEMM + reduce-scatter: returns my reduced stripe as [outer*chunk, n] rows."""
+    """GEMM + reduce-scatter: my reduced stripe as [outer*chunk, n] rows; GEMM + all-reduce:
+    [m, n] (the reduce-scatter over W row stripes, the reduced tiles pushed to every peer)."""
     from ...runtime.comm import resolve_group
 
-    key = ("rs", a.device.index, group_name, plan.to_json(), a.dtype, bias is not None, a.stride(), b.stride())
+    check_plan(plan)
+    key = (plan.kind, a.device.index, group_name, plan.to_json(), a.dtype, bias is not None, a.stride(), b.stride())
     _first_call(key, resolve_group(group_name), a.device, lambda: _run_rs(a, b, bias, group_name, plan))
     return _run_rs(a, b, bias, group_name, plan)
 
@@ -587,10 +631,9 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
 def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
     from ...runtime.comm import resolve_group
 
-    check_config(plan.config)
-    if plan.kind != "gemm_reducescatter" or plan.reduce_op not in ("sum", "avg"):
-        raise ValueError(f"{TEMPLATE}: the GPU path implements gemm_reducescatter with sum/avg, got {plan.kind} "
-                         f"{plan.reduce_op}")
+    gather = plan.kind == "gemm_allreduce"
+    if gather:
+        plan = allreduce_stripes(plan)  # the reduce-scatter half; the reduce CTAs push the gather
     device = a.device
     capturing = torch.cuda.is_current_stream_capturing()
     if not capturing:
@@ -607,7 +650,13 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tens
     arrived, arrived_tbl = _symm(group_name, f"arrived/{ptag}", (w * T,), torch.int32, device, zero=True)
     ready = _zeros_cached(("ready", device.index, group_name, ptag), w * T, device)
     part = torch.empty(w * T, bm, bn, dtype=a.dtype, device=device)
-    out = torch.empty(plan.result_rows, plan.n, dtype=a.dtype, device=device)
+    out = torch.empty((w if gather else 1) * plan.result_rows, plan.n, dtype=a.dtype, device=device)
+    if gather:  # every rank's reduced tiles, pushed by its reduce CTAs, and one flag per tile
+        gat, gat_tbl = _symm(group_name, f"gather/{ptag}", (w * T, bm, bn), a.dtype, device)
+        done, done_tbl = _symm(group_name, f"done/{ptag}", (w * T,), torch.int32, device, zero=True)
+    else:
+        gat, gat_tbl, done, done_tbl = part, recv_tbl, arrived, arrived_tbl  # unused (GATHER=False)
+    mine = out[rank * plan.chunk:(rank + 1) * plan.chunk] if gather else out
     err = _err_buf(device)
     tns, polls = _timeouts(plan)
     compute, comm = torch.cuda.current_stream(device), _comm_stream(device)
@@ -624,13 +673,17 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tens
                  cfg, stripes_contig, True, part_view, plan)
     with torch.cuda.stream(comm):
         scale = 1.0 / w if plan.reduce_op == "avg" else 1.0
-        _launch_small("reduce", _reduce_kernel, (ctas,), part, ready, recv, arrived, out, err,
-                      grid.rows, plan.n, out.stride(0), T, w, rank, tns, polls, scale,
-                      BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m, num_warps=4)
+        _launch_small("reduce", _reduce_kernel, (ctas,), part, ready, recv, arrived, mine, err,
+                      gat_tbl, gat, done_tbl, done, grid.rows, plan.n, out.stride(0), T, w, rank, tns, polls, scale,
+                      BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m, GATHER=gather, num_warps=4)
+        if gather:
+            _launch_small("gather", _gather_kernel, (ctas,), gat, done, out, err, grid.rows, plan.n, out.stride(0),
+                          plan.chunk, T, w, rank, tns, polls, BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m,
+                          num_warps=4)
     compute.wait_stream(comm)
     part.record_stream(comm)
     out.record_stream(comm)
-    _after_call(device, "gemm_reducescatter")
+    _after_call(device, "gemm_allreduce" if gather else "gemm_reducescatter")
     return out
 
 

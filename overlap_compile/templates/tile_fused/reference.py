@@ -12,9 +12,14 @@ point-to-point messages standing in for the peer pushes and copy-engine pulls:
     all-gather + GEMM       rank r computes the tiles of its own shard first; the shards of ranks
                             r+1, r+2, ... arrive in that order (on the GPU: copy-engine pulls, each
                             followed by a rank_notify) and their tiles are computed as they land.
+    GEMM + all-reduce       the reduce-scatter above over W row stripes of the output (m a multiple
+                            of W), then every rank's reduced stripe to every other rank (on the GPU:
+                            the reduce CTAs push each reduced tile into every peer's gather buffer
+                            as they write it, and a gather kernel copies the peers' tiles out as
+                            their notifies land): the all-gather above with no GEMM.
 
-Returns what the op returns: the reduced stripe as ``[result_rows, n]`` rows (reduce-scatter), and
-``[gathered, y_0, y_1, ...]`` (all-gather).
+Returns what the op returns: the reduced stripe as ``[result_rows, n]`` rows (reduce-scatter),
+``[m, n]`` (all-reduce), and ``[gathered, y_0, y_1, ...]`` (all-gather).
 """
 from __future__ import annotations
 
@@ -22,13 +27,13 @@ import torch
 
 from ...tiling import RankOrderedTiles, TileGrid, untile
 from ..base import gemm_tile
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
 from ..p2p_ring.reference import Ring
 
 TEMPLATE = "tile_fused"
 CONFIG_KEYS = ("block_m", "block_n", "group_m", "comm_ctas")
 REDUCE_OPS = ("sum", "avg")
-KINDS = ("gemm_reducescatter", "allgather_gemm")
+KINDS = ("gemm_reducescatter", "gemm_allreduce", "allgather_gemm")
 
 
 def config_problem(config) -> str | None:
@@ -55,6 +60,15 @@ def check_config(config) -> None:
         raise ValueError(f"{TEMPLATE}: {problem}")
 
 
+def check_plan(plan: GemmCollectivePlan) -> None:
+    """A GEMM + collective plan this template can run (config, kind, reduce op), else ValueError."""
+    check_config(plan.config)
+    if plan.kind not in ("gemm_reducescatter", "gemm_allreduce"):
+        raise ValueError(f"{TEMPLATE} does not implement {plan.kind} (it implements {', '.join(KINDS)})")
+    if plan.reduce_op not in REDUCE_OPS:
+        raise ValueError(f"{TEMPLATE}: reduce op {plan.reduce_op!r} not supported (supported: {list(REDUCE_OPS)})")
+
+
 def stripe_grid(plan: GemmCollectivePlan | AllGatherGemmPlan) -> TileGrid:
     """The tile grid of one row stripe (``outer * chunk`` rows) of the GEMM output."""
     c = plan.config
@@ -76,11 +90,10 @@ def out_shape(plan: GemmCollectivePlan) -> tuple[int, int]:
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
         plan: GemmCollectivePlan) -> torch.Tensor:
-    check_config(plan.config)
-    if plan.kind != "gemm_reducescatter":
-        raise ValueError(f"{TEMPLATE} does not implement {plan.kind} (it implements {', '.join(KINDS)})")
-    if plan.reduce_op not in REDUCE_OPS:
-        raise ValueError(f"{TEMPLATE}: reduce op {plan.reduce_op!r} not supported (supported: {list(REDUCE_OPS)})")
+    check_plan(plan)
+    if plan.kind == "gemm_allreduce":
+        mine = run(a, b, bias, group_name, allreduce_stripes(plan))
+        return run_allgather(mine, [], [], group_name, allreduce_gather(plan))[0]
     ring = Ring(group_name, plan.world, plan.timeout_ms, template=TEMPLATE)
     r, w = ring.rank, plan.world
     grid = stripe_grid(plan)

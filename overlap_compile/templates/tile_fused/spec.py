@@ -10,7 +10,9 @@ After::
     rows = overlap_compile.tile_fused_gemm_collective(a, b, None, '0', '{plan}')   # [B*S/W, N]
     out = aten.view(rows, [B, S/W, N])
 
-All-gather sites become ``tile_fused_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
+All-reduce sites become ``tile_fused_gemm_collective`` too, returning ``[M, N]``: the
+reduce-scatter over W row stripes (M a multiple of W), the reduce CTAs pushing each reduced tile
+to every peer. All-gather sites become ``tile_fused_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
 returning the gathered matrix and every consumer's output. Both ops return rows in the
 collective's order, so the base class's emitters need no reorder glue.
 
@@ -32,7 +34,7 @@ COMM_CTA_CHOICES = (4, 8, 16)
 
 class TileFusedSpec(TemplateSpec):
     name = "tile_fused"
-    kinds = ("gemm_reducescatter", "allgather_gemm")
+    kinds = ("gemm_reducescatter", "gemm_allreduce", "allgather_gemm")
     # GPU path (kernels.py) on 2x H200 (2026-11-23, benchmarks/results/predictor-...-w2-...):
     # all-gather + GEMM passes tests/gpu/test_tile_fused.py (100 calls back to back, eager and
     # torch.cuda.graph replays), runs under Inductor's CUDA-graph trees
@@ -40,16 +42,22 @@ class TileFusedSpec(TemplateSpec):
     # and measured 1.29-1.36x of sequential under CUDA graphs (0.36-0.41x host-launched: the
     # op's host cost, which the predictor charges). GEMM + reduce-scatter gave wrong results on
     # some calls and wait timeouts, and 0.12-0.54x: candidates() offers no reduce-scatter
-    # configuration under a GPU profile (force_template still selects it).
+    # configuration under a GPU profile (force_template still selects it). GEMM + all-reduce (the
+    # reduce-scatter plus the reduced tiles pushed to every peer) passes its CPU checks
+    # (tests/test_tile_fused_interp.py) and has not run on a GPU: no GPU configuration either.
     gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
         if reason:
             return reason
-        if getattr(match, "stripes", None) is None:
+        if match.kind == "gemm_allreduce":
+            if match.m % match.world_size:
+                return (f"tile_fused all-reduce cuts the output into {match.world_size} row stripes: "
+                        f"m={match.m} is not a multiple of the world size")
+        elif getattr(match, "stripes", None) is None:
             return "tile_fused needs the collective's row stripes (the finder did not determine them)"
-        if match.kind == "gemm_reducescatter" and match.reduce_op not in REDUCE_OPS:
+        if match.kind in ("gemm_reducescatter", "gemm_allreduce") and match.reduce_op not in REDUCE_OPS:
             return f"tile_fused reduces with {' or '.join(REDUCE_OPS)} only, not {match.reduce_op!r}"
         return None
 
@@ -62,16 +70,16 @@ class TileFusedSpec(TemplateSpec):
         return 128, 256 if n >= 2048 else 128
 
     def default_config(self, match: Match, comm_ctas: int = 8) -> dict:
-        rows = match.stripes.stripe_rows
-        n = match.n if match.kind == "gemm_reducescatter" else max(c.n for c in match.consumers)
+        rows = match.m // match.world_size if match.kind == "gemm_allreduce" else match.stripes.stripe_rows
+        n = max(c.n for c in match.consumers) if match.kind == "allgather_gemm" else match.n
         bm, bn = self.blocks(rows, n)
         return {"block_m": bm, "block_n": bn, "group_m": 8, "comm_ctas": comm_ctas}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
-        """Reduce-scatter: a few comm CTA counts (fewer: faster GEMM, slower pushes); none under
-        a GPU profile (see gpu_implemented). All-gather: the copy engine moves the data, so one
-        config."""
-        if match.kind != "gemm_reducescatter":
+        """Reduce-scatter and all-reduce: a few comm CTA counts (fewer: faster GEMM, slower
+        pushes); none under a GPU profile (see gpu_implemented). All-gather: the copy engine moves
+        the data, so one config."""
+        if match.kind == "allgather_gemm":
             return [self.default_config(match)]
         if gpu_profile(profile):
             return []
