@@ -20,19 +20,17 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 
 def main() -> None:
-    import torch.distributed as dist
     from torch._inductor import config as ic
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from overlap_compile import config, predictor
     from overlap_compile.passes.decide import decide
+    from overlap_compile.testing.fake_group import fake_process_group
     from overlap_compile.testing.patterns import traced_site as _site
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="cuda_graph", choices=["cuda_graph", "eager"])
     ap.add_argument("--profile", default="h200")
     args = ap.parse_args()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     rows = [r for p in sorted(glob.glob(os.path.join(HERE, "results", "ops-NVIDIA_H200-w4-*.json"))) for r in json.load(open(p))]
     by: dict = {}
     for r in rows:
@@ -46,7 +44,7 @@ def main() -> None:
     print("|---" * (len(methods) + 5) + "|")
     speedups: dict = {}
     for (kind, shape), ms in sorted(by.items()):
-        with ic.patch({"triton.cudagraphs": args.mode == "cuda_graph"}):
+        with ic.patch({"triton.cudagraphs": args.mode == "cuda_graph"}), fake_process_group(4):
             (d,) = decide([_site(kind, *shape, 4)], config.current(), prof)
         chosen = ms.get(d.template, ms["sequential"]) if d.template != "baseline" else ms["sequential"]
         s = ms["sequential"] / chosen

@@ -93,21 +93,16 @@ def load_rows(paths: list[str]) -> list[dict]:
 
 def traced_sites(rows: list[dict]) -> dict:
     """(kind, shape, world) -> Match, each traced once on a fake group of that world size."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from overlap_compile.testing.fake_group import fake_process_group
     from overlap_compile.testing.patterns import traced_site
 
     sites = {}
     for world in sorted({r["world_size"] for r in rows}):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        try:
+        with fake_process_group(world):
             for r in rows:
                 key = (r["kind"], tuple(r["shape"]), world)
                 if r["world_size"] == world and key not in sites:
                     sites[key] = traced_site(r["kind"], *r["shape"], world)
-        finally:
-            dist.destroy_process_group()
     return sites
 
 

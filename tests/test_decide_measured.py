@@ -8,11 +8,10 @@ import json
 import os
 
 import pytest
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from overlap_compile import config, predictor
 from overlap_compile.passes.decide import decide
+from overlap_compile.testing.fake_group import fake_process_group
 from overlap_compile.testing.patterns import traced_site
 
 # every committed run that timed templates against sequential on these shapes: benchmarks/ops.py
@@ -25,17 +24,10 @@ def _site(kind, m, n, k, world):
     return traced_site(kind, m, n, k, world)
 
 
-def _fake(world):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-
-
 @pytest.fixture
 def fake4():
-    _fake(4)
-    try:
+    with fake_process_group(4):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [4, 2])
@@ -46,11 +38,8 @@ def test_baseline_kept_where_every_rewrite_measured_slower(world, mode):
     from torch._inductor import config as inductor_config
     if not RESULTS[world]:
         pytest.skip(f"no H200x{world} ops results committed")
-    _fake(world)
-    try:
+    with fake_process_group(world):
         _check_decisions(world, mode, inductor_config)
-    finally:
-        dist.destroy_process_group()
 
 
 def _check_decisions(world, mode, inductor_config):

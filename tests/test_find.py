@@ -2,22 +2,19 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from overlap_compile import config
 from overlap_compile.passes.find import find
 from overlap_compile.passes.pipeline import run_on_graph
+from overlap_compile.testing.fake_group import fake_process_group
 from tests import graph_cases as gc
 
 
 @pytest.fixture
 def fake_group(request):
     world = getattr(request, "param", 4)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield dist.group.WORLD.group_name, world
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(world) as name:
+        yield name, world
 
 
 def build(case, group, dtype=torch.float32, mode="fake", **kw):

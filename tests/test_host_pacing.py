@@ -3,15 +3,14 @@ queued before it -- and only then. Sites decided under the built-in H200 profile
 2-rank group (no memory, no GPU)."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from overlap_compile import config, predictor
 from overlap_compile.passes import host_pacing
 from overlap_compile.passes.decide import Candidate, decide
 from overlap_compile.passes.find import find
 from overlap_compile.passes.pipeline import run_on_graph
+from overlap_compile.testing.fake_group import fake_process_group
 from overlap_compile.testing.patterns import collective
 
 M, N, K = 8192, 8192, 2048  # an all-reduce site p2p_ring runs 1.34x faster on 2x H200 (CUDA graph)
@@ -19,11 +18,8 @@ M, N, K = 8192, 8192, 2048  # an all-reduce site p2p_ring runs 1.34x faster on 2
 
 @pytest.fixture
 def group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(2) as name:
+        yield name
 
 
 @pytest.fixture

@@ -4,27 +4,22 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from overlap_compile import Report, config
 from overlap_compile.passes.pipeline import run_on_graph
+from overlap_compile.testing.fake_group import fake_process_group
 from tests import graph_cases as gc
 
 
 @pytest.fixture
 def report():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_process_group(4) as group:
         rep = Report()
-        group = dist.group.WORLD.group_name
         for case, kw in ((gc.gemm_allreduce, {"m": 512, "n": 1024, "k": 256}), (gc.gemm_used_twice, {})):
             fn, shapes = case(group, 4, **kw)
             gm = gc.trace(fn, [torch.randn(s) for s in shapes])
             rep.add(run_on_graph(gm.graph, config.current()))
         yield rep
-    finally:
-        dist.destroy_process_group()
 
 
 def test_table_lists_every_site_with_reason(report):

@@ -4,11 +4,11 @@ equal to the original over gloo."""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from overlap_compile import config
 from overlap_compile.passes.find import find
 from overlap_compile.passes.pipeline import run_on_graph
+from overlap_compile.testing.fake_group import fake_process_group
 from overlap_compile.testing.multiprocess import run_distributed
 from overlap_compile.tiling import TileGrid, subtile_fix, subtile_rows, tile_of, untile
 from tests import graph_cases as gc
@@ -36,11 +36,8 @@ def test_subtile_rows_errors():
 
 @pytest.fixture
 def fake4():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(4) as name:
+        yield name
 
 
 def _match(group, world=4, **kw):

@@ -195,6 +195,14 @@ if _HAVE_TRITON:
                     P.peer_tile_notify(P.peer_ptr(arrived_tbl, d, arrived_local), rank * tiles + t, USE_ASM)
 
     @triton.jit
+    def _sub_tile_layout(rows, N, BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr):
+        """Tiles along M and N, and the offsets of a SUB_M-row chunk of a tile-contiguous [BM, BN]
+        slot (the reduce and gather kernels move tiles SUB_M rows at a time)."""
+        offs_i = tl.arange(0, SUB_M)
+        offs_n = tl.arange(0, BN)
+        return (rows + BM - 1) // BM, (N + BN - 1) // BN, offs_i, offs_n, offs_i[:, None] * BN + offs_n[None, :]
+
+    @triton.jit
     def _reduce_kernel(part_ptr, ready_ptr, recv_ptr, arrived_ptr, out_ptr, err_ptr,
                        gat_tbl, gat_local, done_tbl, done_local,
                        rows, N, stride_om, tiles, world, rank, timeout_ns, max_polls, scale,
@@ -205,11 +213,7 @@ if _HAVE_TRITON:
         gather buffer, and the tile announced there (peer_tile_notify of done[r*T + t])."""
         c = tl.program_id(0)
         channels = tl.num_programs(0)
-        tiles_m = (rows + BM - 1) // BM
-        tiles_n = (N + BN - 1) // BN
-        offs_i = tl.arange(0, SUB_M)
-        offs_n = tl.arange(0, BN)
-        tile_offs = offs_i[:, None] * BN + offs_n[None, :]
+        tiles_m, tiles_n, offs_i, offs_n, tile_offs = _sub_tile_layout(rows, N, BM, BN, SUB_M)
         ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried); rank may arrive as a constexpr 1 (Triton specialises ints equal to 1)
         for t in range(c, tiles, channels):
             if ok != 0:
@@ -256,11 +260,7 @@ if _HAVE_TRITON:
         the gather buffer to their rows of the output (stripe q = rows [q*chunk, (q+1)*chunk))."""
         c = tl.program_id(0)
         channels = tl.num_programs(0)
-        tiles_m = (rows + BM - 1) // BM
-        tiles_n = (N + BN - 1) // BN
-        offs_i = tl.arange(0, SUB_M)
-        offs_n = tl.arange(0, BN)
-        tile_offs = offs_i[:, None] * BN + offs_n[None, :]
+        tiles_m, tiles_n, offs_i, offs_n, tile_offs = _sub_tile_layout(rows, N, BM, BN, SUB_M)
         ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried), as in the kernels above
         for e in range(c, (world - 1) * tiles, channels):
             if ok != 0:
