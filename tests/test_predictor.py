@@ -311,10 +311,15 @@ def test_builtin_profiles_load_and_are_marked():
                 assert curve.sizes[0] == 64 * KiB and curve.sizes[-1] == 512 * MiB
     for name in ("h200", "h100"):
         p = predictor.load_profile(name)
-        # a built-in is either measured by the profile command or a seed that says it awaits one
+        # a built-in is measured by the profile command, or measured on one GPU with the group
+        # measurements borrowed (benchmarks/gemm_profile.py), or a seed that says it awaits one;
+        # only the first is not provisional
         measured = p.source.startswith("measured by `python -m overlap_compile profile")
+        one_gpu = p.source.startswith("GEMM table measured by `python benchmarks/gemm_profile.py")
         assert measured != p.provisional, (name, p.source)
-        assert measured or "to be replaced by `python -m overlap_compile profile`" in p.source
+        assert measured or one_gpu or "to be replaced by `python -m overlap_compile profile`" in p.source
+        if one_gpu:
+            assert any("re-measure with `torchrun" in n for n in p.raw["notes"]), p.raw["notes"]
         assert {2, 4} <= set(p.curves["all_reduce"])
     assert not predictor.load_profile("h200").provisional  # measured on 2x H200 (2026-11-22)
     # ANCHORS: AR 128 MiB ~0.73 ms, RS 64 MiB ~0.25 ms, GEMM 8192x8192x7168 1.324 ms (H200, W=4)
@@ -655,3 +660,30 @@ def test_decision_margin_from_the_profiles_model_error(group):
     predictor.clear_cache()
     (d1,) = decide([match], config.current(), strict)
     assert d1.template == "baseline" and "model error" in d1.reason
+
+
+def test_one_gpu_profile_borrows_only_group_measurements(tmp_path):
+    """benchmarks/gemm_profile.py: this GPU's GEMM table and properties, the base profile's
+    collective curves, launch, contention and host overheads, provisional, with notes naming
+    the source; the result loads and predicts GEMMs from its own table."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from gemm_profile import BORROWED, one_gpu_profile
+    from overlap_compile.predictor.profile_cmd import build_profile
+
+    base = predictor.load_profile("h200").raw
+    rows = [{"m": 8192, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 1.5},
+            {"m": 4096, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 0.77}]
+    measured = build_profile(name="h100", gpu="NVIDIA H100 80GB HBM3", sm_count=132, smem_per_sm=233472,
+                             regs_per_sm=65536, gemm_rows=rows, peak=989.0, mem_gbps=3350.0, kernels=[], curves={},
+                             nccl_sms={}, launch_ms={}, contention={}, topology={}, notes=["n"], command="c")
+    d = one_gpu_profile(base, measured, "c", "2026-11-23")
+    path = str(tmp_path / "h100.json")
+    prof_mod.save_profile(d, path)
+    p = predictor.load_profile(path)
+    assert p.provisional and p.gpu == "NVIDIA H100 80GB HBM3" and p.sm_count == 132
+    assert p.gemm.ms(8192, 8192, 8192, "bfloat16") == pytest.approx(1.5)
+    assert p.raw["collectives"] == base["collectives"] and p.contention == predictor.load_profile("h200").contention
+    assert any("from the 'h200' profile" in n for n in p.raw["notes"]) and "h200" in p.source
+    assert all(k in p.raw for k in BORROWED if k in base)
