@@ -65,17 +65,22 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
         return decisions
     launch = profile.launch("eager")
     site_nodes = {n for d in decisions if not d.match.unsupported for n in _nodes_of(d.match)}
-    # the graph in order: a launch cost per kernel node, a _Site per site (at its anchor)
+    # the graph in order: the launch cost of the kernel nodes between sites (one sum per run of
+    # them: the clocks' rule gives the same result), a _Site per site (at its anchor)
     steps: list[float | _Site] = []
     for node in graph.nodes:
         if node in sites:
             steps.append(sites[node])
         elif node not in site_nodes and _is_kernel(node):
-            steps.append(launch)
+            if steps and isinstance(steps[-1], float):
+                steps[-1] += launch
+            else:
+                steps.append(launch)
     chosen = {id(s): (s.baseline if not decisions[s.index].rewrites else _chosen(decisions[s.index]))
               for s in sites.values()}
     needed = required_gain(options, profile, "cuda_graph")
     out = list(decisions)
+    before, _ = _simulate(steps, chosen)
     for s in sorted(sites.values(), key=lambda s: -_gpu_gain_ms(s)):
         d = decisions[s.index]
         if d.rewrites or s.fastest is None:
@@ -83,7 +88,6 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
         base_gpu, fast_gpu = _gpu_ms(s.baseline), _gpu_ms(s.fastest)
         if fast_gpu <= 0 or base_gpu / fast_gpu < needed:
             continue
-        before, _ = _simulate(steps, chosen)
         trial = {**chosen, id(s): s.fastest}
         after, leads = _simulate(steps, trial)
         lead = leads[id(s)]
@@ -95,6 +99,7 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
                 f"{base_gpu:.3f} ms); the op's {s.fastest.host_ms:.3f} ms of host time runs while the GPU works "
                 f"through the {lead:.3f} ms queued before it (simulated graph {before:.3f} -> {after:.3f} ms)",
                 d.candidates)
+            before = after
         else:
             out[s.index] = dataclasses.replace(d, reason=(
                 f"{d.reason}; in this host-launched graph the {lead:.3f} ms of GPU work queued before it would "
