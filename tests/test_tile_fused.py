@@ -185,3 +185,29 @@ def test_latency_model():
     assert ar.total_ms >= rs_of_ar.total_ms + predictor.models.hbm_ms(p, 2 * out_bytes * 3 / 4) - 1e-9
     assert ar.events[-1].lane == "comm" and ar.events[-1].end == pytest.approx(ar.total_ms)
     assert tile_fused(Site("gemm_allreduce", ((66, 64, 64),), 4, "float32"), cfg, p, Ctx()) is None
+
+
+def test_first_call_warm_up_loads_kernels():
+    """A plan's first call compiles its kernels (warmup) and must load them onto the GPU before
+    any of them spins (CUDA lazy loading deadlocks a spinning kernel with one loaded at first
+    launch: tests/gpu/test_kernel_loading.py). Checked on the launcher with a stand-in kernel."""
+    pytest.importorskip("triton")
+    from overlap_compile.templates.tile_fused import kernels as K
+
+    loaded = []
+
+    class Compiled:
+        def _init_handles(self):
+            loaded.append(True)
+
+    class Kernel:
+        def warmup(self, *args, **kwargs):
+            return Compiled()
+
+    K._warming = True
+    try:
+        K._launch_small("test-stand-in", Kernel(), (1,), 0, num_warps=1)
+    finally:
+        K._warming = False
+        K._use_asm.pop("test-stand-in", None)
+    assert loaded == [True]
