@@ -28,6 +28,7 @@ class SiteReport:
     world_size: int
     dtype: str
     comm_bytes: int = 0
+    host_clock: dict | None = None  # host-launched graphs: the site on the simulated clocks (decide.Decision)
 
     @property
     def rewritten(self) -> bool:
@@ -129,6 +130,17 @@ class Report:
         for i, s in enumerate(self.sites):
             if s.comm_bytes:  # a site that was recognised but not analysable has no schedule to draw
                 self.timeline(s, os.path.join(directory, f"timeline_{s.graph}_{i}_{s.node}.png"))
+        for r in self.records:
+            if any(s.host_clock for s in r.sites):
+                self.host_clocks(r, os.path.join(directory, f"host_clocks_{r.name}.png"))
+
+    def host_clocks(self, record: "GraphRecord | str", path: str) -> str:
+        """PNG of a host-launched graph's sites on the simulated host and GPU clocks
+        (passes/host_pacing.py): why an op's host time was hidden or exposed."""
+        from .predictor.timeline import draw_host_clocks
+
+        r = self.graphs[record] if isinstance(record, str) else record
+        return draw_host_clocks(r.name, r.sites, path)
 
 
 def _best_per_template(predicted: dict[str, float | None]) -> str:

@@ -110,3 +110,25 @@ def test_option_is_validated():
     with pytest.raises(ValueError, match="host_pacing"):
         config.Options(host_pacing="yes")
     assert config._coerce("host_pacing", "off") is False
+
+
+def test_clocks_recorded_and_drawn(group, host_launched, tmp_path):
+    """Every site of a host-launched graph carries its simulated clocks into the report (the
+    first site has no lead, a rewritten one hides its host time behind its lead), and the
+    report draws them."""
+    from overlap_compile import Report
+
+    gm = _chain(group, between=1)
+    with config.patch(profile="h200"):
+        record = run_on_graph(gm.graph, config.current())
+    clocks = [s.host_clock for s in record.sites]
+    assert all(c is not None for c in clocks)
+    assert clocks[0]["lead"] == 0.0 and clocks[1]["lead"] > 0
+    rewritten = record.sites[1]
+    assert rewritten.rewritten and clocks[1]["host_end"] - clocks[1]["host_start"] <= clocks[1]["lead"]
+    assert all(a["gpu_end"] <= b["gpu_start"] + 1e-9 for a, b in zip(clocks, clocks[1:]))  # in graph order
+    rep = Report()
+    rep.add(record)
+    rep.dump(str(tmp_path))
+    png = tmp_path / f"host_clocks_{record.name}.png"
+    assert png.exists() and png.stat().st_size > 1000

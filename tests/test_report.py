@@ -35,10 +35,12 @@ def test_dump_writes_graphs_report_and_timelines(report, tmp_path):
     report.dump(str(tmp_path))
     files = set(os.listdir(tmp_path))
     assert {"forward.before.py", "forward.after.py", "report.txt", "report.json"} <= files
-    pngs = [f for f in files if f.endswith(".png")]
+    pngs = [f for f in files if f.startswith("timeline_") and f.endswith(".png")]
     assert len(pngs) == 1  # the analysable site only
     with open(tmp_path / pngs[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # host-launched (CPU): the analysable site's graph on the simulated clocks, once per graph with one
+    assert [f for f in files if f.startswith("host_clocks_")] == ["host_clocks_forward.png"]
     data = json.loads((tmp_path / "report.json").read_text())
     assert [s["kind"] for g in data["graphs"] for s in g["sites"]] == ["gemm_allreduce", "gemm_allreduce"]
 

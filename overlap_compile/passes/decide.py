@@ -35,6 +35,9 @@ class Decision:
     config: dict | None
     reason: str
     candidates: list[Candidate]
+    # host-launched graphs (passes/host_pacing.py): the site on the simulated clocks, in ms:
+    # host_start/host_end (its host work), gpu_start/gpu_end, lead (GPU work queued ahead)
+    host_clock: dict | None = None
 
     @property
     def rewrites(self) -> bool:

@@ -105,11 +105,16 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
                 f"{d.reason}; in this host-launched graph the {lead:.3f} ms of GPU work queued before it would "
                 f"not hide the op's {s.fastest.host_ms:.3f} ms of host time (simulated graph {before:.3f} -> "
                 f"{after:.3f} ms)"))
+    clocks: dict = {}
+    _simulate(steps, chosen, clocks)
+    for s in sites.values():
+        out[s.index] = dataclasses.replace(out[s.index], host_clock=clocks[id(s)])
     return out
 
 
-def _simulate(steps: list, chosen: dict) -> tuple[float, dict]:
-    """(end time, {site id: GPU lead when the host reached it}) of the two-clock model above."""
+def _simulate(steps: list, chosen: dict, clocks: dict | None = None) -> tuple[float, dict]:
+    """(end time, {site id: GPU lead when the host reached it}) of the two-clock model above;
+    ``clocks`` (if given) receives each site's Decision.host_clock."""
     host = gpu = 0.0
     leads = {}
     for step in steps:
@@ -121,7 +126,11 @@ def _simulate(steps: list, chosen: dict) -> tuple[float, dict]:
         h = c.host_ms
         lead = max(0.0, gpu - host)
         leads[id(step)] = lead
-        gpu = max(gpu, host) + _gpu_ms(c) + max(0.0, h - lead)
+        start = max(gpu, host)
+        gpu = start + _gpu_ms(c) + max(0.0, h - lead)
+        if clocks is not None:
+            clocks[id(step)] = {"host_start": round(host, 6), "host_end": round(host + h, 6),
+                                "gpu_start": round(start, 6), "gpu_end": round(gpu, 6), "lead": round(lead, 6)}
         host += h
     return max(host, gpu), leads
 

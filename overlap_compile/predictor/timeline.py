@@ -125,3 +125,42 @@ def draw_timeline(site_report: Any, profile: Any, path: str, measured_ms: dict[s
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def draw_host_clocks(graph: str, sites: list, path: str) -> str:
+    """A host-launched graph's sites on the two simulated clocks (passes/host_pacing.py): per
+    site, its host work on the host lane and its GPU time on the GPU lane, coloured by what was
+    chosen, the GPU work queued ahead of it (lead) written on the bar. Gaps on the host lane are
+    the launches of the graph's other kernels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    timed = [s for s in sites if s.host_clock]
+    if not timed:
+        raise ValueError(f"graph {graph!r}: no site has simulated clocks (not a host-launched graph, or no profile)")
+    end = max(max(s.host_clock["host_end"], s.host_clock["gpu_end"]) for s in timed)
+    fig = Figure(figsize=(11, 2.6))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    char_ms = end * 1.05 / 150
+    for s in timed:
+        c = s.host_clock
+        color = "#55A868" if s.rewritten else "#8C8C8C"
+        for y, lo, hi in ((1, c["host_start"], c["host_end"]), (0, c["gpu_start"], c["gpu_end"])):
+            width = max(hi - lo, 1e-9)
+            ax.broken_barh([(lo, width)], (y - 0.35, 0.7), facecolors=color, edgecolor="black", linewidth=0.4)
+            text = s.template if y == 1 else f"{s.node} (lead {c['lead']:.2f})"
+            label = _fitting_label(text, width, char_ms)
+            if label:
+                ax.text(lo + width / 2, y, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+    ax.set_yticks([0, 1], ["GPU", "host"])
+    ax.set_ylim(-0.6, 1.6)
+    ax.set_xlim(0, end * 1.05)
+    ax.set_xlabel("ms (simulated)")
+    ax.grid(axis="x", alpha=0.3)
+    rewritten = sum(s.rewritten for s in timed)
+    ax.set_title(f"{graph}: {rewritten}/{len(timed)} sites rewritten (green); grey = as written", fontsize=9,
+                 loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
