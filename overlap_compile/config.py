@@ -125,12 +125,37 @@ def _coerce(key: str, value: Any) -> Any:
     return text
 
 
+_ENV_NAMES = tuple(ENV_PREFIX + key.upper() for key in _FIELDS)
+
+
+def _env_values() -> tuple:
+    """The raw values of the OVERLAP_COMPILE_* variables (None where unset). Ops read the options
+    on every call, host time a host-launched model pays per site: on a GPU machine 15
+    ``os.environ.get`` calls and building Options took ~23 us (benchmarks/op_host_probe.py), so
+    this reads the environment's own mapping with pre-encoded keys where CPython has one, and
+    Options are built once per distinct set of values (``_options_from``)."""
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict) and _ENCODED is not None:
+        return tuple(data.get(k) for k in _ENCODED)
+    return tuple(os.environ.get(name) for name in _ENV_NAMES)
+
+
+try:  # os.environ's keys as stored (bytes on POSIX); None: read through os.environ.get
+    _ENCODED = tuple(os.environ.encodekey(name) for name in _ENV_NAMES)  # type: ignore[attr-defined]
+except Exception:  # pragma: no cover - an interpreter without the private mapping
+    _ENCODED = None
+
+
 def _from_env() -> Options:
+    return _options_from(_env_values())
+
+
+@functools.lru_cache(maxsize=32)
+def _options_from(raw_values: tuple) -> Options:
     kwargs = {}
-    for key in _FIELDS:
-        raw = os.environ.get(ENV_PREFIX + key.upper())
+    for key, raw in zip(_FIELDS, raw_values):
         if raw is not None:
-            kwargs[key] = _coerce(key, raw)
+            kwargs[key] = _coerce(key, os.environ.decodevalue(raw) if isinstance(raw, bytes) else raw)
     try:
         return Options(**kwargs)
     except ValueError as e:

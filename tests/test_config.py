@@ -85,3 +85,16 @@ def test_env_overrides(monkeypatch):
 def test_options_json_is_stable():
     assert config.Options().to_json() == config.Options().to_json()
     assert config.Options(min_speedup=1.1).to_json() != config.Options().to_json()
+
+
+def test_environment_changes_are_seen_after_caching(monkeypatch):
+    """Options built from the environment are cached per set of values (ops read them on every
+    call): a changed, added or removed variable is still seen at the next read."""
+    monkeypatch.setenv("OVERLAP_COMPILE_MIN_SPEEDUP", "1.25")
+    first = config.current()
+    assert first.min_speedup == 1.25 and config.current() is first
+    monkeypatch.setenv("OVERLAP_COMPILE_MIN_SPEEDUP", "1.5")
+    monkeypatch.setenv("OVERLAP_COMPILE_COMM_PRIORITY", "-2")
+    assert (config.current().min_speedup, config.current().comm_priority) == (1.5, -2)
+    monkeypatch.delenv("OVERLAP_COMPILE_MIN_SPEEDUP")
+    assert config.current().min_speedup == 1.03
