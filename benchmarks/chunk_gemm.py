@@ -23,26 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from timing import graphed  # noqa: E402
+from timing import graphed, time_ms  # noqa: E402
 
 SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.json")
-
-
-def median_ms(fn, iters: int = 20) -> float:
-    import statistics
-
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def chunked(kind: str, m: int, n: int, k: int, world: int, chunks: int):
@@ -94,9 +77,9 @@ def main() -> None:
                 full = None
                 for chunks in (1, 2, 4):
                     run, chunk_rows, a, b = chunked(kind, m, n, k, world, chunks)
-                    ms = median_ms(graphed(run))
+                    ms = time_ms(graphed(run))
                     if full is None:
-                        full = median_ms(graphed(lambda a=a, b=b: torch.mm(a, b)))
+                        full = time_ms(graphed(lambda a=a, b=b: torch.mm(a, b)))
                     model = sum(gemm_ms(site, prof, m=r) for r in chunk_rows)
                     rows.append({"benchmark": "chunk_gemm", "device": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "date": datetime.date.today().isoformat(),

@@ -5,14 +5,11 @@
 
 Per call, host-bound loop (1024^3 bf16 GEMM): the sequential pattern; a do-nothing custom op
 (torch's dispatch alone); the template ops through torch.ops; the same ops' Python bodies
-called directly (no custom-op dispatch); and a cProfile of each, top entries by own time.
+called directly (no custom-op dispatch); and the host cost of the pieces such an op is made of.
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -32,19 +29,6 @@ def per_call_us(fn, calls=300) -> float:
     us = (time.perf_counter() - t0) * 1e6 / calls
     torch.cuda.synchronize()
     return us
-
-
-def top(fn, calls=200, limit=14) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(limit)
-    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()][-limit - 1:]
-    return "\n".join(lines)
 
 
 def micro(a: torch.Tensor, group: str) -> None:

@@ -2,7 +2,8 @@
 
 ``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
-is the result (all ranks return the same number). ``graphed(fn)``: fn captured in a CUDA graph
+is the result (all ranks return the same number). Without a process group (one-GPU benchmarks):
+this process's median. ``graphed(fn)``: fn captured in a CUDA graph
 (after warm-up on a side stream), returned as its replay.
 """
 from __future__ import annotations
@@ -21,8 +22,10 @@ def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
     if cuda:
         torch.cuda.synchronize()
     times = []
+    group = dist.is_initialized()  # one GPU, no process group: no barrier, this process's median
     for _ in range(iters):
-        dist.barrier()
+        if group:
+            dist.barrier()
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
@@ -34,6 +37,8 @@ def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    if not group:
+        return statistics.median(times)
     med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
