@@ -81,14 +81,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--shapes", default=None, help="MxN,MxN,... (default: the gemm_allreduce outputs)")
+    ap.add_argument("--blocks", default=None, help="BMxBNxGROUP_M,... tile layouts to try (default: the "
+                                                  "Hopper kernel's %dx%dx%d)" % BLOCK)
     args = ap.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
-    bm, bn, gm = (64, 128, 4) if dry else BLOCK
+    blocks = ([tuple(map(int, b.split("x"))) for b in args.blocks.split(",")] if args.blocks
+              else [(64, 128, 4) if dry else BLOCK])
+    todo = ([tuple(map(int, x.split("x"))) for x in args.shapes.split(",")] if args.shapes else shapes(dry))
     rows = []
     date = datetime.date.today().isoformat()
     dev = "cpu" if dry else torch.cuda.get_device_name()
-    for m, n in shapes(dry):
+    for (m, n), (bm, bn, gm) in [(sh, bl) for sh in todo for bl in blocks]:
         grid = TileGrid(m, n, bm, bn, gm)
         torch.manual_seed(m + n)
         y = torch.randn(m, n, device=device, dtype=dtype)
@@ -116,14 +121,14 @@ def main() -> None:
                 r = bench(lambda: f_reorder(buf, residual, w))
                 entry["modes"][mode] = {"plain_ms": p, "reorder_ms": r, "overhead": r / p - 1}
         rows.append(entry)
-    print(f"{'shape':>14} {'err':>8} " + " ".join(f"{m + ' plain/reorder/overhead':>36}" for m in ("eager", "cuda_graph")))
+    print(f"{'shape':>14} {'block':>12} {'err':>8} " + " ".join(f"{m + ' plain/reorder/overhead':>36}" for m in ("eager", "cuda_graph")))
     for e in rows:
         cells = []
         for mode in ("eager", "cuda_graph"):
             v = e["modes"].get(mode)
             cells.append(f"{v['plain_ms']:.4f}/{v['reorder_ms']:.4f}/{v['overhead']:+.1%}".rjust(36)
                          if v and v.get("plain_ms") else "-".rjust(36))
-        print(f"{str(e['shape']):>14} {e['max_rel_err']:8.1e} " + " ".join(cells))
+        print(f"{str(e['shape']):>14} {'x'.join(map(str, e['block'])):>12} {e['max_rel_err']:8.1e} " + " ".join(cells))
     bad = [e["shape"] for e in rows if not e["correct"]]
     if bad:
         print("reorder result differs from plain on", bad)
