@@ -132,3 +132,44 @@ def test_clocks_recorded_and_drawn(group, host_launched, tmp_path):
     rep.dump(str(tmp_path))
     png = tmp_path / f"host_clocks_{record.name}.png"
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_lighter_op_chosen_where_the_fastest_cannot_hide_its_host_time(host_launched):
+    """Site B (GPU 0.55 ms as written) after site A (1.0 ms) and two launches: ~0.96 ms queued.
+    'fast' (GPU 0.3 ms, host 1.5 ms) would end the graph at 1.89 ms, 'light' (GPU 0.4 ms, host
+    0.3 ms) at 1.45 ms, the baseline at 1.6 ms: 'light' is taken, though 'fast' is faster on the GPU."""
+    import dataclasses
+    import torch.fx as fx
+
+    from overlap_compile.passes.decide import Decision
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.mm.default, (x, x))
+    r = g.call_function(torch.ops.aten.relu.default, (a,))
+    r = g.call_function(torch.ops.aten.relu.default, (r,))
+    b = g.call_function(torch.ops.aten.mm.default, (r, r))
+    g.output(b)
+
+    @dataclasses.dataclass
+    class Site:
+        node: fx.Node
+        unsupported: None = None
+
+        def anchor(self):
+            return self.node
+
+    class Profile:
+        raw = {"model_error": {"cuda_graph": 0.05, "eager": 0.2}}
+
+        @staticmethod
+        def launch(mode):
+            return 0.02
+
+    base = lambda gpu: Candidate("baseline", None, gpu + 0.05, host_ms=0.05)  # noqa: E731
+    da = Decision(Site(a), "baseline", None, "kept", [base(1.0)])
+    db = Decision(Site(b), "baseline", None, "kept", [base(0.55), Candidate("fast", {"k": 1}, 1.8, host_ms=1.5),
+                                                      Candidate("light", {"k": 2}, 0.7, host_ms=0.3)])
+    out = host_pacing.pace(g, [da, db], config.current(), Profile())
+    assert out[0].template == "baseline" and out[1].template == "light", out[1].reason
+    assert out[1].host_clock["lead"] == pytest.approx(0.96) and out[1].host_clock["gpu_end"] == pytest.approx(1.45)

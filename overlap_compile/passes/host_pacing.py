@@ -25,10 +25,11 @@ order:
                   With no lead, this is decide's own price t + h.)
 
 and the graph ends at max(host, gpu). Then the sites kept as written are tried, largest GPU gain
-first. A site switches to its fastest candidate on the GPU when two things hold: that
-candidate's GPU time alone clears min_speedup x (1 + the profile's CUDA-graph model error),
-since the error of the GPU schedule is what is left once the host part is simulated; and the
-simulated graph ends earlier with it.
+first. A site switches to a candidate when two things hold: the candidate's GPU time alone
+clears min_speedup x (1 + the profile's CUDA-graph model error), since the error of the GPU
+schedule is what is left once the host part is simulated; and the simulated graph ends earlier
+with it. Of the candidates that qualify, the one with which the graph ends first is taken: a
+slower op with less host time can win where the fastest cannot hide its own.
 
 Not applied under CUDA graphs (no host time to hide), with ``force_template``, with
 ``search="exhaustive"`` (measured times mix host and GPU), or with ``host_pacing=False``.
@@ -50,6 +51,7 @@ class _Site:
     index: int  # into the decisions list
     baseline: Candidate
     fastest: Candidate | None  # the fastest candidate on the GPU alone (host time left out)
+    others: list[Candidate] = dataclasses.field(default_factory=list)  # the rest, by GPU time
 
 
 def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: Any) -> list[Decision]:
@@ -59,7 +61,7 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
     if (predictor.launch_mode() != "eager" or not options.host_pacing or options.force_template is not None
             or options.search != "predict" or not decisions):
         return decisions
-    sites = {d.match.anchor(): _Site(i, d.candidates[0], _fastest_on_gpu(d)) for i, d in enumerate(decisions)
+    sites = {d.match.anchor(): _Site(i, d.candidates[0], *_by_gpu_time(d)) for i, d in enumerate(decisions)
              if not d.match.unsupported and d.candidates and d.candidates[0].predicted_ms is not None}
     if not sites:
         return decisions
@@ -85,25 +87,28 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
         d = decisions[s.index]
         if d.rewrites or s.fastest is None:
             continue
-        base_gpu, fast_gpu = _gpu_ms(s.baseline), _gpu_ms(s.fastest)
-        if fast_gpu <= 0 or base_gpu / fast_gpu < needed:
+        base_gpu = _gpu_ms(s.baseline)
+        # every candidate that clears the bar on the GPU alone; the one that ends the graph first
+        # (a slower op with less host time can win where the fastest cannot hide its host time)
+        tries = [c for c in [s.fastest] + s.others if 0 < _gpu_ms(c) and base_gpu / _gpu_ms(c) >= needed]
+        if not tries:
             continue
-        trial = {**chosen, id(s): s.fastest}
-        after, leads = _simulate(steps, trial)
+        results = [(_simulate(steps, {**chosen, id(s): c}), i, c) for i, c in enumerate(tries)]
+        (after, leads), _, best = min(results, key=lambda r: (r[0][0], r[1]))
         lead = leads[id(s)]
         if after < before:
-            chosen = trial
+            chosen = {**chosen, id(s): best}
             out[s.index] = Decision(
-                d.match, s.fastest.template, s.fastest.config,
-                f"host-launched graph: predicted {base_gpu / fast_gpu:.2f}x on the GPU ({fast_gpu:.3f} vs "
-                f"{base_gpu:.3f} ms); the op's {s.fastest.host_ms:.3f} ms of host time runs while the GPU works "
+                d.match, best.template, best.config,
+                f"host-launched graph: predicted {base_gpu / _gpu_ms(best):.2f}x on the GPU ({_gpu_ms(best):.3f} vs "
+                f"{base_gpu:.3f} ms); the op's {best.host_ms:.3f} ms of host time runs while the GPU works "
                 f"through the {lead:.3f} ms queued before it (simulated graph {before:.3f} -> {after:.3f} ms)",
                 d.candidates)
             before = after
         else:
             out[s.index] = dataclasses.replace(d, reason=(
                 f"{d.reason}; in this host-launched graph the {lead:.3f} ms of GPU work queued before it would "
-                f"not hide the op's {s.fastest.host_ms:.3f} ms of host time (simulated graph {before:.3f} -> "
+                f"not hide the op's {best.host_ms:.3f} ms of host time (simulated graph {before:.3f} -> "
                 f"{after:.3f} ms)"))
     clocks: dict = {}
     _simulate(steps, chosen, clocks)
@@ -143,9 +148,10 @@ def _gpu_gain_ms(s: _Site) -> float:
     return _gpu_ms(s.baseline) - _gpu_ms(s.fastest) if s.fastest is not None else float("-inf")
 
 
-def _fastest_on_gpu(d: Decision) -> Candidate | None:
-    timed = [c for c in d.candidates[1:] if c.predicted_ms is not None and c.config is not None]
-    return min(timed, key=_gpu_ms) if timed else None
+def _by_gpu_time(d: Decision) -> tuple[Candidate | None, list[Candidate]]:
+    """(the fastest candidate on the GPU alone, the others by GPU time), ties in listed order."""
+    timed = sorted((c for c in d.candidates[1:] if c.predicted_ms is not None and c.config is not None), key=_gpu_ms)
+    return (timed[0], timed[1:]) if timed else (None, [])
 
 
 def _chosen(d: Decision) -> Candidate:
