@@ -105,7 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--kinds", default="gemm_reducescatter,allgather_gemm,gemm_allreduce,gemm_alltoall")
-    ap.add_argument("--templates", default="p2p_ring,priority_stream,signal_reorder,tile_fused")
+    ap.add_argument("--templates", default="p2p_ring,priority_stream,signal_reorder",
+                    help="templates forced on every kind (tile_fused: name it with --kinds allgather_gemm)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()

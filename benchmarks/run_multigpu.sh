@@ -2,8 +2,8 @@
 # One device call on a multi-GPU machine, steps chosen by name, each with its own time limit so
 # one slow step cannot eat the others. Everything lands in $OUT/results.tar.gz (one file: the
 # device tool brings back at most 8), plus a short log on stdout.
-#   usage: STEPS=profile,predictor,tests,ops,moe,sweep,e2e bash benchmarks/run_multigpu.sh
-#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS,
+#   usage: STEPS=profile,predictor,tests,ops,host,moe,sweep,e2e bash benchmarks/run_multigpu.sh
+#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS, HOST_ARGS,
 #          SWEEP_ARGS (see each step)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -45,6 +45,11 @@ if has ops; then
   timeout ${OPS_TIMEOUT:-150} python3 benchmarks/ops.py --world "$W" --kinds "${OPS_KINDS:-gemm_reducescatter,allgather_gemm}" \
     --limit "${OPS_LIMIT:-0}" ${OPS_TEMPLATES:+--templates $OPS_TEMPLATES} --out "$R" > "$R/ops.log" 2>&1
   grep -v Warn "$R/ops.log" | tail -30
+fi
+if has host; then
+  step "host time per op call (world $W)"
+  timeout ${HOST_TIMEOUT:-150} python3 benchmarks/host_profile.py --world "$W" ${HOST_ARGS:-} --out "$R" > "$R/host.log" 2>&1
+  grep -E "us/call|wrote" "$R/host.log" | tail -20
 fi
 if has moe; then
   step "moe (world $W)"
