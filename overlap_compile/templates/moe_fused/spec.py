@@ -12,8 +12,10 @@ After::
 Only sections whose intermediates stay inside (no saved activations: inference / prefill) are
 found supported (passes.find_moe). Configurations: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer) or ``{"pieces": p}`` (the capacity axis in p slices);
-see reference.py. Latency model: predictor.models.moe_fused. kernels.py (CUDA streams) has not
-run on a GPU yet (gpu_implemented=False): under GPU profiles only force_template picks it.
+see reference.py. Latency model: predictor.models.moe_fused. kernels.py (CUDA streams) passes
+its GPU tests on 2x H200 but measured 0.82-0.94x of the layer as written (forward, capacity
+pieces; benchmarks/results/moe-*-2026-11-23.json), so gpu_implemented stays False: under GPU
+profiles only force_template picks it.
 """
 from __future__ import annotations
 
