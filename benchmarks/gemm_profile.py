@@ -48,8 +48,8 @@ def main() -> None:
 
     from overlap_compile import predictor
     from overlap_compile.predictor.profile import save_profile
-    from overlap_compile.predictor.profile_cmd import (Bench, Progress, build_profile, gemm_steps, load_shape_sets,
-                                                       measure_gemms, peak_tflops)
+    from overlap_compile.predictor.profile_cmd import (Bench, Progress, build_profile, gemm_steps, gpu_facts,
+                                                       load_shape_sets, measure_gemms)
     from overlap_compile.predictor.seed import GPU_KERNELS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -78,17 +78,13 @@ def main() -> None:
         notes.append(f"Triton kernels not measured ({type(err).__name__}: {err}); vs_cublas are estimates")
     for r in rows:
         r["ms"] = round(r["ms"], 5)
-    props = torch.cuda.get_device_properties(device)
-    gpu = props.name
+    facts = gpu_facts(device)
+    gpu = facts["gpu"]
     name = args.name or gpu.lower().replace("nvidia ", "").split()[0]
     command = "python benchmarks/gemm_profile.py " + " ".join(sys.argv[1:])
     base = predictor.load_profile(args.base).raw
     measured = build_profile(
-        name=name, gpu=gpu, sm_count=props.multi_processor_count,
-        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
-        regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)), gemm_rows=rows,
-        peak=peak_tflops(gpu, props.multi_processor_count, props.major),
-        mem_gbps=4800.0 if "H200" in gpu else 3350.0 if "H100" in gpu else 2000.0, kernels=kernels, curves={},
+        name=name, **facts, gemm_rows=rows, kernels=kernels, curves={},
         nccl_sms={}, launch_ms={}, contention={}, topology={}, command=command,
         notes=notes + [f"one GPU, took {time.time() - started:.0f}s"])
     d = one_gpu_profile(base, measured, command, datetime.date.today().isoformat())

@@ -106,6 +106,20 @@ def peak_tflops(gpu: str, sm_count: int, major: int) -> float:
     return round(sm_count * _FLOP_PER_CLK_SM.get(major, 2048) * 1.6e9 / 1e12, 1)
 
 
+def gpu_facts(device: str) -> dict:
+    """What the profile takes from the device's properties (build_profile's keyword arguments):
+    name, SMs, shared memory and registers per SM, peak TFLOP/s and HBM bandwidth (by GPU name)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    gpu, sms = props.name, props.multi_processor_count
+    return {"gpu": gpu, "sm_count": sms,
+            "smem_per_sm": int(getattr(props, "shared_memory_per_multiprocessor", 228 * KiB)),
+            "regs_per_sm": int(getattr(props, "regs_per_multiprocessor", 65536)),
+            "peak": peak_tflops(gpu, sms, props.major),
+            "mem_gbps": 4800.0 if "H200" in gpu else 3350.0 if "H100" in gpu else 2000.0}
+
+
 def build_profile(*, name: str, gpu: str, sm_count: int, smem_per_sm: int, regs_per_sm: int,
                   gemm_rows: list[dict], peak: float, mem_gbps: float, kernels: list[dict],
                   curves: dict[str, dict[int, list[tuple[int, float]]]], nccl_sms: dict[str, int],
@@ -690,18 +704,15 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
     notes = res["notes"]
     if args.smoke:
-        gpu, sms, smem, regs, major, mem = "smoke test (CPU)", 8, 1024 * KiB, 65536, 8, 20.0
+        facts = {"gpu": "smoke test (CPU)", "sm_count": 8, "smem_per_sm": 1024 * KiB, "regs_per_sm": 65536,
+                 "peak": peak_tflops("smoke test (CPU)", 8, 8), "mem_gbps": 20.0}
     else:
-        props = torch.cuda.get_device_properties(device)
-        gpu, sms = props.name, props.multi_processor_count
-        smem = int(getattr(props, "shared_memory_per_multiprocessor", 228 * KiB))
-        regs = int(getattr(props, "regs_per_multiprocessor", 65536))
-        major, mem = props.major, (4800.0 if "H200" in gpu else 3350.0 if "H100" in gpu else 2000.0)
+        facts = gpu_facts(device)
+    gpu = facts["gpu"]
     name = args.name or gpu.lower().replace("nvidia ", "").split()[0]
     command = "python -m overlap_compile profile " + " ".join(argv if argv is not None else sys.argv[1:])
     d = build_profile(
-        name=name, gpu=gpu, sm_count=sms, smem_per_sm=smem, regs_per_sm=regs, gemm_rows=res["gemm_rows"],
-        peak=peak_tflops(gpu, sms, major), mem_gbps=mem, kernels=kernels, curves=res["curves"],
+        name=name, **facts, gemm_rows=res["gemm_rows"], kernels=kernels, curves=res["curves"],
         nccl_sms={c: 0 for c in COLLECTIVES} if args.smoke else _nccl_sms(notes), launch_ms=res["launch_ms"],
         contention=res["contention"], op_overhead_ms=res["op_overhead_ms"],
         topology=_topology(world, device), notes=notes + [f"world size {world}, took {time.time() - started:.0f}s"],
