@@ -95,8 +95,8 @@ def test_two_clock_simulation_by_hand():
     0.4). A: lead 0, gpu = 0.1 + 1.0 + 0.05 = 1.15, host 0.15. Launch: host 0.25, gpu 1.15.
     B: lead 0.9 >= 0.4, gpu = 1.15 + 0.5 = 1.65, host 0.65. End 1.65. With B's host time 1.2:
     gpu = 1.15 + 0.5 + 0.3 = 1.95, host 1.45: end 1.95."""
-    a = host_pacing._Site(0, Candidate("baseline", None, 1.05, host_ms=0.05), None)
-    b = host_pacing._Site(1, Candidate("baseline", None, 0.55, host_ms=0.05), None)
+    a = host_pacing._Site(0, Candidate("baseline", None, 1.05, host_ms=0.05), [])
+    b = host_pacing._Site(1, Candidate("baseline", None, 0.55, host_ms=0.05), [])
     op = Candidate("p2p_ring", {}, 0.9, host_ms=0.4)
     slow_op = Candidate("p2p_ring", {}, 1.7, host_ms=1.2)
     steps = [0.1, a, 0.1, b]

@@ -50,8 +50,7 @@ from .decide import Candidate, Decision, required_gain
 class _Site:
     index: int  # into the decisions list
     baseline: Candidate
-    fastest: Candidate | None  # the fastest candidate on the GPU alone (host time left out)
-    others: list[Candidate] = dataclasses.field(default_factory=list)  # the rest, by GPU time
+    by_gpu: list[Candidate]  # the timed candidates, fastest on the GPU alone (host time left out) first
 
 
 def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: Any) -> list[Decision]:
@@ -61,7 +60,7 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
     if (predictor.launch_mode() != "eager" or not options.host_pacing or options.force_template is not None
             or options.search != "predict" or not decisions):
         return decisions
-    sites = {d.match.anchor(): _Site(i, d.candidates[0], *_by_gpu_time(d)) for i, d in enumerate(decisions)
+    sites = {d.match.anchor(): _Site(i, d.candidates[0], _by_gpu_time(d)) for i, d in enumerate(decisions)
              if not d.match.unsupported and d.candidates and d.candidates[0].predicted_ms is not None}
     if not sites:
         return decisions
@@ -85,12 +84,12 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
     before, _ = _simulate(steps, chosen)
     for s in sorted(sites.values(), key=lambda s: -_gpu_gain_ms(s)):
         d = decisions[s.index]
-        if d.rewrites or s.fastest is None:
+        if d.rewrites:
             continue
         base_gpu = _gpu_ms(s.baseline)
         # every candidate that clears the bar on the GPU alone; the one that ends the graph first
         # (a slower op with less host time can win where the fastest cannot hide its host time)
-        tries = [c for c in [s.fastest] + s.others if 0 < _gpu_ms(c) and base_gpu / _gpu_ms(c) >= needed]
+        tries = [c for c in s.by_gpu if 0 < _gpu_ms(c) and base_gpu / _gpu_ms(c) >= needed]
         if not tries:
             continue
         results = [(_simulate(steps, {**chosen, id(s): c}), i, c) for i, c in enumerate(tries)]
@@ -145,13 +144,12 @@ def _gpu_ms(c: Candidate) -> float:
 
 
 def _gpu_gain_ms(s: _Site) -> float:
-    return _gpu_ms(s.baseline) - _gpu_ms(s.fastest) if s.fastest is not None else float("-inf")
+    return _gpu_ms(s.baseline) - _gpu_ms(s.by_gpu[0]) if s.by_gpu else float("-inf")
 
 
-def _by_gpu_time(d: Decision) -> tuple[Candidate | None, list[Candidate]]:
-    """(the fastest candidate on the GPU alone, the others by GPU time), ties in listed order."""
-    timed = sorted((c for c in d.candidates[1:] if c.predicted_ms is not None and c.config is not None), key=_gpu_ms)
-    return (timed[0], timed[1:]) if timed else (None, [])
+def _by_gpu_time(d: Decision) -> list[Candidate]:
+    """The timed candidates by GPU time alone, ties in listed order."""
+    return sorted((c for c in d.candidates[1:] if c.predicted_ms is not None and c.config is not None), key=_gpu_ms)
 
 
 def _chosen(d: Decision) -> Candidate:
