@@ -1,22 +1,21 @@
-"""Host time of each template's op, and where it goes: the Python the op runs per call.
+"""Host time of each template's op per call, on W GPUs.
 
     python benchmarks/host_profile.py --world 2 --out $OUT
 
 Per (kind, template) on a small site (GPU work of microseconds, so the host is what is timed):
 the wall time per call of N back-to-back calls of the rewritten graph (host-bound), beside the
-sequential pattern's, and -- on rank 0 -- a cProfile of the same N calls, top functions by their
-own time. What a host-launched model pays per rewritten site beyond the GEMM and collective it
-replaced; the numbers the predictor's ``op_overhead_ms`` summarises.
+sequential pattern's. What a host-launched model pays per rewritten site beyond the GEMM and
+collective it replaced; the numbers the predictor's ``op_overhead_ms`` summarises. Where the time
+goes (the cost of each CUDA runtime call an op makes) is benchmarks/op_host_probe.py's job: a
+cProfile here put most of it in torch's custom-op frame, an artefact of calls through the C++
+dispatcher (2x H200, 2026-11-23).
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
-import io
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -45,22 +44,6 @@ def host_ms_per_call(fn, calls: int) -> float:
     return host
 
 
-def top_functions(fn, calls: int, limit: int) -> list[dict]:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof, stream=io.StringIO())
-    rows = []
-    for (path, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-        rows.append({"where": f"{os.path.basename(path)}:{line}:{name}", "calls_per_op": ncalls / calls,
-                     "own_us_per_op": tottime * 1e6 / calls, "cum_us_per_op": cumtime * 1e6 / calls})
-    rows.sort(key=lambda r: -r["own_us_per_op"])
-    return rows[:limit]
-
-
 def worker(kinds, templates_to_run, calls, out_dir):
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
@@ -82,17 +65,10 @@ def worker(kinds, templates_to_run, calls, out_dir):
             row = {"benchmark": "host_profile", "device": torch.cuda.get_device_name(), "world_size": world,
                    "torch": torch.__version__, "date": datetime.date.today().isoformat(), "kind": kind,
                    "shape": list(SHAPE), "method": name, "config": cfg, "host_ms_per_call": ms}
-            if name != "sequential":  # every rank calls the op (it is a collective); rank 0 reports
-                top = top_functions(fn, calls, 25)
-                if rank == 0:
-                    row["top"] = top
             dist.barrier()
             rows.append(row)
             if rank == 0:
                 print(f"{kind:>20} {name:>16} host {ms * 1e3:8.1f} us/call", flush=True)
-                for t in row.get("top", [])[:12]:
-                    print(f"{'':>24} {t['own_us_per_op']:7.1f} us own {t['cum_us_per_op']:8.1f} cum "
-                          f"x{t['calls_per_op']:.0f}  {t['where']}")
     if rank == 0 and out_dir:
         path = os.path.join(out_dir, f"host_profile-{torch.cuda.get_device_name().replace(' ', '_')}-w{world}-"
                                      f"{datetime.date.today().isoformat()}.json")
