@@ -126,6 +126,10 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 _ENV_NAMES = tuple(ENV_PREFIX + key.upper() for key in _FIELDS)
+try:  # os.environ's keys as stored (bytes on POSIX); None: read through os.environ.get
+    _ENCODED = tuple(os.environ.encodekey(name) for name in _ENV_NAMES)  # type: ignore[attr-defined]
+except Exception:  # pragma: no cover - an interpreter without the private mapping
+    _ENCODED = None
 
 
 def _env_values() -> tuple:
@@ -138,12 +142,6 @@ def _env_values() -> tuple:
     if isinstance(data, dict) and _ENCODED is not None:
         return tuple(data.get(k) for k in _ENCODED)
     return tuple(os.environ.get(name) for name in _ENV_NAMES)
-
-
-try:  # os.environ's keys as stored (bytes on POSIX); None: read through os.environ.get
-    _ENCODED = tuple(os.environ.encodekey(name) for name in _ENV_NAMES)  # type: ignore[attr-defined]
-except Exception:  # pragma: no cover - an interpreter without the private mapping
-    _ENCODED = None
 
 
 def _from_env() -> Options:
