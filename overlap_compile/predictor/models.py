@@ -721,20 +721,29 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
     copies of several peers share this GPU's links), plus, on the copy engine, the own stripe
     staged into the symmetric buffer and one handshake. Unfitted, it replays the first 2x H200 runs
     (ops-...-2026-11-23-p2p_ring-allreduce.json) within 4.2% mean |error|."""
-    if site.m % site.world:
-        return None
-    rs = p2p_ring(dataclasses.replace(site, kind="gemm_reducescatter"), config, profile, ctx)
-    if rs is None:
-        return None
     W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
     stripe_bytes = (site.m // W) * site.n * site.itemsize
     curve = "copy_engine" if copy_engine else "p2p"
     hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective=curve, contended=False)
     gather = (W - 1) * hop + ((hbm_ms(profile, 2 * stripe_bytes) + peer_sync_ms(profile)) if copy_engine else 0.0)
-    events = rs.events + [Event("comm", f"gather {W - 1} reduced stripes", rs.total_ms, rs.total_ms + gather)]
+    return reduce_scatter_then_gather(p2p_ring, site, config, profile, ctx, gather,
+                                      f"gather {W - 1} reduced stripes", "the reduced stripes gathered")
+
+
+def reduce_scatter_then_gather(rs_model: Callable, site: Site, config: dict, profile: HardwareProfile, ctx: Ctx,
+                               gather_ms: float, label: str, what: str) -> Schedule | None:
+    """An all-reduce built as the template's reduce-scatter over W row stripes of the output
+    (``rs_model`` on the same site as a reduce-scatter), then ``gather_ms`` of gathering the
+    reduced stripes with nothing left to hide it. None where the rows do not split in W."""
+    if site.m % site.world:
+        return None
+    rs = rs_model(dataclasses.replace(site, kind="gemm_reducescatter"), config, profile, ctx)
+    if rs is None:
+        return None
+    events = rs.events + [Event("comm", label, rs.total_ms, rs.total_ms + gather_ms)]
     g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
-    note = rs.note + f"; then the reduced stripes gathered: {gather:.4f} ms"
-    return Schedule(rs.total_ms + gather, events, overlap_bound(g_base, c_base, 0.0, gather), note)
+    note = rs.note + f"; then {what}: {gather_ms:.4f} ms"
+    return Schedule(rs.total_ms + gather_ms, events, overlap_bound(g_base, c_base, 0.0, gather_ms), note)
 
 
 def ag_stage_ms(site: Site, profile: HardwareProfile) -> float:
@@ -888,23 +897,15 @@ def tile_fused_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx
     output. The own stripe is the GEMM's last, so both trail it with nothing to hide them: W-1
     pushes of a stripe from comm_ctas CTAs (or the peer bandwidth), and a read + write of the
     W-1 received stripes by as many CTAs. Not yet measured on a GPU."""
-    if site.m % site.world:
-        return None
-    rs = tile_fused(dataclasses.replace(site, kind="gemm_reducescatter"), config, profile, ctx)
-    if rs is None:
-        return None
     W = site.world
     ctas = max(1, int(config.get("comm_ctas", 8)))
     stripe = (site.m // W) * site.n * site.itemsize
     push = (W - 1) * max(profile.comm_ms("copy_engine", stripe, W, site.cross_node),
                          stripe / (ctas * TF_PUSH_GBPS_PER_CTA * 1e6))
     copy_out = 2 * (W - 1) * stripe / (min(profile.gemm.mem_gbps, ctas * TF_REDUCE_GBPS_PER_CTA) * 1e6)
-    gather = push + copy_out + profile.launch(ctx.mode)
-    events = rs.events + [Event("comm", f"push reduced tiles to {W - 1} peers, copy theirs out", rs.total_ms,
-                                rs.total_ms + gather)]
-    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
-    note = rs.note + f"; then the reduced stripe pushed and the peers' copied out: {gather:.4f} ms"
-    return Schedule(rs.total_ms + gather, events, overlap_bound(g_base, c_base, 0.0, gather), note)
+    return reduce_scatter_then_gather(tile_fused, site, config, profile, ctx, push + copy_out + profile.launch(ctx.mode),
+                                      f"push reduced tiles to {W - 1} peers, copy theirs out",
+                                      "the reduced stripe pushed and the peers' copied out")
 
 
 Model = Callable[[Site, dict, HardwareProfile, Ctx], "Schedule | None"]
