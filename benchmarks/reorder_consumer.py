@@ -44,11 +44,27 @@ def plain(y, residual, w):
     return rmsnorm(y + residual, w)
 
 
-def make_reorder(grid: TileGrid):
+def make_reorder(grid: TileGrid, pad: int = 0):
+    """The consumer of a tile buffer whose slots are ``BM * BN + pad`` elements apart (``pad`` > 0:
+    the padded send layout, which keeps a row's pieces off one power-of-two stride)."""
+    slot = grid.block_m * grid.block_n
+
     def reorder(buf, residual, w):
+        if pad:
+            buf = buf.view(-1, slot + pad)[:, :slot].view(-1, grid.block_m, grid.block_n)
         return rmsnorm(untile(buf, grid) + residual, w)
 
     return reorder
+
+
+def padded(buf: torch.Tensor, pad: int) -> torch.Tensor:
+    """``buf`` [T, BM, BN] copied into slots of ``BM * BN + pad`` elements (the pad is random)."""
+    if not pad:
+        return buf
+    t, bm, bn = buf.shape
+    out = torch.randn(t, bm * bn + pad, dtype=buf.dtype, device=buf.device)
+    out[:, :bm * bn] = buf.view(t, -1)
+    return out.view(-1)
 
 
 def tiles_of(y: torch.Tensor, grid: TileGrid) -> torch.Tensor:
@@ -82,6 +98,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--shapes", default=None, help="MxN,MxN,... (default: the gemm_allreduce outputs)")
+    ap.add_argument("--pads", default="0", help="comma-separated slot paddings (elements) to try, 0 = none")
+    ap.add_argument("--dynamic", default="false", help="false, true or false,true: compile with dynamic shapes "
+                                                      "(each case starts from a reset Dynamo, so 'false' is static)")
+    ap.add_argument("--code", action="store_true", help="also write Inductor's kernel source per case to --out")
     ap.add_argument("--blocks", default=None, help="BMxBNxGROUP_M,... tile layouts to try (default: the "
                                                   "Hopper kernel's %dx%dx%d)" % BLOCK)
     args = ap.parse_args()
@@ -93,19 +113,35 @@ def main() -> None:
     rows = []
     date = datetime.date.today().isoformat()
     dev = "cpu" if dry else torch.cuda.get_device_name()
-    for (m, n), (bm, bn, gm) in [(sh, bl) for sh in todo for bl in blocks]:
+    pads = [int(p) for p in args.pads.split(",")]
+    dynamics = [{"false": False, "true": True}[d] for d in args.dynamic.split(",")]
+    cases = [(sh, bl, p, d) for sh in todo for bl in blocks for p in pads for d in dynamics]
+    for (m, n), (bm, bn, gm), pad, dyn in cases:
+        # A fresh Dynamo per case: reorder() of every case shares one code object, and a recompile
+        # of it for a new shape would otherwise turn on automatic dynamic shapes (symbolic index
+        # math, measured +67% at 8192x8192 on H200), which a model's static graph never sees.
+        torch._dynamo.reset()
         grid = TileGrid(m, n, bm, bn, gm)
         torch.manual_seed(m + n)
         y = torch.randn(m, n, device=device, dtype=dtype)
         residual = torch.randn(m, n, device=device, dtype=dtype)
         w = torch.rand(n, device=device, dtype=dtype) + 0.5
-        buf = tiles_of(y, grid)
-        f_plain = torch.compile(plain)
-        f_reorder = torch.compile(make_reorder(grid))
-        ref, got = f_plain(y, residual, w), f_reorder(buf, residual, w)
+        buf = padded(tiles_of(y, grid), pad)
+        f_plain = torch.compile(plain, dynamic=dyn)
+        f_reorder = torch.compile(make_reorder(grid, pad), dynamic=dyn)
+        ref = f_plain(y, residual, w)
+        if args.code and args.out:
+            from torch._inductor.utils import run_and_get_code
+
+            got, code = run_and_get_code(f_reorder, buf, residual, w)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"reorder-code-{m}x{n}-{bm}x{bn}x{gm}-pad{pad}{'-dynamic' if dyn else ''}.py"), "w") as f:
+                f.write("\n\n".join(code))
+        else:
+            got = f_reorder(buf, residual, w)
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         entry = {"benchmark": "reorder_consumer", "device": dev, "torch": torch.__version__, "date": date,
-                 "shape": [m, n], "block": [bm, bn, gm], "dtype": str(dtype).replace("torch.", ""),
+                 "shape": [m, n], "block": [bm, bn, gm], "pad": pad, "dynamic": dyn, "dtype": str(dtype).replace("torch.", ""),
                  # the two compiled kernels may split the row reduction differently: allow one bf16 ulp
                  "max_rel_err": err, "correct": err <= (0.0 if dry else 2 ** -7)}
         if dry:
@@ -121,14 +157,14 @@ def main() -> None:
                 r = bench(lambda: f_reorder(buf, residual, w))
                 entry["modes"][mode] = {"plain_ms": p, "reorder_ms": r, "overhead": r / p - 1}
         rows.append(entry)
-    print(f"{'shape':>14} {'block':>12} {'err':>8} " + " ".join(f"{m + ' plain/reorder/overhead':>36}" for m in ("eager", "cuda_graph")))
+    print(f"{'shape':>14} {'block':>12} {'pad':>4} {'dyn':>4} {'err':>8} " + " ".join(f"{m + ' plain/reorder/overhead':>36}" for m in ("eager", "cuda_graph")))
     for e in rows:
         cells = []
         for mode in ("eager", "cuda_graph"):
             v = e["modes"].get(mode)
             cells.append(f"{v['plain_ms']:.4f}/{v['reorder_ms']:.4f}/{v['overhead']:+.1%}".rjust(36)
                          if v and v.get("plain_ms") else "-".rjust(36))
-        print(f"{str(e['shape']):>14} {'x'.join(map(str, e['block'])):>12} {e['max_rel_err']:8.1e} " + " ".join(cells))
+        print(f"{str(e['shape']):>14} {'x'.join(map(str, e['block'])):>12} {e['pad']:>4} {'yes' if e['dynamic'] else 'no':>4} {e['max_rel_err']:8.1e} " + " ".join(cells))
     bad = [e["shape"] for e in rows if not e["correct"]]
     if bad:
         print("reorder result differs from plain on", bad)

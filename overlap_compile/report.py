@@ -28,6 +28,7 @@ class SiteReport:
     world_size: int
     dtype: str
     comm_bytes: int = 0
+    output_fuses: bool = False  # the collective's readers fuse a permuted read (Match.output_fuses)
     host_clock: dict | None = None  # host-launched graphs: the site on the simulated clocks (decide.Decision)
 
     @property

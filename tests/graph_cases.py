@@ -20,11 +20,22 @@ def trace(fn, inputs, mode: str = "fake"):
     return make_fx(fn, tracing_mode=mode)(*inputs)
 
 
-def gemm_allreduce(g, w, m=24, n=20, k=12, bias=False, op="sum"):
+def gemm_allreduce(g, w, m=24, n=20, k=12, bias=False, op="sum", reader="relu"):
+    """``reader``: what reads the all-reduce's result: "relu", "rmsnorm" (residual add + RMSNorm,
+    a Llama block's next ops), "mm" (a GEMM) or "output" (returned as it is)."""
     def fn(a, b, c):
         y = aten.addmm.default(c, a, b) if bias else aten.mm.default(a, b)
         y = aten.view.default(y, [2, m // 2, n])
-        return aten.relu.default(wait(c10d.all_reduce.default(y, op, g)))
+        out = wait(c10d.all_reduce.default(y, op, g))
+        if reader == "output":
+            return out
+        if reader == "mm":
+            return aten.mm.default(aten.view.default(out, [m, n]), aten.t.default(b))
+        if reader == "rmsnorm":
+            x = aten.add.Tensor(out, 1.5)
+            var = aten.mean.dim(aten.pow.Tensor_Scalar(x, 2), [-1], True)
+            return aten.mul.Tensor(x, aten.rsqrt.default(aten.add.Tensor(var, 1e-6)))
+        return aten.relu.default(out)
 
     return fn, [(m, k), (k, n), (n,)]
 

@@ -32,6 +32,15 @@ def test_gemm_allreduce(fake_group):
     assert m.comm_bytes() == 24 * 20 * 4
 
 
+@pytest.mark.parametrize("reader,fuses", [("relu", True), ("rmsnorm", True), ("mm", False), ("output", False)])
+def test_output_fuses_says_whether_the_readers_read_a_permuted_result_in_place(fake_group, reader, fuses):
+    """Pointwise / reduction readers (through views) fuse signal_reorder's un-reorder; a GEMM or
+    the graph output needs it materialised. The predictor prices the two differently."""
+    _, (m,) = build(gc.gemm_allreduce, fake_group, reader=reader)
+    assert m.unsupported is None and m.output_fuses is fuses
+    assert f"fuses={fuses}" in m.signature()
+
+
 def test_gemm_allreduce_addmm_and_ops(fake_group):
     _, (m,) = build(gc.gemm_allreduce, fake_group, bias=True, op="max")
     assert m.bias_node is not None and m.reduce_op == "max" and m.unsupported is None

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import (
+    consumers_fuse,
     MM_OPS,
     SUPPORTED_DTYPES,
     VIEW_OPS,
@@ -244,6 +245,7 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         stripes=stripes,
         reduce_op=reduce_op,
         extra_terms=extra_terms,
+        output_fuses=consumers_fuse(wait),
     )
     if cls is GemmReduceScatterMatch:
         kw["scatter_dim"] = scatter_dim

@@ -76,6 +76,32 @@ def mm_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str | No
     return a, b, bias, None
 
 
+# Reductions Inductor fuses a strided read of their input into (besides pointwise ops).
+FUSING_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+                     aten.var_mean.correction, aten.var.correction)
+
+
+def consumers_fuse(node: fx.Node) -> bool:
+    """Whether every reader of ``node`` (through views) is a pointwise op or a reduction, i.e.
+    an Inductor kernel that reads a permuted view of it in place: a template whose output is
+    that permuted view (signal_reorder's tile order) then costs no extra pass. False when any
+    reader is a GEMM, a collective, a custom op, the graph output, or anything else that
+    needs the tensor materialised."""
+    readers = list(node.users)
+    if not readers:
+        return False
+    for user in readers:
+        if is_call(user, VIEW_OPS):
+            if not consumers_fuse(user):
+                return False
+            continue
+        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+            return False
+        if not (torch.Tag.pointwise in user.target.tags or user.target in FUSING_REDUCTIONS):
+            return False
+    return True
+
+
 def users(node: fx.Node) -> list[fx.Node]:
     return list(node.users)
 

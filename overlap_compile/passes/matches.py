@@ -86,6 +86,9 @@ class GemmThenCollective(Match):
     # several column-parallel projections sharing one input): (mm_node, a_node, b_node) each.
     # They are one GEMM over the concatenated K: cat([a, a2], 1) @ cat([b, b2], 0).
     extra_terms: list[tuple[fx.Node, fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+    # Every reader of the collective's result is a pointwise op or a reduction (graph_utils.
+    # consumers_fuse): a permuted result (signal_reorder's tile order) is then read in place.
+    output_fuses: bool = False
 
     def operand_nodes(self) -> list[fx.Node]:
         nodes = [self.a_node, self.b_node] + ([self.bias_node] if self.bias_node is not None else [])
@@ -103,7 +106,8 @@ class GemmThenCollective(Match):
     def signature_extra(self) -> str:
         s = self.stripes
         stripes = f"{s.outer}x{s.world}x{s.chunk}" if s else "-"
-        return f"{self.reduce_op}|{stripes}|bias={self.bias_node is not None}|terms={1 + len(self.extra_terms)}"
+        return (f"{self.reduce_op}|{stripes}|bias={self.bias_node is not None}|terms={1 + len(self.extra_terms)}"
+                f"|fuses={self.output_fuses}")
 
 
 @dataclasses.dataclass

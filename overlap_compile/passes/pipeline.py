@@ -65,6 +65,7 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
         predicted_ms=predicted, reason=d.reason, signature=m.signature(), gemms=m.gemms(),
         world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
         comm_bytes=m.comm_bytes() if not m.unsupported else 0, host_clock=d.host_clock,
+        output_fuses=bool(getattr(m, "output_fuses", False)),
     )
 
 

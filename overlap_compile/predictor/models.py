@@ -117,6 +117,7 @@ class Site:
     world: int
     dtype: str
     cross_node: bool = False
+    output_fuses: bool = False  # the result's readers fuse a permuted read (Match.output_fuses)
 
     @property
     def m(self) -> int:
@@ -151,11 +152,12 @@ class Site:
         from ..passes.matches import dtype_name
 
         return Site(match.kind, tuple(tuple(g) for g in match.gemms()), int(match.world_size),
-                    dtype_name(match.dtype), cross_node)
+                    dtype_name(match.dtype), cross_node, bool(getattr(match, "output_fuses", False)))
 
     @staticmethod
     def from_report(site: Any, cross_node: bool = False) -> "Site":
-        return Site(site.kind, tuple(tuple(g) for g in site.gemms), int(site.world_size), site.dtype, cross_node)
+        return Site(site.kind, tuple(tuple(g) for g in site.gemms), int(site.world_size), site.dtype, cross_node,
+                    bool(getattr(site, "output_fuses", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -647,11 +649,15 @@ def signal_reorder(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx)
     return Schedule(total + reorder, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
 
 
-# HBM passes over the received tile-order buffer that its un-reorder costs: as a copy (what an
-# unfused consumer, e.g. a GEMM, gets) read + write = 2; fused into a residual + RMSNorm consumer
-# on H100 it measured 2.3-2.4 passes on 8192-16384 x 8192-16384 bf16 and ~0 on 4096 x 8192
-# (benchmarks/results/reorder-consumer-*): 2 is the common case.
-SR_REORDER_PASSES = 2.0
+# HBM passes over the received tile-order buffer that its un-reorder costs. Read in place by a
+# fused consumer (pointwise / reduction readers: Site.output_fuses), nothing: a residual + RMSNorm
+# consumer compiled with static shapes measured -1.3% to +0.3% over the plain consumer under CUDA
+# graphs on 6 all-reduce output shapes, 2048-16384 x 8192-16384 bf16, on H100 and H200
+# (benchmarks/results/reorder-consumer-*-2026-11-23.json; the +44-68% of 2026-11-22 was that
+# benchmark recompiling with dynamic shapes, which the finder never rewrites). Materialised for
+# any other reader (a GEMM, a collective, the graph output): a copy, read + write = 2.
+SR_REORDER_PASSES_FUSED = 0.0
+SR_REORDER_PASSES_COPY = 2.0
 
 
 def sr_reorder_ms(site: Site, config: dict, profile: HardwareProfile) -> float:
@@ -661,7 +667,8 @@ def sr_reorder_ms(site: Site, config: dict, profile: HardwareProfile) -> float:
         return 0.0
     recv_rows = site.m // site.world if site.kind == "gemm_reducescatter" else site.m
     nbytes = recv_rows * site.n * site.itemsize
-    return SR_REORDER_PASSES * nbytes / (profile.gemm.mem_gbps * 1e9) * 1e3
+    passes = SR_REORDER_PASSES_FUSED if site.output_fuses else SR_REORDER_PASSES_COPY
+    return passes * nbytes / (profile.gemm.mem_gbps * 1e9) * 1e3
 
 
 # ---- p2p_ring (CommFuse) -------------------------------------------------------------------------
