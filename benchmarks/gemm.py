@@ -141,7 +141,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds for cuBLAS / Triton / signal")
     ap.add_argument("--op", action="store_true",
                     help="also time the whole op (kernels.run) on a 1-rank NCCL group for the all-reduce shapes")
+    ap.add_argument("--signal-at", default="group_end",
+                    help="comma-separated signalling points to time (kernels.SIGNAL_AT: group_end, next_tile, "
+                         "none); the first is the table's 'signal' column, the others get a table of their own")
     args = ap.parse_args()
+    signal_modes = args.signal_at.split(",")
 
     import triton
     from triton.testing import do_bench
@@ -161,7 +165,7 @@ def main() -> None:
         wanted = set(args.sets.split(","))
         shapes = {shape: sets for shape, sets in shapes.items() if wanted & set(sets)}
     items = list(shapes.items())[: args.limit or None]
-    rows, table = [], []
+    rows, table, variants = [], [], []
 
     def bench(fn) -> float:
         """Host-launched: one launch per call (Triton's Python launch cost included)."""
@@ -247,7 +251,7 @@ def main() -> None:
 
             plan = signal_plan(kind, m, n, k, best, sms)
             grid, sched = reference.layout(plan)
-            send, counters = K.gemm_signal_into(a, b, None, plan, config=best)
+            send, counters = K.gemm_signal_into(a, b, None, plan, config=best, signal_at=signal_modes[0])
             if sched.stripes == 1:
                 ok = rel_err(untile(send, grid), ref) < 1e-2
             else:  # every stripe's rows, re-assembled (RowStripes.place), against the product
@@ -262,15 +266,27 @@ def main() -> None:
                 for j in range(sched.stripes):
                     plan.stripes.place(rows_, j, untile(torch.cat(parts[j]), grid))
                 ok = rel_err(rows_, ref) < 1e-2 and per == grid.num_tiles
+            want_counts = [0 if signal_modes[0] == "none" else hi - lo for lo, hi in sched.exec_ranges()]
+            ok = ok and counters.tolist() == want_counts
+            counts_ok = {}
+            for mode in signal_modes[1:]:  # each other signalling point: one checked call, then timed
+                counters.zero_()
+                K.gemm_signal_into(a, b, None, plan, send=send, counters=counters, config=best, signal_at=mode)
+                counts_ok[mode] = counters.tolist() == [0 if mode == "none" else hi - lo
+                                                        for lo, hi in sched.exec_ranges()]
+                timers[f"signal:{mode}"] = capture(
+                    lambda mode=mode: K.gemm_signal_into(a, b, None, plan, send=send, counters=counters, config=best,
+                                                         signal_at=mode))
             counters.zero_()
             timers["signal"] = capture(lambda: K.gemm_signal_into(a, b, None, plan, send=send, counters=counters,
-                                                                  config=best))
+                                                                  config=best, signal_at=signal_modes[0]))
             nows = dataclasses.replace(best, warp_specialize=False)
             if best.warp_specialize:  # the signalling kernel never uses it: compare like with like too
                 timers["triton_nows"] = capture(lambda: K.gemm(a, b, config=nows, out=out))
-            cfg_row = {**best.to_dict(), **plan.config, "stripes": sched.stripes}
+            cfg_row = {**best.to_dict(), **plan.config, "stripes": sched.stripes, "signal_at": signal_modes[0]}
             row(plan.kind, (m, n, k), "triton_signal", cfg_row,
-                bench(lambda: K.gemm_signal_into(a, b, None, plan, send=send, counters=counters, config=best)), ok,
+                bench(lambda: K.gemm_signal_into(a, b, None, plan, send=send, counters=counters, config=best,
+                                                 signal_at=signal_modes[0])), ok,
                 mode="eager", sets=sets)
         med = interleaved(timers)
         t_cublas, t_best = med["cublas"], med["triton"]
@@ -281,6 +297,11 @@ def main() -> None:
             t_same = med.get("triton_nows", t_best)
             row(plan.kind, (m, n, k), "triton_signal", cfg_row, t_sig, ok, sets=sets,
                 overhead_vs_triton=t_sig / t_best - 1, overhead_vs_same_config=t_sig / t_same - 1)
+            for mode in signal_modes[1:]:
+                t_mode = med[f"signal:{mode}"]
+                row(plan.kind, (m, n, k), "triton_signal", {**cfg_row, "signal_at": mode}, t_mode, counts_ok[mode],
+                    sets=sets, overhead_vs_triton=t_mode / t_best - 1, overhead_vs_same_config=t_mode / t_same - 1)
+                variants.append((m, n, k, kind, mode, t_mode / t_same - 1, t_sig / t_same - 1, counts_ok[mode]))
         table.append((m, n, k, kind, t_cublas, t_best, t_sig, best, t_same))
         print(f"{m}x{n}x{k} {kind}: cublas {t_cublas:.3f} triton {t_best:.3f} "
               f"({t_cublas / t_best:.2f}x) signal {t_sig if t_sig is None else round(t_sig, 3)}", flush=True)
@@ -312,6 +333,19 @@ def main() -> None:
         sig = f"{ts:8.3f}" if ts else "       -"
         c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}" + (" ws" if cfg.warp_specialize else "")
         print(f"{f'{m}x{n}x{k}':>20} {kind:>20} {tc:8.3f} {tt:8.3f} {tc / tt:8.2f} {sig} {epi} {epi_same}  {c}")
+    if variants:
+        print(f"\nsignalling points vs the plain kernel with the same config (CUDA graph), "
+              f"'{signal_modes[0]}' first:")
+        for m, n, k, kind, mode, over, first, ok in variants:
+            print(f"{f'{m}x{n}x{k}':>20} {kind:>20} {signal_modes[0]} {100 * first:+6.1f}%  {mode} {100 * over:+6.1f}%"
+                  f"{'' if ok else '  COUNTERS WRONG'}")
+        for mode in signal_modes[1:]:
+            xs = [1 + over for *_, md, over, _, _ in variants if md == mode]
+            ys = [1 + first for *_, md, _, first, _ in variants if md == mode]
+            gx = statistics.geometric_mean(xs)
+            gy = statistics.geometric_mean(ys)
+            print(f"{mode}: geomean {100 * (gx - 1):+.1f}% (max {100 * (max(xs) - 1):+.1f}%) against "
+                  f"{signal_modes[0]} {100 * (gy - 1):+.1f}% (max {100 * (max(ys) - 1):+.1f}%)")
     if table_op:
         print(f"\nthe whole op on a 1-rank NCCL group (GEMM + per-group wait + NCCL), CUDA graph, ms:")
         print(f"{'M x N x K':>20} {'mm+AR':>8} {'spin':>8} {'stream':>8}  groups")

@@ -192,8 +192,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("signal_at", ["group_end", "next_tile"])
 @pytest.mark.parametrize("kind,m,n,k,world,bm,bn,group_m,programs,groups,outer,bias,bt", CASES)
-def test_signal_epilogue_layout(K, kind, m, n, k, world, bm, bn, group_m, programs, groups, outer, bias, bt):
+def test_signal_epilogue_layout(K, kind, m, n, k, world, bm, bn, group_m, programs, groups, outer, bias, bt,
+                                signal_at):
+    """Both signalling points count every tile of every group exactly once (a deferred count
+    that lost a program's final group, or counted one twice, would leave a counter off)."""
     torch.manual_seed(m * 1000 + n)
     plan = _plan(kind, m, n, k, world, bm, bn, group_m, programs, groups, outer if kind != "gemm_allreduce" else 1,
                  has_bias=bias)
@@ -203,11 +207,24 @@ def test_signal_epilogue_layout(K, kind, m, n, k, world, bm, bn, group_m, progra
     want, sched = _expected_send(a, b, bvec, plan)
     send = torch.full_like(want, float("nan"))  # poison: every element must be written
     cfg = K.GemmConfig(bm, bn, 16, group_m, 2, 4, True, False)
-    send, counters = _interp_or_skip(lambda: K.gemm_signal_into(a, b, bvec, plan, send=send, config=cfg))
+    send, counters = _interp_or_skip(lambda: K.gemm_signal_into(a, b, bvec, plan, send=send, config=cfg,
+                                                                 signal_at=signal_at))
     assert not torch.isnan(send).any()
     torch.testing.assert_close(send, want, rtol=1e-4, atol=1e-4)
     tiles = [hi - lo for lo, hi in sched.exec_ranges()]
     assert counters.tolist() == tiles
+
+
+def test_signal_at_none_counts_nothing_and_bad_values_are_refused(K):
+    plan = _plan("gemm_allreduce", 50, 40, 24, 2, 16, 16, 2, 4, 3, 1)
+    a, b = torch.randn(50, 24), torch.randn(24, 40)
+    cfg = K.GemmConfig(16, 16, 16, 2, 2, 4, True, False)
+    send, counters = _interp_or_skip(lambda: K.gemm_signal_into(a, b, None, plan, config=cfg, signal_at="none"))
+    assert counters.tolist() == [0, 0, 0]
+    want, _ = _expected_send(a, b, None, plan)
+    torch.testing.assert_close(send, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="signal_at must be one of"):
+        K.gemm_signal_into(a, b, None, plan, config=cfg, signal_at="later")
 
 
 @pytest.mark.parametrize("m,n,k,bias", [(50, 40, 24, True), (33, 37, 21, False), (64, 32, 48, False)])

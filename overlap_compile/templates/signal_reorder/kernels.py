@@ -139,6 +139,24 @@ if _HAVE_TRITON:
                                          is_pure=False, pack=1)
 
     @triton.jit
+    def _signal_group(counter_ptr, g, count, C_TMA: tl.constexpr, HW_BARRIER: tl.constexpr,
+                      SIGNAL_SCOPE: tl.constexpr):
+        """Add this program's ``count`` tiles to group ``g``'s counter once its stores landed.
+
+        CTA barrier: every thread's stores happen before the one release atomic of this CTA; the
+        waiter's acquire then makes the tiles visible to the collective. On the GPU a plain
+        bar.sync in inline asm: tl.debug_barrier() inside the flattened persistent loop stops
+        Triton from multi-buffering the operand loads (sm_90 build: 49 KB of shared memory
+        instead of 180 KB)."""
+        if HW_BARRIER:
+            if C_TMA:
+                g = _bulk_store_wait(g)
+            g = _cta_barrier(g)
+        else:
+            tl.debug_barrier()
+        tl.atomic_add(counter_ptr + g, count, sem="release", scope=SIGNAL_SCOPE)
+
+    @triton.jit
     def _gemm_kernel(
         a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, counter_ptr, wave_tbl,
         rows, N, K,                       # rows: rows of the tile grid (one stripe's rows when striped)
@@ -148,6 +166,7 @@ if _HAVE_TRITON:
         A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr,
         SIGNAL: tl.constexpr, HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, HW_BARRIER: tl.constexpr, SIGNAL_SCOPE: tl.constexpr,
+        SIGNAL_AT: tl.constexpr = 1,
     ):
         """Persistent GEMM: program p computes exec ids p, p + programs, ... (one wave per step).
 
@@ -155,6 +174,12 @@ if _HAVE_TRITON:
         outer == 1; or chunk % BLOCK_M == 0), else row by row through pointers (A_TMA=False).
         B is read by TMA as [K, N] row-major or, for a transposed weight, as [N, K] (B_KMAJOR).
         Out-of-range rows/cols read as zeros (TMA zero padding / masks), so edge tiles are right.
+
+        SIGNAL_AT (with SIGNAL): when a program counts its tiles of a wave group (SIGNAL_AT in
+        the launcher): 1 = right after its last tile of the group is stored (waits for that
+        store); 2 = in the epilogue of its next tile, before that tile's store (the earlier store
+        had a whole K loop to land: no wait, but the group is counted one tile later); the
+        program's final group is counted after the loop. 0 = never (prices the rest).
         """
         pid = tl.program_id(0)
         # (not tl.cdiv: only core builtins, so the interpreter runs this whatever order
@@ -176,6 +201,10 @@ if _HAVE_TRITON:
                 # Read the wave table before the K loop: its latency hides under the MMAs instead
                 # of stalling the epilogue.
                 g, slot, group_lo, group_hi = send_slot_jit(e, programs, stripes, wave_tbl)
+                if SIGNAL_AT == 2:
+                    prev_wave = tl.maximum(e // programs - 1, 0)
+                    g_prev = tl.load(wave_tbl + 3 * prev_wave)
+                    prev_lo = tl.load(wave_tbl + 3 * prev_wave + 1)
             a_row0 = global_row_jit(stripe, r0, stripes, chunk)
             loc_rows = r0 + offs_m
             a_rows = global_row_jit(stripe, loc_rows, stripes, chunk).to(tl.int64)
@@ -206,6 +235,12 @@ if _HAVE_TRITON:
             if SIGNAL:
                 # Padding rows/cols must be zero (bias, or a neighbouring stripe's rows read by TMA).
                 out = tl.where(valid, acc, 0.0).to(c_ptr.dtype.element_ty)
+                if SIGNAL_AT == 2:
+                    # This tile opens a new group for this program: count the previous one now,
+                    # its stores have had this tile's whole K loop to land.
+                    if (e >= programs) & (g_prev != g):
+                        _signal_group(counter_ptr, g_prev, prev_wave - prev_lo // programs + 1, C_TMA,
+                                      HW_BARRIER, SIGNAL_SCOPE)
                 if C_TMA:
                     # c_desc views the send buffer as [num_exec * BM, BN]: slot s = rows s*BM...
                     c_desc.store([slot * BLOCK_M, 0], out)
@@ -218,26 +253,24 @@ if _HAVE_TRITON:
                 # earlier ones early buys nothing, while it would make every tile wait for its
                 # own store to land. No loop-carried counter: Triton 3.6's loop flattening
                 # rejects extra loop-carried values (its FuseNestedLoops pass fails).
-                if e + programs >= group_hi:
-                    mine = e // programs - group_lo // programs + 1
-                    # CTA barrier: every thread's stores happen before the one release atomic of
-                    # this CTA; the waiter's acquire then makes the tiles visible to the
-                    # collective. On the GPU a plain bar.sync in inline asm: tl.debug_barrier()
-                    # inside the flattened persistent loop stops Triton from multi-buffering
-                    # the operand loads (sm_90 build: 49 KB of shared memory instead of 180 KB).
-                    if HW_BARRIER:
-                        if C_TMA:
-                            g = _bulk_store_wait(g)
-                        g = _cta_barrier(g)
-                    else:
-                        tl.debug_barrier()
-                    tl.atomic_add(counter_ptr + g, mine, sem="release", scope=SIGNAL_SCOPE)
+                if SIGNAL_AT == 1:
+                    if e + programs >= group_hi:
+                        _signal_group(counter_ptr, g, e // programs - group_lo // programs + 1, C_TMA, HW_BARRIER,
+                                      SIGNAL_SCOPE)
             else:
                 out = acc.to(c_ptr.dtype.element_ty)
                 if C_TMA:
                     c_desc.store([r0, n0], out)
                 else:
                     tl.store(c_ptr + loc_rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out, mask=valid)
+        if SIGNAL:
+            if SIGNAL_AT == 2:
+                if pid < num_exec:  # this program's final group: counted once its last store landed
+                    last_wave = (pid + (num_exec - 1 - pid) // programs * programs) // programs
+                    g_last = tl.load(wave_tbl + 3 * last_wave)
+                    lo_last = tl.load(wave_tbl + 3 * last_wave + 1)
+                    _signal_group(counter_ptr, g_last, last_wave - lo_last // programs + 1, C_TMA, HW_BARRIER,
+                                  SIGNAL_SCOPE)
 
     # The bounded one-thread waiter lives in runtime.spin_wait (p2p_ring waits on peers' flags
     # with it too); here it runs in GEQ mode at GPU scope on the wave-group counters.
@@ -428,10 +461,15 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
 
 _compile_fallbacks: dict[tuple, tuple[GemmConfig, bool]] = {}
 
+# When a program counts its tiles of a wave group (_gemm_kernel's SIGNAL_AT): "group_end" after
+# storing its last tile of the group (waits for that store), "next_tile" in its next tile's
+# epilogue (no wait, one tile later), "none" never (benchmarks price the rest of the epilogue).
+SIGNAL_AT = {"none": 0, "group_end": 1, "next_tile": 2}
+
 
 def _launch(ops: _Operands, bias: torch.Tensor | None, c: torch.Tensor, c_desc: Any, counters: torch.Tensor | None,
             wave_tbl: torch.Tensor | None, rows: int, n: int, k: int, num_exec: int, programs: int, stripes: int,
-            chunk: int, cfg: GemmConfig, signal: bool, scope: str = "gpu") -> GemmConfig:
+            chunk: int, cfg: GemmConfig, signal: bool, scope: str = "gpu", signal_at: str = "group_end") -> GemmConfig:
     """Launch _gemm_kernel; if this Triton cannot build the config (warp specialization or loop
     flattening unsupported, shared memory exceeded, a TMA box it rejects), retry with the next
     simpler variant (last: no TMA at all), warn once, and remember the variant that ran.
@@ -441,7 +479,9 @@ def _launch(ops: _Operands, bias: torch.Tensor | None, c: torch.Tensor, c_desc: 
         # never reach it.
         cfg = dataclasses.replace(cfg, warp_specialize=False)
     uses_tma = ops.a_desc is not None or ops.b_desc is not None or c_desc is not None
-    key = (cfg, signal, scope, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None,
+    if signal_at not in SIGNAL_AT:
+        raise ValueError(f"{TEMPLATE}: signal_at must be one of {sorted(SIGNAL_AT)}, got {signal_at!r}")
+    key = (cfg, signal, scope, signal_at, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None,
            ops.a.dtype, bias is not None)
     if key in _compile_fallbacks:
         tries = [_compile_fallbacks[key]]
@@ -471,7 +511,7 @@ def _launch(ops: _Operands, bias: torch.Tensor | None, c: torch.Tensor, c_desc: 
                 A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_KMAJOR=kmajor,
                 C_TMA=cd is not None, SIGNAL=signal, HAS_BIAS=bias is not None, FLATTEN=attempt.flatten,
                 WARP_SPEC=attempt.warp_specialize, DOT_PRECISION=_dot_precision(ops.a.dtype),
-                HW_BARRIER=c.is_cuda, SIGNAL_SCOPE=scope, num_warps=attempt.num_warps, num_stages=attempt.num_stages,
+                HW_BARRIER=c.is_cuda, SIGNAL_SCOPE=scope, SIGNAL_AT=SIGNAL_AT[signal_at], num_warps=attempt.num_warps, num_stages=attempt.num_stages,
             )
         except Exception as e:  # compile failures surface as several exception types across versions
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -560,7 +600,7 @@ def _layout(device: torch.device, plan: GemmCollectivePlan) -> _Layout:
 
 def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: GemmCollectivePlan,
                      send: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                     config: GemmConfig | None = None, scope: str = "gpu",
+                     config: GemmConfig | None = None, scope: str = "gpu", signal_at: str = "group_end",
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the GEMM and its signalling epilogue: every exec id's tile at its send slot of
     ``send`` ([num_exec, BM, BN]) and one count per tile on ``counters[group]``; no waits, no
@@ -568,7 +608,8 @@ def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 
     ``scope``: memory scope of the per-tile release atomic. "gpu" when the waiter is a kernel on
     this GPU (the spin waiter; NCCL then runs after it in stream order); "sys" when the
-    waiter is the stream front end (cuStreamWaitValue32), as measured in DESIGN.md."""
+    waiter is the stream front end (cuStreamWaitValue32), as measured in DESIGN.md.
+    ``signal_at``: see SIGNAL_AT."""
     lay = _layout(a.device, plan)
     grid, sched = lay.grid, lay.sched
     c = plan.config
@@ -588,7 +629,7 @@ def gemm_signal_into(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     flat = send.view(-1, grid.block_n)  # slot s = rows [s*BM, (s+1)*BM) of this view
     send_desc = TensorDescriptor.from_tensor(flat, [grid.block_m, grid.block_n]) if _tma_ok(flat) else None
     _launch(ops, bias, send, send_desc, counters, lay.wave_tbl, grid.rows, plan.n, plan.k, sched.num_exec,
-            sched.programs, stripes, chunk, cfg, signal=True, scope=scope)
+            sched.programs, stripes, chunk, cfg, signal=True, scope=scope, signal_at=signal_at)
     return send, counters
 
 
