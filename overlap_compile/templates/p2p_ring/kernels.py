@@ -5,18 +5,9 @@ flags in symmetric memory. Row stripes only (``outer == 1``, slices 1, one direc
 STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
 CUDA-graph replays); spec.gpu_implemented is True.
 
-The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair); each
-rank owns a uint32 flag buffer of 2W entries in symmetric memory:
-
-    READY[q]   (q's data for me is in place)     written 1 by q, consumed (-> 0) by my wait
-    BUSY[q]    (q still has to read / sum the     written 1 by me when I publish, 0 by q once it
-               data I gave it)                    is done with it; I wait for 0 before reuse
-
-Flags are written with ``cuStreamWriteValue32`` (runtime.symm.write_value32: stream order,
-fenced, no kernel, also under graph capture) and waited on with runtime.spin_wait's bounded one-thread
-kernel (a timeout names the template, the ring step and the flag's value at the next call or at
-``check_errors``). Every flag is back at 0 once all ranks have finished a call, so calls (and
-CUDA-graph replays) need no memset and no host-side state that changes between calls.
+The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair). Each
+data buffer has a READY / BUSY flag pair per peer (runtime.peer_flags: written by stream memory
+operations, waited on with bounded one-thread kernels, back at 0 after every call).
 
 All-gather -> GEMMs (pull)::
 
@@ -53,11 +44,9 @@ host-to-device copy, capturable in a CUDA graph; buffers are allocated once (run
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from ...runtime import comm, spin_wait, symm
+from ...runtime import comm, peer_flags, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
 from .reference import a2a_pair, ag_source, check_config, rs_stripe
 from .sum_kernel import sum_into
@@ -65,8 +54,8 @@ from .sum_kernel import sum_into
 TEMPLATE = "p2p_ring"
 
 
-class SignalTimeoutError(RuntimeError):
-    """A bounded wait on a peer's flag ran past signal_timeout_ms (or saw an impossible value)."""
+# Timeouts of its flag waits (runtime.peer_flags names the template and the wait).
+SignalTimeoutError = peer_flags.PeerWaitTimeoutError
 
 
 # ---- where to run ----------------------------------------------------------------------------
@@ -82,85 +71,23 @@ def usable(group_name: str, device: torch.device, plan) -> str | None:
     return symm.usable(group_name, device)
 
 
-# ---- streams, flags, errors --------------------------------------------------------------------
+# ---- streams, flags, errors (runtime.peer_flags) ------------------------------------------------
 
-_streams: dict[int, torch.cuda.Stream] = {}
-_lock = threading.Lock()
-_tags: dict[str, int] = {}
-_tag_text: dict[int, str] = {}
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """This device's stream for peer copies and flag writes. High priority: the wait kernels
-    queued on it must get an SM slot ahead of the GEMM's next CTAs."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _lock:
-        s = _streams.get(index)
-        if s is None:
-            _, greatest = torch.cuda.Stream.priority_range()
-            s = _streams[index] = torch.cuda.Stream(device=index, priority=greatest)
-        return s
+copy_stream = peer_flags.copy_stream
 
 
 def _tag(text: str) -> int:
-    """A small integer standing for a wait's description (the kernel records the integer)."""
-    with _lock:
-        t = _tags.get(text)
-        if t is None:
-            t = _tags[text] = len(_tags) + 1
-            _tag_text[t] = text
-        return t
-
-
-def describe(tag: int) -> str:
-    return _tag_text.get(tag, f"wait #{tag}")
+    return peer_flags.tag(f"{TEMPLATE}: {text}")
 
 
 def check_errors(device: torch.device | int | None = None, synchronize: bool = True) -> None:
-    """Raise SignalTimeoutError if a bounded wait of this template failed on ``device`` (after a
-    synchronisation unless ``synchronize=False``)."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif isinstance(device, int):
-        device = torch.device("cuda", device)
-    rec = spin_wait.failure(device, synchronize)
-    if rec is None:
-        return
-    tag, seen, target = rec
-    spin_wait.clear(device)
-    raise SignalTimeoutError(
-        f"{TEMPLATE}: {describe(tag)}: the flag read {seen}, expected {target} within signal_timeout_ms "
-        f"(device cuda:{device.index}); a peer is not running the same plan or has failed. The results of "
-        f"that call are invalid.")
+    """Raise SignalTimeoutError if a bounded flag wait failed on ``device``."""
+    peer_flags.check_errors(device, synchronize)
 
 
-class _Flags:
-    """One call's view of the flag buffer: READY at [0, W), BUSY at [W, 2W)."""
-
-    def __init__(self, group_name: str, key: str, world: int, device: torch.device, timeout_ms: int, what: str):
-        self.buf = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}/flags", (2 * world,), torch.uint32, device,
-                                    zero=True)
-        self.rank, self.world, self.timeout_ms, self.what = self.buf.rank, world, timeout_ms, what
-
-    def ready(self, to: int) -> None:
-        """READY[me] = 1 on rank ``to`` (after everything queued before on this stream)."""
-        symm.write_value32(self.buf.peer(to), self.rank, 1)
-
-    def busy(self, reader: int) -> None:
-        symm.write_value32(self.buf.local, self.world + reader, 1)
-
-    def release(self, owner: int) -> None:
-        """Tell ``owner`` I am done with the data it gave me: BUSY[me] = 0 on ``owner``."""
-        symm.write_value32(self.buf.peer(owner), self.world + self.rank, 0)
-
-    def wait_ready(self, src: int, step: int) -> None:
-        tag = _tag(f"{self.what}, ring step {step}: wait for rank {src}'s data (READY flag {src})")
-        spin_wait.wait_value(self.buf.local, src, 1, self.timeout_ms, tag, until_equal=True, sys_scope=True)
-
-    def wait_free(self, reader: int) -> None:
-        tag = _tag(f"{self.what}, call start: wait for rank {reader} to release my buffer (BUSY flag {reader})")
-        spin_wait.wait_value(self.buf.local, self.world + reader, 0, self.timeout_ms, tag, until_equal=True,
-                             sys_scope=True)
+def _Flags(group_name: str, key: str, world: int, device: torch.device, timeout_ms: int,
+           what: str) -> peer_flags.PeerFlags:
+    return peer_flags.PeerFlags(TEMPLATE, group_name, key, world, device, timeout_ms, what)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
