@@ -36,6 +36,9 @@ class Options:
     enabled: bool = True
     templates: tuple[str, ...] = TEMPLATE_NAMES
     force_template: str | None = None
+    # with force_template: the configuration to use instead of the predicted best, as JSON text
+    # (a dict is accepted and stored as its JSON); the template's plan() validates it
+    force_config: str | None = None
     min_speedup: float = 1.03
     profile: str = "auto"
     search: str = "predict"
@@ -68,6 +71,15 @@ def _validate(o: Options) -> None:
         _fail("templates", o.templates, f"a subset of {list(TEMPLATE_NAMES)}")
     if o.force_template is not None and o.force_template not in TEMPLATE_NAMES + ("baseline",):
         _fail("force_template", o.force_template, f"None, 'baseline' or one of {list(TEMPLATE_NAMES)}")
+    if o.force_config is not None:
+        try:
+            cfg = json.loads(o.force_config) if isinstance(o.force_config, str) else None
+        except ValueError:
+            cfg = None
+        if not isinstance(cfg, dict):
+            _fail("force_config", o.force_config, "None or a JSON object (a dict) of the template's configuration")
+        if o.force_template in (None, "baseline"):
+            _fail("force_config", o.force_config, "a configuration only together with force_template=<a template>")
     if isinstance(o.min_speedup, bool) or not isinstance(o.min_speedup, (int, float)) or not o.min_speedup > 0:
         _fail("min_speedup", o.min_speedup, "a number > 0 (1.0 = rewrite whenever predicted faster)")
     if not isinstance(o.profile, str) or not o.profile:
@@ -100,6 +112,8 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, (list, tuple, set, frozenset)):
             return tuple(sorted(value, key=lambda t: TEMPLATE_NAMES.index(t) if t in TEMPLATE_NAMES else 99))
         return value
+    if key == "force_config" and isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
     if not isinstance(value, str):
         return value
     text = value.strip()
@@ -110,7 +124,7 @@ def _coerce(key: str, value: Any) -> Any:
         if low in ("0", "false", "no", "off"):
             return False
         return text
-    if key in ("force_template", "dump_dir") and text.lower() in ("", "none"):
+    if key in ("force_template", "force_config", "dump_dir") and text.lower() in ("", "none"):
         return None
     if key == "min_speedup":
         try:

@@ -50,6 +50,9 @@ def test_patch_is_thread_local():
         ("search", "guess", "'predict', 'exhaustive'"),
         ("templates", ["nope"], "a subset of"),
         ("force_template", "magic", "one of"),
+        ("force_config", "[1, 2]", "a JSON object"),
+        ("force_config", "{not json", "a JSON object"),
+        ("force_config", {"chunks": 2}, "only together with force_template"),
         ("wave_group_first_max", 0, "an integer >= 1"),
         ("comm_priority", 3, "'highest' or an integer <= 0"),
         ("signal_timeout_ms", 0, "milliseconds > 0"),
@@ -98,3 +101,11 @@ def test_environment_changes_are_seen_after_caching(monkeypatch):
     assert (config.current().min_speedup, config.current().comm_priority) == (1.5, -2)
     monkeypatch.delenv("OVERLAP_COMPILE_MIN_SPEEDUP")
     assert config.current().min_speedup == 1.03
+
+
+def test_force_config_takes_a_dict_or_json_text(monkeypatch):
+    with oc.config.patch(force_template="p2p_ring", force_config={"transport": "p2p", "slices": 1}):
+        assert config.current().force_config == '{"slices": 1, "transport": "p2p"}'
+    monkeypatch.setenv("OVERLAP_COMPILE_FORCE_TEMPLATE", "priority_stream")
+    monkeypatch.setenv("OVERLAP_COMPILE_FORCE_CONFIG", '{"chunks": 4}')
+    assert config.current().force_config == '{"chunks": 4}'

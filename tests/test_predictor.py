@@ -478,6 +478,15 @@ def test_decide_respects_templates_and_force_template(group):
     with config.patch(force_template="baseline"):
         (d,) = decide([match], config.current(), p)
     assert d.template == "baseline"
+    # force_config: exactly that configuration, predicted; one the template refuses: the site stays
+    cfg = dict(ranked[-1].config)
+    with config.patch(force_template="signal_reorder", force_config=cfg):
+        (d,) = decide([small], config.current(), p)
+    assert d.template == "signal_reorder" and d.config == cfg and "force_config" in d.reason
+    assert d.candidates[-1].config == cfg and d.candidates[-1].predicted_ms > 0
+    with config.patch(force_template="priority_stream", force_config={"chunks": 0}):
+        (d,) = decide([small], config.current(), p)
+    assert d.template == "baseline" and "force_config" in d.reason and "chunks" in d.reason
 
 
 def test_explain_path_shows_every_candidate(group):

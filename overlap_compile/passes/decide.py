@@ -9,6 +9,7 @@ gets a reason.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from ..config import Options
@@ -73,6 +74,16 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         if problem:
             return Decision(match, BASELINE, None, f"force_template={forced!r} cannot take this site: {problem}", cands)
         spec = templates.get_spec(forced)
+        if options.force_config is not None:
+            config = json.loads(options.force_config)
+            try:
+                spec.plan(match, config, options.signal_timeout_ms)
+            except ValueError as e:
+                return Decision(match, BASELINE, None, f"force_config {config} cannot take this site: {e}", cands)
+            sched = predictor.schedule_for(spec, match, config, profile) if profile is not None else None
+            cands.append(Candidate(forced, config, sched.total_ms if sched is not None else None,
+                                   sched.note if sched is not None else "no latency model for this config"))
+            return Decision(match, forced, config, f"force_template={forced!r}, force_config={config}", cands)
         ranked = predictor.rank_configs(spec, match, profile, options) if profile is not None else []
         config = next((c.config for c in ranked if c.config is not None), None) or spec.default_config(match)
         cands += ranked or [Candidate(forced, config, None)]
