@@ -7,7 +7,10 @@ sequential vs the overlap templates, over the shapes.json "moe" set.
 Per shape (S tokens per rank, hidden H, expert FFN I, E experts, top-k), host-launched:
 
 * ``forward`` (inference: no grad) -- ``sequential`` (torch.compile, the layer as written:
-  all_to_all -> SwiGLU bmm -> all_to_all) vs ``moe_fused`` (forced: the piece pipeline);
+  all_to_all -> SwiGLU bmm -> all_to_all) vs ``moe_fused`` (forced: the piece pipeline, the
+  predicted-best configuration) and, on GPUs, each transport forced: ``moe_fused_nccl``
+  (``{"split": "source"}``, NCCL) and ``moe_fused_p2p`` (``{"split": "source", "transport":
+  "p2p"}``, copy engine);
 * ``train`` (forward + backward) -- ``sequential`` vs ``moe_fused`` (forced) vs ``overlap`` (the
   predictor's choice). moe_fused takes sections whose intermediates stay inside, so training
   sections are reported with that reason and left as written: these rows measure the pass's
@@ -39,14 +42,17 @@ DRY_SHAPES = [{"name": "tiny-8", "S": 64, "H": 32, "I": 48, "E": 8, "topk": 2},
               {"name": "tiny-16", "S": 64, "H": 32, "I": 48, "E": 16, "topk": 2}]
 
 
-def compiled_layer(layer, force: str | None, report):
+def compiled_layer(layer, force: str | None, report, config: dict | None = None):
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
 
     fn = torch.compile(layer, backend=functools.partial(overlap_backend, report=report))
+    options = {"force_template": force} if force else {}
+    if config is not None:
+        options["force_config"] = config
 
     def call(x):
-        with oc.config.patch(**({"force_template": force} if force else {})):
+        with oc.config.patch(**options):
             return fn(x)
 
     return call
@@ -74,17 +80,20 @@ def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None
         torch.manual_seed(1 + rank)
         x = torch.randn(shape["S"], shape["H"], device=device, dtype=dtype)
         tokens = w * shape["S"]
-        for phase, variants in (("forward", (("sequential", "baseline"), ("moe_fused", "moe_fused"))),
-                                ("train", (("sequential", "baseline"), ("moe_fused", "moe_fused"),
-                                           ("overlap", None)))):
+        forward = [("sequential", "baseline", None), ("moe_fused", "moe_fused", None)]
+        if not dry:
+            forward += [("moe_fused_nccl", "moe_fused", {"split": "source"}),
+                        ("moe_fused_p2p", "moe_fused", {"split": "source", "transport": "p2p"})]
+        train = [("sequential", "baseline", None), ("moe_fused", "moe_fused", None), ("overlap", None, None)]
+        for phase, variants in (("forward", forward), ("train", train)):
             ref_out, ref_ms = None, None
-            for name, force in variants:
+            for name, force, config in variants:
                 row = {**base, "shape": shape["name"], "phase": phase, "variant": name}
                 try:
                     torch._dynamo.reset()
                     report = oc.Report()
                     with no_compile_caches():
-                        fn = compiled_layer(layer, force, report)
+                        fn = compiled_layer(layer, force, report, config)
                         if phase == "forward":
                             def step():
                                 with torch.no_grad():

@@ -158,3 +158,29 @@ def test_signal_reorder_search_stays_fast_with_thousands_of_waves():
     assert any(models.sr_geometry(site, c, p).waves > models.MAX_SEARCHED_WAVES for c in configs)
     # a coarse partition of 1000 waves in units of 8: first/last one unit, the rest in between
     assert all(sum(g) == 1000 for g in models.coarse_partitions(1000, 1.0, lambda lo, hi, last: 0.1, 2, 4))
+
+
+def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
+    """moe_fused over the copy engine at W = 2: stage + the own first half (the pull runs beside
+    it) + the peer piece + the own second half (the push runs beside it) + placing the returned
+    piece; the NCCL pipeline pays its all-to-alls with contention and comes out slower."""
+    p = h200()
+    E, C, H, F = 4, 1024, 4096, 14336
+    m = E * 2 * C
+    site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
+    ctx = Ctx(mode="cuda_graph")
+    ce = models.moe_fused(site, {"split": "source", "transport": "p2p"}, p, ctx)
+    piece = site.coll_bytes() / 2
+    xfer = models.comm_call_ms(site, p, piece, ctx, collective="copy_engine")
+    e_piece = models.slice_ms(site, p, m // 2)
+    stage = models.hbm_ms(p, 2 * piece) + models.peer_sync_ms(p)
+    slow = models.copy_engine_slowdown(p)
+    own0 = models.slowed(e_piece / 2, xfer, slow)  # the pull runs beside it (experts >> pull here)
+    want = stage + own0 + e_piece + e_piece / 2 + models.hbm_ms(p, 2 * piece)
+    assert xfer < e_piece / 2  # so the push hides behind the own second half
+    assert ce.total_ms == pytest.approx(want)
+    labels = [e.label for e in ce.events]
+    assert labels.index("pull 1") < labels.index("experts 1") < labels.index("push 1")
+    nccl = models.moe_fused(site, {"split": "source"}, p, ctx)
+    base = models.baseline(site, p, ctx)
+    assert ce.total_ms < base.total_ms < nccl.total_ms

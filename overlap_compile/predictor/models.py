@@ -935,6 +935,8 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     bytes/(W-1) (on a switched fabric a pair gets the per-rank bandwidth)."""
     if site.kind != "moe":
         return None
+    if config.get("transport") == "p2p":
+        return moe_fused_copy_engine(site, profile, ctx)
     W = max(1, site.world)
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
@@ -971,6 +973,52 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
                     f"{how} of {nbytes / 2**20:.1f} MiB")
 
 
+def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
+    pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
+    buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
+    back (the copy curve, one copy at a time), then pushes each result home once its experts are
+    done. The compute stream: the own tokens' first half, each peer piece once pulled, the own
+    second half; expert GEMMs run ``copy_engine_slowdown`` slower while a copy runs beside them.
+    Last, the W-1 returned pieces copied into the output (read + write) after one handshake.
+    Not yet measured on a GPU."""
+    W = max(1, site.world)
+    piece_bytes = site.coll_bytes() / W
+    xfer = comm_call_ms(site, profile, piece_bytes, ctx, collective="copy_engine", contended=False)
+    slow = copy_engine_slowdown(profile)
+    e_piece = slice_ms(site, profile, max(1, site.m // W))
+    sync = peer_sync_ms(profile)
+    stage = hbm_ms(profile, 2 * (W - 1) * piece_bytes) + sync
+    events = [Event("compute", "stage peer slots + handshake", 0.0, stage)]
+    t_copy = stage
+    pulled = []
+    for k in range(1, W):
+        events.append(Event("comm", f"pull {k}", t_copy, t_copy + xfer))
+        t_copy += xfer
+        pulled.append(t_copy)
+
+    def experts(label: str, start: float, alone: float) -> float:
+        busy = max(0.0, t_copy - start)  # copies still running when this piece starts
+        end = start + slowed(alone, busy, slow)
+        events.append(Event("compute", label, start, end))
+        return end
+
+    t = experts("experts own[0]", stage, e_piece / 2)
+    for k, ready in enumerate(pulled, start=1):
+        t = experts(f"experts {k}", max(t, ready), e_piece)
+        start = max(t, t_copy)
+        events.append(Event("comm", f"push {k}", start, start + xfer))
+        t_copy = start + xfer
+    t = experts("experts own[1]", t, e_piece / 2)
+    place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
+    start = max(t, t_copy + sync if W > 1 else t)
+    events.append(Event("compute", "place returned pieces", start, start + place))
+    base = baseline(site, profile, ctx)
+    return Schedule(start + place, events, base.bound_ms if base else None,
+                    f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
+                    f"experts {e_piece:.4f} ms per piece")
+
+
 MODELS: dict[str, Model] = {
     "signal_reorder": signal_reorder,
     "p2p_ring": p2p_ring,
@@ -982,7 +1030,7 @@ MODELS: dict[str, Model] = {
 # Transports that need every rank of the group on one node with peer access (symmetric memory,
 # peer copies). A config is judged by its "transport" key; these templates need it always.
 PEER_TRANSPORTS = ("p2p", "symm_mem", "copy_engine")
-PEER_ONLY_TEMPLATES = ("tile_fused",)  # moe_fused's pieces travel by NCCL all-to-all
+PEER_ONLY_TEMPLATES = ("tile_fused",)  # moe_fused's pieces: NCCL unless "transport": "p2p"
 
 
 def needs_peer_access(template: str, config: dict | None) -> bool:

@@ -1,6 +1,8 @@
-"""moe_fused's CUDA path (templates/moe_fused/kernels.py) on NCCL against its reference: both
-ways of cutting the pieces, fp32 (TF32 off), world 2 and 4, eager and captured in a CUDA graph
-(replayed on new inputs). Until this passes on GPUs, spec.gpu_implemented stays False."""
+"""moe_fused's CUDA paths against its reference: kernels_nccl.py (NCCL, both ways of cutting the
+pieces) and kernels.py (copy engine over symmetric memory, by source), fp32 (TF32 off), world 2
+and 4, eager (the copy-engine path 20 calls back to back on new inputs: a flag protocol race
+shows as a moving error) and captured in a CUDA graph (replayed on new inputs). Until these pass
+and win on GPUs, spec.gpu_implemented stays False."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +20,7 @@ E_LOCAL, CAP, H, F_ = 2, 96, 256, 384
 def _kernels_vs_reference() -> list[str]:
     import torch.distributed as dist
 
-    from overlap_compile.templates.moe_fused import kernels, reference
+    from overlap_compile.templates.moe_fused import kernels, kernels_nccl, reference
     from overlap_compile.templates.plans import MoePlan
 
     rank, w = dist.get_rank(), dist.get_world_size()
@@ -27,29 +29,37 @@ def _kernels_vs_reference() -> list[str]:
     group = dist.group.WORLD.group_name
     dev = torch.device("cuda", rank)
     fails = []
-    if not kernels.usable(group, dev):
-        return [f"rank {rank}: kernels.usable() is False on an NCCL group"]
+    if not kernels_nccl.usable(group, dev):
+        return [f"rank {rank}: kernels_nccl.usable() is False on an NCCL group"]
+    p2p = {"split": "source", "transport": "p2p"}
+    why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, p2p))
+    if why is not None:
+        return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
     torch.manual_seed(rank)
     ws = [torch.randn(E_LOCAL, H, F_, device=dev) / 16, torch.randn(E_LOCAL, H, F_, device=dev) / 16,
           torch.randn(E_LOCAL, F_, H, device=dev) / 20]
-    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}):
+    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}, p2p):
+        impl = kernels if config.get("transport") == "p2p" else kernels_nccl
         plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, config)
         one_shot = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"pieces": 1})
-        buf = torch.randn(w * E_LOCAL * CAP, H, device=dev)
-        want = reference.run(buf, *ws, group, one_shot)
-        got = kernels.run(buf, *ws, group, plan)
-        err = ((got - want).norm() / want.norm()).item()
-        if not err < 1e-5:
-            fails.append(f"rank {rank} {config} eager: rel err {err:.3g}")
+        for call in range(20 if impl is kernels else 1):
+            buf = torch.randn(w * E_LOCAL * CAP, H, device=dev)
+            want = reference.run(buf, *ws, group, one_shot)
+            got = impl.run(buf, *ws, group, plan)
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < 1e-5:
+                fails.append(f"rank {rank} {config} eager call {call}: rel err {err:.3g}")
+        if impl is kernels:
+            kernels.check_errors(dev)
         # CUDA graph: warm up on a side stream, capture, replay on new inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            kernels.run(buf, *ws, group, plan)
+            impl.run(buf, *ws, group, plan)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = kernels.run(buf, *ws, group, plan)
+            captured = impl.run(buf, *ws, group, plan)
         buf.copy_(torch.randn_like(buf))
         graph.replay()
         want = reference.run(buf, *ws, group, one_shot)

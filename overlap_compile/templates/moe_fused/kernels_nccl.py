@@ -1,4 +1,5 @@
-"""moe_fused on NVIDIA GPUs: the piece pipeline of reference.py with the pieces' all-to-alls on a
+"""moe_fused on NVIDIA GPUs over NCCL (transport "nccl", the default; kernels.py is the copy-engine
+path): the piece pipeline of reference.py with the pieces' all-to-alls on a
 high-priority communication stream and the experts' cuBLAS bmm on the compute stream, ordered by
 events (no host synchronisation, CUDA-graph capturable).
 

@@ -1,8 +1,9 @@
 """torch.ops.overlap_compile.moe_fused(buf, w1, w3, w2, group_name, plan) -> the combined slots
 ``[W * E_local * C, H]`` (what the section's combine all-to-all returned).
 
-Dispatch: CUDA tensors on an NCCL group run kernels.py (pieces' all-to-alls on a high-priority
-stream, experts on the compute stream, events); everything else runs reference.py, the same
+Dispatch (``path``): CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
+kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels_nccl.py
+(pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
 piece pipeline with asynchronous functional collectives."""
 from __future__ import annotations
 
@@ -28,12 +29,30 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
 
     check_plan_agreement(group_name, plan, "moe_fused")
     buf = buf.contiguous()  # the pieces are views of its rows
-    if buf.is_cuda:
+    where = path(group_name, buf.device, p)
+    if where == "p2p":
         from . import kernels
 
-        if kernels.usable(group_name, buf.device):
-            return kernels.run(buf, w1, w3, w2, group_name, p)
+        return kernels.run(buf, w1, w3, w2, group_name, p)
+    if where == "nccl":
+        from . import kernels_nccl
+
+        return kernels_nccl.run(buf, w1, w3, w2, group_name, p)
     return reference.run(buf, w1, w3, w2, group_name, p)
+
+
+def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
+    """Which implementation a call runs: "p2p" (kernels.py, copy engine), "nccl"
+    (kernels_nccl.py, CUDA streams) or "reference" (CPU, or no usable GPU path)."""
+    if device.type != "cuda":
+        return "reference"
+    from . import kernels, kernels_nccl
+
+    if plan.config.get("transport") == "p2p" and kernels.usable(group_name, device, plan) is None:
+        return "p2p"
+    if kernels_nccl.usable(group_name, device):
+        return "nccl"
+    return "reference"
 
 
 @moe_fused.register_fake

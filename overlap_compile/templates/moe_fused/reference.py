@@ -20,6 +20,12 @@ granularity). Two ways to cut (the plan's config):
         (local)    | dispatch 1 | dispatch 2 ... | combine 1 | combine 2 ...
         experts 0  | experts 1  | experts 2 ...       (combine r after experts r)
 
+    With ``"transport": "p2p"`` (kernels.py, copy engine) the own tokens are cut in two
+    (own_parts): the first half runs while the first dispatch piece travels, the second after
+    the last peer piece, while that piece's combine travels::
+
+        experts own[0] | experts 1 | ... | experts W-1 | experts own[1]
+
 ``{"pieces": p}`` -- the capacity axis C cut into p slices, each a full all-to-all.
 
 The collectives are the asynchronous functional ones on the site's group (gloo here, NCCL on GPUs
@@ -50,6 +56,23 @@ def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tenso
 
 def by_source(config: dict) -> bool:
     return config.get("split", "capacity" if "pieces" in config else "source") == "source"
+
+
+def own_parts(e_local: int, capacity: int) -> list[tuple[slice, slice]]:
+    """The own tokens in two contiguous halves, as (experts, capacity rows) slices of [E, C, H]:
+    by experts when there are two or more, else by capacity rows (one expert)."""
+    if e_local >= 2:
+        half = e_local // 2
+        return [(slice(0, half), slice(0, capacity)), (slice(half, e_local), slice(0, capacity))]
+    half = max(1, capacity // 2)
+    return [(slice(0, 1), slice(0, half)), (slice(0, 1), slice(half, capacity))]
+
+
+def own_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
+                part: tuple[slice, slice]) -> None:
+    """One of own_parts of the own tokens ``x`` [E, C, H] through its experts, into ``out`` [E, C, H]."""
+    ex, rows = part
+    experts(x[ex, rows], w1[ex], w3[ex], w2[ex], out=out[ex, rows])
 
 
 def round_peers(rank: int, world: int, r: int) -> tuple[int, int]:
@@ -84,8 +107,11 @@ def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tens
         sent.append(c10d.all_to_all_single.default(slots[dst], one_peer_splits(w, src, rows),
                                                    one_peer_splits(w, dst, rows), group_name))
     out = buf.new_empty(w, rows, h)
-    # ... the own tokens' experts run while they travel ...
-    out[rank] = experts(slots[rank].view(e, c, h), w1, w3, w2).view(rows, h)
+    # ... the own tokens' experts run while they travel (over the copy engine: the first half
+    # only, the second after the peers' pieces) ...
+    own, own_out = slots[rank].view(e, c, h), out[rank].view(e, c, h)
+    parts = own_parts(e, c) if plan.config.get("transport") == "p2p" else [(slice(0, e), slice(0, c))]
+    own_experts(own, w1, w3, w2, own_out, parts[0])
     back = []
     for r, t in enumerate(sent, start=1):
         dst, src = round_peers(rank, w, r)
@@ -93,6 +119,8 @@ def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tens
         # ... and each piece goes home as soon as its experts are done.
         back.append(c10d.all_to_all_single.default(y, one_peer_splits(w, dst, rows),
                                                    one_peer_splits(w, src, rows), group_name))
+    for part in parts[1:]:
+        own_experts(own, w1, w3, w2, own_out, part)
     for r, t in enumerate(back, start=1):
         dst, _ = round_peers(rank, w, r)
         out[dst] = comm.wait(t)
