@@ -15,6 +15,7 @@ at 0 once all ranks have finished a call, so calls (and CUDA-graph replays) need
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -106,3 +107,18 @@ class PeerFlags:
                 f"(BUSY flag {reader})")
         spin_wait.wait_value(self.buf.local, self.world + reader, 0, self.timeout_ms, t, until_equal=True,
                              sys_scope=True)
+
+    def publish_and_meet(self, peers: list[int], stage: Callable[[], None]) -> None:
+        """A pull's call start, on the current stream: wait until every peer released my buffer
+        (done pulling my last data), ``stage()`` my data into it, mark it busy for every peer,
+        tell them it is ready, and wait until theirs is. Run it before the call's first GEMM:
+        a wait kernel queued behind a running GEMM might find no SM slot until that GEMM ends."""
+        for q in peers:
+            self.wait_free(q)
+        stage()
+        for q in peers:
+            self.busy(q)
+        for q in peers:
+            self.ready(q)
+        for step, src in enumerate(peers, start=1):
+            self.wait_ready(src, step)

@@ -80,17 +80,11 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     srcs = [ref.round_peers(r, w, k)[1] for k in range(1, w)]
     compute, copier = torch.cuda.current_stream(dev), peer_flags.copy_stream(dev)
 
-    # publish my peers' slots and meet them, before any GEMM of this call holds the SMs
-    for q in srcs:
-        fd.wait_free(q)
-    for q in srcs:
-        send.local[q].copy_(slots[q])
-    for q in srcs:
-        fd.busy(q)
-    for q in srcs:
-        fd.ready(q)
-    for k, src in enumerate(srcs, start=1):
-        fd.wait_ready(src, k)
+    def stage():  # the peers' slots into my symmetric buffer, where they pull them from
+        for q in srcs:
+            send.local[q].copy_(slots[q])
+
+    fd.publish_and_meet(srcs, stage)  # before any GEMM of this call holds the SMs
     copier.wait_stream(compute)
     recv = [buf.new_empty(rows, h) for _ in srcs]
     pulled = []

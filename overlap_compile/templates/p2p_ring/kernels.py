@@ -123,15 +123,7 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     peers = [ag_source(r, w, s) for s in range(1, w)]
     # Publish and meet on the compute stream, before the first GEMM: a wait kernel queued
     # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
-    for q in peers:
-        flags.wait_free(q)
-    data.local.copy_(shard)
-    for q in peers:
-        flags.busy(q)
-    for q in peers:
-        flags.ready(q)
-    for s, src in enumerate(peers, start=1):
-        flags.wait_ready(src, s)
+    flags.publish_and_meet(peers, lambda: data.local.copy_(shard))
     copier.wait_stream(compute)
     events = []
     with torch.cuda.stream(copier):
