@@ -1,0 +1,277 @@
+"""The expert FFN of a moe_fused section as one persistent Triton kernel whose tiles start as
+their tokens land (FlashDMoE's fused expert computation, in stock Triton).
+
+    act[s, e] = silu(x[s, e] @ w1[e]) * (x[s, e] @ w3[e])     phase 1: gate and up in one tile
+    y[s, e]   = act[s, e] @ w2[e]                               phase 2
+
+for every source rank s and local expert e (x: ``[W, E, C, H]``, the dispatched slots by
+source). Tiles, by role:
+
+    phase 1 (s, e, mb, fb)  waits for arrival[s, e] (the copy engine landed s's tokens for e),
+                            computes rows mb of act[s, e], columns fb (both GEMMs, the SiLU and
+                            the product), stores them, adds 1 to act_done[s, e, mb]
+    phase 2 (s, e, mb, hb)  waits until act_done[s, e, mb] counts every F block of those rows,
+                            computes y rows mb, columns hb, adds 1 to y_done[s]
+
+Layers: ``_swiglu_experts_kernel`` (persistent: program p takes tiles p, p + P, ...) ->
+``launch`` (one launch over a tile table) -> ``swiglu_experts`` (allocates the counters, optionally
+marks every source as arrived, resets the counters after the kernel).
+
+The tile table (``tile_order``, a lookup table on the device: TileLink's dynamic tile map) lists
+the sources in arrival order (own tokens first, then the ring rounds of reference.round_peers)
+and puts source i's phase-2 tiles after source i+1's phase-1 tiles, so a phase-2 tile's rows
+have had time to be finished. Every tile waits only on tiles earlier in the table, and programs
+take their tiles in table order, so as long as all P programs are resident no wait can depend
+on a tile that is not running or done. Every wait is bounded (tile_fused.primitives.wait_ge):
+past its bound it records [failed, code, index, seen, target] in ``err`` and the kernel runs on;
+``check_errors`` raises. Counters are zeroed after every call (stream order, a memset: no host
+state, capturable).
+
+STATUS: written 2026-11-23 with no GPU lent: the index math, the table order and the signal
+protocol are checked by Triton's interpreter (tests/test_moe_expert_kernel.py); its speed
+against cuBLAS bmm is benchmarks/moe_experts.py, not yet run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..tile_fused import primitives as prim
+from . import reference as ref
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU installs without Triton
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+TEMPLATE = "moe_fused"
+PHASE_ACT, PHASE_OUT = 1, 2
+# err[1] codes of this kernel's waits (primitives.WAIT_* are 1..3)
+WAIT_ARRIVAL, WAIT_ACT = 4, 5
+WAIT_NAMES = {WAIT_ARRIVAL: "tokens of (source, expert) index", WAIT_ACT: "activation rows (source, expert, row block) index"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """Block sizes of the kernel: rows (capacity) per tile, act columns per phase-1 tile, output
+    columns per phase-2 tile, K step."""
+
+    block_m: int = 128
+    block_f: int = 64
+    block_h: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for f in ("block_m", "block_f", "block_h", "block_k"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"ExpertTiles.{f} must be a power of two >= 16, got {v}")
+
+
+@functools.lru_cache(maxsize=64)
+def tile_order(world: int, rank: int, e_local: int, capacity: int, ffn: int, hidden: int,
+               block_m: int, block_f: int, block_h: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(phase, source, expert, row block, column block) of every tile, in execution order."""
+    mb = -(-capacity // block_m)
+    fb, hb = -(-ffn // block_f), -(-hidden // block_h)
+    sources = [rank] + [ref.round_peers(rank, world, k)[1] for k in range(1, world)]
+
+    def phase(p: int, s: int, blocks: int) -> list[tuple[int, int, int, int, int]]:
+        return [(p, s, e, m, n) for e in range(e_local) for m in range(mb) for n in range(blocks)]
+
+    order = phase(PHASE_ACT, sources[0], fb)
+    for prev, s in zip(sources, sources[1:]):
+        order += phase(PHASE_ACT, s, fb) + phase(PHASE_OUT, prev, hb)
+    order += phase(PHASE_OUT, sources[-1], hb)
+    return tuple(order)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _swiglu_experts_kernel(
+        x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, tiles_ptr, n_tiles,
+        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls,
+        E, C, H, F,
+        sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
+        BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+        WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr,
+    ):
+        """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
+        last stride. See the module doc for the tiles and their signals."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        m_blocks = (C + BLOCK_M - 1) // BLOCK_M
+        f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        for t in range(pid, n_tiles, programs):
+            phase = tl.load(tiles_ptr + 5 * t)
+            s = tl.load(tiles_ptr + 5 * t + 1)
+            e = tl.load(tiles_ptr + 5 * t + 2)
+            mb = tl.load(tiles_ptr + 5 * t + 3)
+            nb = tl.load(tiles_ptr + 5 * t + 4)
+            rows = mb * BLOCK_M + offs_m
+            rmask = rows < C
+            se = s * E + e
+            if phase == 1:
+                if WAIT_ARRIVAL:
+                    prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+                cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
+                cmask = cols < F
+                x_rows = x_ptr + s.to(tl.int64) * sx_s + e.to(tl.int64) * sx_e + rows[:, None].to(tl.int64) * sx_c
+                w_base = e.to(tl.int64) * H * F
+                gate = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
+                up = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    ks = k0 + offs_k
+                    kmask = ks < H
+                    xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    woff = w_base + ks[:, None].to(tl.int64) * F + cols[None, :]
+                    wmask = kmask[:, None] & cmask[None, :]
+                    gate = tl.dot(xa, tl.load(w1_ptr + woff, mask=wmask, other=0.0), gate)
+                    up = tl.dot(xa, tl.load(w3_ptr + woff, mask=wmask, other=0.0), up)
+                # SiLU of the gate GEMM's result rounded as the layer rounds it (bmm output in
+                # the activation dtype), the product likewise
+                g = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+                u = up.to(act_ptr.dtype.element_ty).to(tl.float32)
+                silu = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)
+                act = (silu * u).to(act_ptr.dtype.element_ty)
+                dst = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
+                tl.store(dst + cols[None, :], act, mask=rmask[:, None] & cmask[None, :])
+                # every thread's stores, then one release add for the CTA (GPU scope: the
+                # readers are this kernel's phase-2 tiles)
+                prim.signal_add(act_done_ptr + se * m_blocks + mb, 1, False, USE_ASM)
+            else:
+                prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
+                             timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
+                cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+                cmask = cols < H
+                a_rows = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
+                w_base = e.to(tl.int64) * F * H
+                acc = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+                for k0 in range(0, F, BLOCK_K):
+                    ks = k0 + offs_k
+                    kmask = ks < F
+                    a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + cols[None, :],
+                                mask=kmask[:, None] & cmask[None, :], other=0.0)
+                    acc = tl.dot(a, w, acc)
+                dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
+                tl.store(dst + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+                prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    import os
+
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
+           tiles: torch.Tensor, arrival: torch.Tensor, act_done: torch.Tensor, y_done: torch.Tensor,
+           err: torch.Tensor, programs: int, cfg: ExpertTiles, wait_arrival: bool, timeout_ms: int,
+           max_polls: int = 1 << 20) -> None:
+    """One launch of the kernel over the tile table ``tiles`` ([T, 5] int32 on the device)."""
+    w, e, c, h = x.shape
+    f = w1.shape[2]
+    for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{TEMPLATE} expert kernel: {name} must be contiguous, got strides {t.stride()}")
+    for name, t in (("x", x), ("act", act), ("y", y)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{TEMPLATE} expert kernel: {name} needs a unit last stride, got {t.stride()}")
+    gpu = _on_gpu(x)
+    _swiglu_experts_kernel[(programs,)](
+        x, w1, w3, w2, act, y, tiles, tiles.shape[0],
+        arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
+        e, c, h, f,
+        x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
+        y.stride(0), y.stride(1), y.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu,
+        **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
+    )
+
+
+@dataclasses.dataclass
+class Counters:
+    """The kernel's signals for one (world, E, C) and device: arrival [W * E] (uint32, so stream
+    memory operations can write it; the kernel reads it as int32), act_done [W * E * row
+    blocks], y_done [W], err [5]. All zero between calls."""
+
+    arrival: torch.Tensor
+    act_done: torch.Tensor
+    y_done: torch.Tensor
+    err: torch.Tensor
+
+    @staticmethod
+    def make(world: int, e_local: int, capacity: int, block_m: int, device: torch.device) -> "Counters":
+        mb = -(-capacity // block_m)
+        return Counters(torch.zeros(world * e_local, dtype=torch.uint32, device=device),
+                        torch.zeros(world * e_local * mb, dtype=torch.int32, device=device),
+                        torch.zeros(world, dtype=torch.int32, device=device),
+                        torch.zeros(prim.ERR_WORDS, dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        """After the kernel, in stream order (the error record stays for check_errors)."""
+        self.arrival.view(torch.int32).zero_()
+        self.act_done.zero_()
+        self.y_done.zero_()
+
+
+def check_errors(err: torch.Tensor) -> None:
+    """Raise if a wait of the kernel recorded a failure (reads the record: synchronises)."""
+    failed, code, index, seen, target = err.tolist()
+    if failed:
+        err.zero_()
+        what = WAIT_NAMES.get(code, prim.WAIT_NAMES.get(code, f"code {code}"))
+        raise RuntimeError(f"{TEMPLATE} expert kernel: the wait for {what} {index} read {seen}, expected "
+                           f">= {target} within signal_timeout_ms; the results of that call are invalid.")
+
+
+_tables: dict[tuple, torch.Tensor] = {}
+
+
+def tile_table(order: tuple, device: torch.device) -> torch.Tensor:
+    """``order`` as a [T, 5] int32 device tensor, made once per (order, device): a call does no
+    host-to-device copy (and can be captured in a CUDA graph)."""
+    key = (order, str(device))
+    table = _tables.get(key)
+    if table is None:
+        from ...runtime.persistent import allocate
+
+        table = _tables[key] = allocate(lambda: torch.tensor(order, dtype=torch.int32, device=device))
+    return table
+
+
+def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int,
+                   cfg: ExpertTiles | None = None, programs: int | None = None, counters: Counters | None = None,
+                   arrived: bool = True, timeout_ms: int = 10000, max_polls: int = 1 << 20) -> torch.Tensor:
+    """``y [W, E, C, H]`` = the SwiGLU experts of every source's slots ``x [W, E, C, H]``, rank
+    ``rank``'s tile order. ``arrived``: every source's tokens are in place already (no arrival
+    waits); otherwise the caller's copy stream sets ``counters.arrival[s * E + e]`` to 1 as
+    they land."""
+    cfg = cfg or ExpertTiles()
+    w, e, c, h = x.shape
+    f = w1.shape[2]
+    counters = counters or Counters.make(w, e, c, cfg.block_m, x.device)
+    order = tile_order(w, rank, e, c, f, h, cfg.block_m, cfg.block_f, cfg.block_h)
+    tiles = tile_table(order, x.device)
+    if programs is None:
+        programs = max(1, torch.cuda.get_device_properties(x.device).multi_processor_count - 2) if x.is_cuda else 1
+    act = x.new_empty(w, e, c, f)
+    y = x.new_empty(w, e, c, h)
+    launch(x, w1, w3, w2, act, y, tiles, counters.arrival.view(torch.int32), counters.act_done, counters.y_done,
+           counters.err, min(programs, len(order)), cfg, not arrived, timeout_ms, max_polls)
+    counters.reset()
+    return y

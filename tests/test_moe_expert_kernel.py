@@ -1,0 +1,139 @@
+"""moe_fused's persistent SwiGLU expert kernel (templates/moe_fused/expert_kernel.py).
+
+On CPU: the tile table's order (every tile once, a phase-2 tile after every phase-1 tile it
+reads, the own tokens first), and the kernel itself through Triton's interpreter in a
+subprocess (TRITON_INTERPRET=1 set before Triton is imported): odd shapes against the
+reference experts, with and without arrival waits, a missing arrival caught by the bounded
+wait, counters back at zero. The interpreter runs programs one after another, so these runs
+use one program (a phase-2 tile of program 0 waiting on program 1 would wait out its bound).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overlap_compile.templates.moe_fused import expert_kernel as EK
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("world,rank,e,c,f,h,bm,bf,bh", [
+    (2, 0, 2, 37, 24, 40, 16, 16, 16), (3, 1, 1, 20, 48, 32, 16, 32, 16), (4, 3, 3, 5, 16, 16, 16, 16, 16)])
+def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank, e, c, f, h, bm, bf, bh):
+    order = EK.tile_order(world, rank, e, c, f, h, bm, bf, bh)
+    mb, fb, hb = -(-c // bm), -(-f // bf), -(-h // bh)
+    want = {(EK.PHASE_ACT, s, x, m, n) for s in range(world) for x in range(e) for m in range(mb) for n in range(fb)}
+    want |= {(EK.PHASE_OUT, s, x, m, n) for s in range(world) for x in range(e) for m in range(mb) for n in range(hb)}
+    assert len(order) == len(set(order)) == len(want) and set(order) == want
+    position = {t: i for i, t in enumerate(order)}
+    for (phase, s, x, m, n), i in position.items():
+        if phase == EK.PHASE_OUT:  # every act tile of its rows comes earlier
+            assert all(position[(EK.PHASE_ACT, s, x, m, j)] < i for j in range(fb))
+    firsts = []
+    for phase, s, *_ in order:
+        if phase == EK.PHASE_ACT and s not in firsts:
+            firsts.append(s)
+    assert firsts == [rank] + [(rank - k) % world for k in range(1, world)]  # arrival order
+
+
+def test_block_sizes_are_checked():
+    with pytest.raises(ValueError, match="block_f must be a power of two >= 16"):
+        EK.ExpertTiles(block_f=48)
+
+
+def test_kernel_under_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_moe_expert_kernel as t; t.main()"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert "ALL OK" in proc.stdout, proc.stdout[-4000:]
+
+
+# ---- what runs in the subprocess ------------------------------------------------------------------
+
+def _weights(e, h, f, dtype):
+    import torch
+
+    return (torch.randn(e, h, f, dtype=dtype) / 4, torch.randn(e, h, f, dtype=dtype) / 4,
+            torch.randn(e, f, h, dtype=dtype) / 4)
+
+
+def check_against_reference(world, rank, e, c, h, f, cfg, arrived):
+    import torch
+
+    from overlap_compile.templates.moe_fused import reference
+
+    torch.manual_seed(world * 100 + c)
+    x = torch.randn(world, e, c, h)
+    ws = _weights(e, h, f, torch.float32)
+    counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
+    if not arrived:  # what the copy stream does as each (source, expert) lands
+        counters.arrival.view(torch.int32).fill_(1)
+    y = EK.swiglu_experts(x, *ws, rank, cfg, programs=1, counters=counters, arrived=arrived)
+    EK.check_errors(counters.err)
+    for s in range(world):
+        want = reference.experts(x[s], *ws)
+        err = ((y[s] - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, (world, rank, e, c, h, f, s, err)
+    for name in ("arrival", "act_done", "y_done"):
+        assert int(getattr(counters, name).view(torch.int32).abs().sum()) == 0, name  # back at zero
+    print("ok", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
+
+
+def check_missing_arrival():
+    import torch
+
+    cfg = EK.ExpertTiles(16, 16, 16, 16)
+    world, rank, e, c, h, f = 2, 0, 2, 18, 16, 16
+    x = torch.randn(world, e, c, h)
+    ws = _weights(e, h, f, torch.float32)
+    counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
+    flags = counters.arrival.view(torch.int32)
+    flags.fill_(1)
+    flags[1 * e + 1] = 0  # source 1's tokens for expert 1 never land
+    EK.swiglu_experts(x, *ws, rank, cfg, programs=1, counters=counters, arrived=False, max_polls=50)
+    try:
+        EK.check_errors(counters.err)
+    except RuntimeError as err:
+        text = str(err)
+        assert "tokens of (source, expert) index 3" in text and "read 0, expected >= 1" in text, text
+        assert int(counters.err.abs().sum()) == 0  # the record is cleared once raised
+        print("ok missing arrival:", text[:120])
+        return
+    raise AssertionError("a missing arrival was not reported")
+
+
+def check_half_precision():
+    """fp16 (the interpreter computes bf16 tl.dot wrongly: numpy has no bf16; bf16 runs on GPUs):
+    act and y stored in fp16, so a few fp16 ulps from the float32 experts."""
+    import torch
+
+    from overlap_compile.templates.moe_fused import reference
+
+    cfg = EK.ExpertTiles(16, 16, 16, 16)
+    torch.manual_seed(3)
+    x = torch.randn(2, 2, 19, 32).to(torch.float16)
+    ws = _weights(2, 32, 48, torch.float16)
+    y = EK.swiglu_experts(x, *ws, 1, cfg, programs=1)
+    assert y.dtype == torch.float16
+    for s in range(2):
+        want = reference.experts(x[s].float(), *(w.float() for w in ws))
+        err = ((y[s].float() - want).abs().max() / want.abs().max()).item()
+        assert err < 5e-3, err
+    print("ok fp16", err)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    small = EK.ExpertTiles(16, 16, 16, 16)
+    check_against_reference(2, 0, 2, 37, 40, 24, small, arrived=True)
+    check_against_reference(2, 1, 2, 37, 40, 24, small, arrived=False)
+    check_against_reference(3, 2, 1, 20, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=False)
+    check_against_reference(4, 1, 3, 5, 16, 17, small, arrived=True)
+    check_missing_arrival()
+    check_half_precision()
+    print("ALL OK")
