@@ -9,8 +9,9 @@ Per shape (S tokens per rank, hidden H, expert FFN I, E experts, top-k), host-la
 * ``forward`` (inference: no grad) -- ``sequential`` (torch.compile, the layer as written:
   all_to_all -> SwiGLU bmm -> all_to_all) vs ``moe_fused`` (forced: the piece pipeline, the
   predicted-best configuration) and, on GPUs, each transport forced: ``moe_fused_nccl``
-  (``{"split": "source"}``, NCCL) and ``moe_fused_p2p`` (``{"split": "source", "transport":
-  "p2p"}``, copy engine);
+  (``{"split": "source"}``, NCCL), ``moe_fused_p2p`` (``{"split": "source", "transport":
+  "p2p"}``, copy engine, bmm experts) and ``moe_fused_p2p_kernel`` (the same with the persistent
+  expert kernel, ``"experts": "fused"``);
 * ``train`` (forward + backward) -- ``sequential`` vs ``moe_fused`` (forced) vs ``overlap`` (the
   predictor's choice). moe_fused takes sections whose intermediates stay inside, so training
   sections are reported with that reason and left as written: these rows measure the pass's
@@ -83,7 +84,9 @@ def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None
         forward = [("sequential", "baseline", None), ("moe_fused", "moe_fused", None)]
         if not dry:
             forward += [("moe_fused_nccl", "moe_fused", {"split": "source"}),
-                        ("moe_fused_p2p", "moe_fused", {"split": "source", "transport": "p2p"})]
+                        ("moe_fused_p2p", "moe_fused", {"split": "source", "transport": "p2p"}),
+                        ("moe_fused_p2p_kernel", "moe_fused", {"split": "source", "transport": "p2p",
+                                                               "experts": "fused"})]
         train = [("sequential", "baseline", None), ("moe_fused", "moe_fused", None), ("overlap", None, None)]
         for phase, variants in (("forward", forward), ("train", train)):
             ref_out, ref_ms = None, None

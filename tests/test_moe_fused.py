@@ -139,6 +139,16 @@ def test_configs_transports_and_paths():
                 {"split": "capacity"}, {"pieces": 0}):
         with pytest.raises(ValueError, match="moe_fused: config must be"):
             check_config(bad)
+    fused = {"split": "source", "transport": "p2p", "experts": "fused"}
+    check_config(fused)
+    check_config({**fused, "tiles": {"block_m": 64, "num_warps": 4}})
+    for bad, why in (({"split": "source", "experts": "fused"}, "with 'transport': 'p2p'"),
+                     ({**fused, "experts": "cutlass"}, "must be one of"),
+                     ({**fused, "experts": "bmm", "tiles": {}}, "goes with 'experts': 'fused'"),
+                     ({**fused, "tiles": {"block_m": 48}}, "power of two"),
+                     ({**fused, "tiles": {"block_q": 64}}, "bad 'tiles'")):
+        with pytest.raises(ValueError, match=why):
+            check_config(bad)
 
     class Section:  # what candidates() reads of a match
         capacity = 8
@@ -146,6 +156,11 @@ def test_configs_transports_and_paths():
     gpu, cpu = predictor.load_profile("h200"), predictor.load_profile("cpu-gloo")
     assert SPEC.candidates(Section(), gpu)[0] == {"split": "source", "transport": "p2p"}
     assert all("transport" not in c for c in SPEC.candidates(Section(), cpu))
+    # the persistent expert kernel is offered once a profile carries its measured speed
+    assert fused not in SPEC.candidates(Section(), gpu)
+    raw = dict(gpu.raw, moe={"expert_kernel_vs_bmm": 0.9})
+    measured = predictor.profile.profile_from_dict(raw, source="test")
+    assert fused in SPEC.candidates(Section(), measured)
     plan = MoePlan("moe_fused", 2, 2, 4, H, F_, {"split": "source", "transport": "p2p"})
     assert op.path("0", torch.device("cpu"), plan) == "reference"
 

@@ -184,3 +184,22 @@ def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
     nccl = models.moe_fused(site, {"split": "source"}, p, ctx)
     base = models.baseline(site, p, ctx)
     assert ce.total_ms < base.total_ms < nccl.total_ms
+
+
+def test_moe_fused_expert_kernel_is_priced_only_once_measured():
+    """``"experts": "fused"``: no prediction without the profile's measured kernel/bmm ratio;
+    with it, the experts scale by the ratio, the own tokens go first whole (after their local
+    copy) and the last push is exposed."""
+    E, C, H, F = 4, 2560, 2048, 1536
+    m = E * 2 * C
+    site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
+    ctx = Ctx(mode="cuda_graph")
+    cfg = {"split": "source", "transport": "p2p", "experts": "fused"}
+    assert models.moe_fused(site, cfg, h200(), ctx) is None
+    fast, slow = h200(moe={"expert_kernel_vs_bmm": 0.8}), h200(moe={"expert_kernel_vs_bmm": 1.2})
+    t_fast, t_slow = models.moe_fused(site, cfg, fast, ctx), models.moe_fused(site, cfg, slow, ctx)
+    assert t_fast.total_ms < t_slow.total_ms
+    labels = [e.label for e in t_fast.events]
+    assert labels.index("experts own (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
+    push = next(e for e in t_fast.events if e.label == "push 1")
+    assert t_fast.total_ms > push.end  # nothing after the last piece's experts hides its push

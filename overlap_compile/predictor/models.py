@@ -936,6 +936,9 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     if site.kind != "moe":
         return None
     if config.get("transport") == "p2p":
+        if config.get("experts") == "fused":
+            ratio = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
+            return moe_fused_copy_engine(site, profile, ctx, ratio) if ratio > 0 else None
         return moe_fused_copy_engine(site, profile, ctx)
     W = max(1, site.world)
     source = config.get("split") == "source"
@@ -973,7 +976,8 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
                     f"{how} of {nbytes / 2**20:.1f} MiB")
 
 
-def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None
+                          ) -> Schedule | None:
     """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
     pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
     buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
@@ -981,6 +985,12 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx) -> Sch
     done. The compute stream: the own tokens' first half, each peer piece once pulled, the own
     second half; expert GEMMs run ``copy_engine_slowdown`` slower while a copy runs beside them.
     Last, the W-1 returned pieces copied into the output (read + write) after one handshake.
+
+    ``fused_ratio`` (``"experts": "fused"``, expert_kernel.py, its measured time over bmm's): one
+    persistent kernel, the own tokens whole and first (plus their local copy), a peer piece's
+    tiles once it has landed (its per-expert chunks, which let tiles start earlier, are not
+    credited), each piece's result pushed when its tiles are counted; the last push has nothing
+    left to hide behind.
     Not yet measured on a GPU."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
@@ -1003,13 +1013,20 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx) -> Sch
         events.append(Event("compute", label, start, end))
         return end
 
-    t = experts("experts own[0]", stage, e_piece / 2)
+    fused = fused_ratio is not None
+    if fused:
+        e_piece *= fused_ratio
+        own_copy = hbm_ms(profile, 2 * piece_bytes)
+        t = experts("experts own (fused kernel)", stage + own_copy, e_piece)
+    else:
+        t = experts("experts own[0]", stage, e_piece / 2)
     for k, ready in enumerate(pulled, start=1):
         t = experts(f"experts {k}", max(t, ready), e_piece)
         start = max(t, t_copy)
         events.append(Event("comm", f"push {k}", start, start + xfer))
         t_copy = start + xfer
-    t = experts("experts own[1]", t, e_piece / 2)
+    if not fused:
+        t = experts("experts own[1]", t, e_piece / 2)
     place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))

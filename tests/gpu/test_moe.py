@@ -1,5 +1,6 @@
 """moe_fused's CUDA paths against its reference: kernels_nccl.py (NCCL, both ways of cutting the
-pieces) and kernels.py (copy engine over symmetric memory, by source), fp32 (TF32 off), world 2
+pieces) and kernels.py (copy engine over symmetric memory, by source; experts by bmm and by the
+persistent expert kernel, odd tile counts: C = 96 rows in blocks of 32, H = 256, F = 384), fp32 (TF32 off), world 2
 and 4, eager (the copy-engine path 20 calls back to back on new inputs: a flag protocol race
 shows as a moving error) and captured in a CUDA graph (replayed on new inputs). Until these pass
 and win on GPUs, spec.gpu_implemented stays False."""
@@ -38,7 +39,8 @@ def _kernels_vs_reference() -> list[str]:
     torch.manual_seed(rank)
     ws = [torch.randn(E_LOCAL, H, F_, device=dev) / 16, torch.randn(E_LOCAL, H, F_, device=dev) / 16,
           torch.randn(E_LOCAL, F_, H, device=dev) / 20]
-    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}, p2p):
+    fused = {**p2p, "experts": "fused", "tiles": {"block_m": 32, "block_f": 32, "block_h": 64, "block_k": 32}}
+    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}, p2p, fused):
         impl = kernels if config.get("transport") == "p2p" else kernels_nccl
         plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, config)
         one_shot = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"pieces": 1})

@@ -104,7 +104,7 @@ if HAVE_TRITON:
         E, C, H, F,
         sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-        WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr,
+        WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
         last stride. See the module doc for the tiles and their signals."""
@@ -138,8 +138,9 @@ if HAVE_TRITON:
                     xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     woff = w_base + ks[:, None].to(tl.int64) * F + cols[None, :]
                     wmask = kmask[:, None] & cmask[None, :]
-                    gate = tl.dot(xa, tl.load(w1_ptr + woff, mask=wmask, other=0.0), gate)
-                    up = tl.dot(xa, tl.load(w3_ptr + woff, mask=wmask, other=0.0), up)
+                    gate = tl.dot(xa, tl.load(w1_ptr + woff, mask=wmask, other=0.0), gate,
+                                  input_precision=DOT_PRECISION)
+                    up = tl.dot(xa, tl.load(w3_ptr + woff, mask=wmask, other=0.0), up, input_precision=DOT_PRECISION)
                 # SiLU of the gate GEMM's result rounded as the layer rounds it (bmm output in
                 # the activation dtype), the product likewise
                 g = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -165,7 +166,7 @@ if HAVE_TRITON:
                     a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + cols[None, :],
                                 mask=kmask[:, None] & cmask[None, :], other=0.0)
-                    acc = tl.dot(a, w, acc)
+                    acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
                 dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
                 tl.store(dst + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
                 prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
@@ -175,6 +176,13 @@ def _on_gpu(t: torch.Tensor) -> bool:
     import os
 
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 operands follow torch's TF32 switch (as bmm does); half types need none."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
@@ -198,7 +206,7 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu,
+        WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=_dot_precision(x.dtype),
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 

@@ -30,6 +30,8 @@ allocated once per (group, shape, dtype); the op is stream work only (capturable
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...runtime import comm, peer_flags, spin_wait, symm
@@ -61,6 +63,29 @@ def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return ev
 
 
+@dataclasses.dataclass
+class _Call:
+    """What both expert strategies share: geometry, buffers, flags, streams."""
+
+    w: int
+    e: int
+    c: int
+    h: int
+    r: int
+    slots: torch.Tensor  # [W, rows, H] view of the dispatch buffer
+    send: symm.SymmBuffer
+    comb: symm.SymmBuffer
+    fd: peer_flags.PeerFlags
+    fc: peer_flags.PeerFlags
+    srcs: list[int]
+    compute: torch.cuda.Stream
+    copier: torch.cuda.Stream
+
+    @property
+    def rows(self) -> int:
+        return self.e * self.c
+
+
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
         plan: MoePlan) -> torch.Tensor:
     """The combined slots ``[W * rows, H]`` (what reference.run returns)."""
@@ -73,51 +98,131 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     send = symm.symm_buffer(group_name, f"{TEMPLATE}/send", shape, dt, dev)
     comb = symm.symm_buffer(group_name, f"{TEMPLATE}/combine", shape, dt, dev)
     tag = f"{w}x{rows}x{h}/{dt}"
-    fd = peer_flags.PeerFlags(TEMPLATE, group_name, f"dispatch/{tag}", w, dev, plan.timeout_ms, "moe dispatch")
-    fc = peer_flags.PeerFlags(TEMPLATE, group_name, f"combine/{tag}", w, dev, plan.timeout_ms, "moe combine")
     r = send.rank
-    slots = buf.view(shape)
-    srcs = [ref.round_peers(r, w, k)[1] for k in range(1, w)]
-    compute, copier = torch.cuda.current_stream(dev), peer_flags.copy_stream(dev)
+    call = _Call(w, e, c, h, r, buf.view(shape), send, comb,
+                 peer_flags.PeerFlags(TEMPLATE, group_name, f"dispatch/{tag}", w, dev, plan.timeout_ms, "moe dispatch"),
+                 peer_flags.PeerFlags(TEMPLATE, group_name, f"combine/{tag}", w, dev, plan.timeout_ms, "moe combine"),
+                 [ref.round_peers(r, w, k)[1] for k in range(1, w)],
+                 torch.cuda.current_stream(dev), peer_flags.copy_stream(dev))
 
     def stage():  # the peers' slots into my symmetric buffer, where they pull them from
-        for q in srcs:
-            send.local[q].copy_(slots[q])
+        for q in call.srcs:
+            send.local[q].copy_(call.slots[q])
 
-    fd.publish_and_meet(srcs, stage)  # before any GEMM of this call holds the SMs
-    copier.wait_stream(compute)
-    recv = [buf.new_empty(rows, h) for _ in srcs]
+    call.fd.publish_and_meet(call.srcs, stage)  # before any GEMM of this call holds the SMs
+    call.copier.wait_stream(call.compute)
+    with torch.cuda.stream(call.copier):
+        for src in call.srcs:
+            call.fc.wait_free(src)  # my results of src's previous call were read out there
+    if plan.config.get("experts", "bmm") == "fused":
+        out, used = _fused_experts(call, w1, w3, w2, plan)
+    else:
+        out, used = _bmm_experts(call, w1, w3, w2)
+    for k, src in enumerate(call.srcs, start=1):  # the results of my tokens, back from every peer
+        call.fc.wait_ready(src, k)
+        out[src].copy_(comb.local[src])
+        call.fc.release(src)
+    call.compute.wait_stream(call.copier)
+    for t in (buf, *used):
+        t.record_stream(call.copier)
+    return out.view(w * rows, h)
+
+
+def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
+    """On the copy stream: my experts' result for ``src``'s tokens into slot ``me`` of its combine
+    buffer, then READY there."""
+    call.fc.busy(src)
+    call.comb.peer(src)[call.r].copy_(y.reshape(call.rows, call.h))
+    call.fc.ready(src)
+
+
+def _bmm_experts(call: _Call, w1, w3, w2) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """cuBLAS bmm per piece: each peer piece pulled whole (one copy, one event), its experts when
+    it has landed, its result pushed when they are done; the own tokens in two halves around
+    the peer pieces (reference.own_parts)."""
+    e, c, h, r = call.e, call.c, call.h, call.r
+    recv = [call.slots.new_empty(call.rows, h) for _ in call.srcs]
     pulled = []
-    with torch.cuda.stream(copier):
-        for src in srcs:
-            fc.wait_free(src)  # my results of src's previous call were read out there
-        for src, into in zip(srcs, recv):
-            into.copy_(send.peer(src)[r])
-            fd.release(src)
-            pulled.append(_event(copier))
-
-    out = buf.new_empty(shape)
-    own, own_out = slots[r].view(e, c, h), out[r].view(e, c, h)
+    with torch.cuda.stream(call.copier):
+        for src, into in zip(call.srcs, recv):
+            into.copy_(call.send.peer(src)[r])
+            call.fd.release(src)
+            pulled.append(_event(call.copier))
+    out = torch.empty_like(call.slots)
+    own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
     first, *rest = ref.own_parts(e, c)
     ref.own_experts(own, w1, w3, w2, own_out, first)
     ys = []
-    for src, into, ev in zip(srcs, recv, pulled):
-        compute.wait_event(ev)
+    for src, into, ev in zip(call.srcs, recv, pulled):
+        call.compute.wait_event(ev)
         y = ref.experts(into.view(e, c, h), w1, w3, w2)
-        done = _event(compute)
-        with torch.cuda.stream(copier):
-            copier.wait_event(done)
-            fc.busy(src)
-            comb.peer(src)[r].copy_(y.view(rows, h))
-            fc.ready(src)
+        done = _event(call.compute)
+        with torch.cuda.stream(call.copier):
+            call.copier.wait_event(done)
+            _push_result(call, src, y)
         ys.append(y)
     for part in rest:
         ref.own_experts(own, w1, w3, w2, own_out, part)
-    for k, src in enumerate(srcs, start=1):
-        fc.wait_ready(src, k)
-        out[src].copy_(comb.local[src])
-        fc.release(src)
-    compute.wait_stream(copier)
-    for t in (buf, *recv, *ys):
-        t.record_stream(copier)
-    return out.view(w * rows, h)
+    return out, recv + ys
+
+
+def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One persistent kernel (expert_kernel.py) over every source's tokens: the copy stream pulls
+    each (source, expert) chunk and sets its arrival flag, the kernel's tiles start as their chunk
+    lands; once a source's output tiles are all counted (a bounded wait on the copy stream,
+    consuming the count) its result goes home. The kernel leaves two SMs free for those waits."""
+    from . import expert_kernel as EK
+
+    e, c, h, r, w = call.e, call.c, call.h, call.r, call.w
+    dev = call.slots.device
+    cfg = EK.ExpertTiles(**plan.config.get("tiles", {}))
+    counters = _counters(w, e, c, cfg.block_m, dev)
+    x = call.slots.new_empty(w, e, c, h)
+    y = call.slots.new_empty(w, e, c, h)
+    act = call.slots.new_empty(w, e, c, w1.shape[2])
+    flags = counters.arrival
+    with torch.cuda.stream(call.copier):
+        x[r].copy_(call.slots[r].view(e, c, h))  # a local copy: the kernel reads one tensor
+        for j in range(e):
+            symm.write_value32(flags, r * e + j, 1)
+        for src in call.srcs:
+            piece = call.send.peer(src)[r].view(e, c, h)
+            for j in range(e):
+                x[src, j].copy_(piece[j])
+                symm.write_value32(flags, src * e + j, 1)
+            call.fd.release(src)
+    order = EK.tile_order(w, r, e, c, w1.shape[2], h, cfg.block_m, cfg.block_f, cfg.block_h)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    EK.launch(x, w1, w3, w2, act, y, EK.tile_table(order, dev), flags.view(torch.int32), counters.act_done,
+              counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms)
+    per_source = e * -(-c // cfg.block_m) * -(-h // cfg.block_h)
+    with torch.cuda.stream(call.copier):
+        for k, src in enumerate(call.srcs, start=1):
+            t = peer_flags.tag(f"{TEMPLATE}: fused experts, source {src}: wait for its {per_source} output tiles")
+            spin_wait.wait_value(counters.y_done, src, per_source, plan.timeout_ms, t, until_equal=False,
+                                 sys_scope=False)
+            _push_result(call, src, y[src])
+    # my own tokens' result: after the kernel, in stream order (nothing to wait for)
+    out = torch.empty_like(call.slots)
+    out[r].copy_(y[r].view(call.rows, h))
+    # arrival flags and row counters back to zero for the next call, after the kernel (the copy
+    # stream's waits consumed y_done[src] for every peer; mine is reset here)
+    counters.arrival.view(torch.int32).zero_()
+    counters.act_done.zero_()
+    counters.y_done[r:r + 1].zero_()
+    return out, [x, y, act]
+
+
+_counter_cache: dict[tuple, "object"] = {}
+
+
+def _counters(w: int, e: int, c: int, block_m: int, dev: torch.device):
+    """The expert kernel's signals for this geometry, allocated once (outside graph pools)."""
+    from ...runtime.persistent import allocate
+    from . import expert_kernel as EK
+
+    key = (w, e, c, block_m, str(dev))
+    got = _counter_cache.get(key)
+    if got is None:
+        got = _counter_cache[key] = allocate(lambda: EK.Counters.make(w, e, c, block_m, dev))
+    return got

@@ -46,6 +46,8 @@ class MoeFusedSpec(TemplateSpec):
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         cap = getattr(match, "capacity", 1)
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
+        if copy_engine and expert_kernel_ratio(profile) is not None:
+            copy_engine.append({"split": "source", "transport": "p2p", "experts": "fused"})
         return copy_engine + [{"split": "source"}] + [{"pieces": p} for p in (2, 4) if p <= cap]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
@@ -57,13 +59,41 @@ class MoeFusedSpec(TemplateSpec):
 SPEC = MoeFusedSpec()
 
 
+def expert_kernel_ratio(profile: Any) -> float | None:
+    """The persistent expert kernel's time over the bmm experts' (``moe.expert_kernel_vs_bmm`` in
+    the profile, measured by benchmarks/moe_experts.py); None (not offered) until measured."""
+    from ...predictor.models import profile_extra
+
+    value = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe") if profile is not None else 0.0
+    return value if value > 0 else None
+
+
 TRANSPORTS = ("nccl", "p2p")
+
+
+EXPERTS = ("bmm", "fused")
 
 
 def check_config(config: dict) -> None:
     pieces = config.get("pieces")
-    by_source = (config.get("split") == "source" and set(config) <= {"split", "transport"}
+    by_source = (config.get("split") == "source" and set(config) <= {"split", "transport", "experts", "tiles"}
                  and config.get("transport", "nccl") in TRANSPORTS)
+    if by_source and ("experts" in config or "tiles" in config):
+        # the persistent expert kernel (expert_kernel.py) runs on the copy-engine path only
+        if config.get("transport") != "p2p" or config.get("experts") not in EXPERTS:
+            raise ValueError(f"moe_fused: 'experts' must be one of {list(EXPERTS)}, with 'transport': 'p2p'; "
+                             f"got {config!r}")
+        if "tiles" in config:
+            from .expert_kernel import ExpertTiles
+
+            tiles = config["tiles"]
+            if config["experts"] != "fused" or not isinstance(tiles, dict):
+                raise ValueError(f"moe_fused: 'tiles' (a dict of expert_kernel.ExpertTiles fields) goes with "
+                                 f"'experts': 'fused'; got {config!r}")
+            try:
+                ExpertTiles(**tiles)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"moe_fused: bad 'tiles' {tiles!r}: {e}") from None
     by_capacity = set(config) == {"pieces"} and isinstance(pieces, int) and not isinstance(pieces, bool) and pieces >= 1
     if not (by_source or by_capacity):
         raise ValueError(f"moe_fused: config must be {{'split': 'source'}} (optionally with 'transport' one of "
