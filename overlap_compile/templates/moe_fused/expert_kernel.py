@@ -39,21 +39,12 @@ import functools
 import torch
 
 from ..tile_fused import primitives as prim
+from ..tile_fused.primitives import HAVE_TRITON, tl, triton  # Triton is optional on CPU installs
 from . import reference as ref
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU installs without Triton
-    triton = None
-    tl = None
-    HAVE_TRITON = False
 
 TEMPLATE = "moe_fused"
 PHASE_ACT, PHASE_OUT = 1, 2
-# err[1] codes of this kernel's waits (primitives.WAIT_* are 1..3)
+# err[1] codes of this kernel's waits (primitives.WAIT_* are 1..3; the kernel writes them as literals)
 WAIT_ARRIVAL, WAIT_ACT = 4, 5
 WAIT_NAMES = {WAIT_ARRIVAL: "tokens of (source, expert) index", WAIT_ACT: "activation rows (source, expert, row block) index"}
 
