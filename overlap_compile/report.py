@@ -29,6 +29,7 @@ class SiteReport:
     dtype: str
     comm_bytes: int = 0
     output_fuses: bool = False  # the collective's readers fuse a permuted read (Match.output_fuses)
+    workspace: dict | None = None  # bytes the rewritten site holds (TemplateSpec.workspace_bytes)
     host_clock: dict | None = None  # host-launched graphs: the site on the simulated clocks (decide.Decision)
 
     @property
@@ -85,7 +86,13 @@ class Report:
         for s in self.sites:
             gemm = ", ".join("x".join(map(str, g)) for g in s.gemms)
             pred = _best_per_template(s.predicted_ms)
-            rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, s.reason])
+            reason = s.reason
+            if s.workspace:
+                mib = {k: v / 2**20 for k, v in s.workspace.items()}
+                reason += (f" [workspace {mib.get('persistent', 0):.1f} MiB kept + {mib.get('per_call', 0):.1f} MiB per call"
+                           + (f"; as written {mib['section_as_written']:.1f} MiB" if "section_as_written" in mib else "")
+                           + "]")
+            rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, reason])
         errors = [r.error for r in self.records if r.error]
         if not rows:
             return "\n".join(errors or ["overlap_compile: no GEMM/collective sites found"])

@@ -65,7 +65,8 @@ def _rewritten_vs_written(configs: list) -> list:
         code = report.records[0].after
         for r in results[-3:]:
             r.update(rewritten=site.rewritten, chosen=site.config, reason=site.reason,
-                     fused="overlap_compile.moe_fused" in code and "all_to_all" not in code)
+                     fused="overlap_compile.moe_fused" in code and "all_to_all" not in code,
+                     workspace=site.workspace, table="workspace" in report.table())
     return results
 
 
@@ -79,6 +80,17 @@ def test_rewritten_layer_equals_layer_as_written(world, configs):
             assert r["rewritten"] and r["chosen"] == r["config"] and r["fused"], r
             assert r["err"] < 1e-5 and r["oracle_err"] < 1e-5, (world, r)
             assert r["case"] == "random" or r["dropped"] > 0, r  # the overflow cases do overflow
+            # the Report states the buffers the rewrite holds (float32 here): the copy-engine
+            # path keeps a send and a combine buffer of W slots each in symmetric memory
+            from overlap_compile.demo.moe import capacity
+
+            slot = (E // world) * capacity(TOKENS, E, K_TOP, 1.25) * H * 4
+            space = r["workspace"]
+            assert r["table"] and space["per_call"] > 0 and space["section_as_written"] > 0, r
+            if r["config"].get("transport") == "p2p":
+                assert space["persistent"] == 2 * world * slot + 16 * world, space
+            else:
+                assert space["persistent"] == 0, space
 
 
 def _by_source_vs_one_shot() -> float:

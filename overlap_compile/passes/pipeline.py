@@ -66,7 +66,16 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
         world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
         comm_bytes=m.comm_bytes() if not m.unsupported else 0, host_clock=d.host_clock,
         output_fuses=bool(getattr(m, "output_fuses", False)),
+        workspace=_workspace(d),
     )
+
+
+def _workspace(d: Decision) -> dict | None:
+    if d.template == "baseline" or d.config is None:
+        return None
+    from .. import templates
+
+    return templates.get_spec(d.template).workspace_bytes(d.match, d.config)
 
 
 def _short(config: dict) -> str:

@@ -53,6 +53,12 @@ class TemplateSpec:
         """Predicted milliseconds of the site under ``config`` (None: no model yet)."""
         return None
 
+    def workspace_bytes(self, match: Match, config: dict) -> dict | None:
+        """Memory the rewritten site holds beyond its inputs and output, by kind ("persistent":
+        kept between calls, e.g. symmetric buffers; "per_call": allocated and freed by each
+        call), for the Report (None: not worked out for this template)."""
+        return None
+
     # -- what it emits --------------------------------------------------------------------
     def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan | AllGatherGemmPlan:
         """The run-time plan of this site under ``config`` (an op argument, as JSON)."""

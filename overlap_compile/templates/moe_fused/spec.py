@@ -56,6 +56,30 @@ class MoeFusedSpec(TemplateSpec):
                        hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms)
 
 
+    def workspace_bytes(self, match: Match, config: dict) -> dict | None:
+        """The buffers each path holds (FlashDMoE's memory-overhead accounting, Table 6.2), beside
+        what the section as written allocates for its intermediates (the dispatched and combined
+        slots, the three expert GEMM outputs)."""
+        w, e, c, h, f = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn
+        item = match.itemsize
+        slot = e * c * h * item  # one source's slots
+        written = (3 * w * slot) + 3 * w * e * c * f * item
+        if "pieces" in config:  # sends, receives, results, returns: one full set over the pieces
+            return {"persistent": 0, "per_call": 4 * w * slot, "section_as_written": written}
+        if config.get("transport") != "p2p":  # NCCL by source: a receive and a result per peer piece
+            return {"persistent": 0, "per_call": 2 * (w - 1) * slot, "section_as_written": written}
+        symmetric = 2 * w * slot  # send + combine buffers
+        flags = 2 * 2 * w * 4
+        if config.get("experts") == "fused":
+            from .expert_kernel import ExpertTiles
+
+            bm = ExpertTiles(**config.get("tiles", {})).block_m
+            counters = (w * e + w * e * -(-c // bm) + w + 5) * 4
+            per_call = 2 * w * slot + w * e * c * f * item  # x, y, act
+            return {"persistent": symmetric + flags + counters, "per_call": per_call, "section_as_written": written}
+        return {"persistent": symmetric + flags, "per_call": 2 * (w - 1) * slot, "section_as_written": written}
+
+
 SPEC = MoeFusedSpec()
 
 
