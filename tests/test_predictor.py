@@ -92,6 +92,50 @@ def linear_comm(per_wave, launch=0.0):
 # ---- Algorithm 1 ------------------------------------------------------------------------------
 
 
+def test_algorithm1_with_a_signalling_delay():
+    """Every group but the last is signalled ``ready_delay`` after its last wave ("next_tile"):
+    [1,1,2] with comm 1.5 ms per wave, delay 1: t_m = 1+1+1.5 = 3.5; max(2+1, 3.5)+1.5 = 5;
+    the last group is ready at 4 as before: max(4, 5)+3 = 8 (7 without the delay)."""
+    comm = linear_comm(1.5)
+    assert models.algorithm1([1, 1, 2], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(8.0)
+    assert models.algorithm1([4], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(10.0)  # one group: no delay
+    # compute-bound (comm 0.2 ms per wave): only the last group's comm shows, delay or not
+    cheap = linear_comm(0.2)
+    assert models.algorithm1([1, 1, 2], 1.0, cheap, ready_delay=1.0)[0] == pytest.approx(4.4)
+
+
+def test_signal_points_are_priced_and_offered_only_once_measured(group):
+    from overlap_compile.predictor.profile import profile_from_dict
+    from overlap_compile.templates.signal_reorder import spec as sr_spec
+
+    p = h200()
+    _, match = site_match(group)
+    spec = templates.get_spec("signal_reorder")
+    base = spec.candidates(match, p)
+    assert base and all("signal_at" not in c for c in base)
+    site = predictor.site_of(match, p)
+    cfg = dict(base[0], signal_at="next_tile")
+    assert models.signal_reorder(site, cfg, p, Ctx()) is None  # no measured cost: no price
+    raw = copy.deepcopy(p.raw)
+    raw["signal_epilogue"] = {"group_end": 0.032, "next_tile": 0.008}
+    measured = profile_from_dict(raw, source="test")
+    offered = spec.candidates(match, measured)
+    assert [c for c in offered if c.get("signal_at") == "next_tile"] == [dict(c, signal_at="next_tile") for c in base]
+    plain = models.signal_reorder(site, base[0], measured, Ctx())
+    later = models.signal_reorder(site, cfg, measured, Ctx())
+    geo = models.sr_geometry(site, base[0], measured)
+    wave = models.sr_wave_ms(geo, measured) * 1.008 / 1.032
+    comm = models.sr_comm_fn(site, geo, measured, Ctx())
+    want, _ = models.algorithm1(base[0]["wave_groups"], wave, comm, ready_delay=wave)
+    assert later.total_ms == pytest.approx(want + models.sr_reorder_ms(site, cfg, measured))
+    assert plain.total_ms != later.total_ms
+    with pytest.raises(ValueError, match="signal_at must be one of"):
+        spec.plan(match, dict(base[0], signal_at="whenever"), 1000)
+    from overlap_compile.templates.signal_reorder import kernels
+
+    assert set(sr_spec.SIGNAL_POINTS) <= set(kernels.SIGNAL_AT)  # the spec offers what the kernel has
+
+
 def test_algorithm1_hand_computed():
     # 4 waves of 1 ms, comm 1.5 ms per wave of data:
     # [1,1,2]: t_p=1 -> t_m=2.5; t_p=2 -> max(2,2.5)+1.5=4; t_p=4 -> max(4,4)+3=7

@@ -442,17 +442,19 @@ def sr_comm_fn(site: Site, geo: WaveGeometry, profile: HardwareProfile, ctx: Ctx
 
 
 def algorithm1(groups: list[int] | tuple[int, ...], wave_ms: float,
-               comm: Callable[[int, int, bool], float]) -> tuple[float, list[Event]]:
+               comm: Callable[[int, int, bool], float], ready_delay: float = 0.0) -> tuple[float, list[Event]]:
     """FlashOverlap Algorithm 1 for one partition: accumulate t_p (compute) and t_m (comm).
 
-    ``comm(first_wave, end_wave, is_last_group)`` is the group's collective time."""
+    ``comm(first_wave, end_wave, is_last_group)`` is the group's collective time. ``ready_delay``:
+    how long after its last wave a group other than the last is signalled (the "next_tile"
+    signalling point counts a group in the next wave's epilogue)."""
     t_p = t_m = 0.0
     w = 0
     events = []
     for i, g in enumerate(groups):
         events.append(Event("compute", f"waves {w}-{w + g - 1}" if g > 1 else f"wave {w}", t_p, t_p + g * wave_ms))
         t_p += g * wave_ms
-        start = max(t_p, t_m)
+        start = max(t_p + (ready_delay if i < len(groups) - 1 else 0.0), t_m)
         t_m = start + comm(w, w + g, i == len(groups) - 1)
         events.append(Event("comm", f"group {i} ({g} wave{'s' if g > 1 else ''})", start, t_m))
         w += g
@@ -638,8 +640,15 @@ def signal_reorder(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx)
         raise ValueError(f"signal_reorder config wave_groups {list(groups)} do not sum to the {geo.waves} waves of "
                          f"{geo.num_exec} tiles / {geo.programs} programs")
     wave = sr_wave_ms(geo, profile)
+    delay = 0.0
+    if config.get("signal_at", "group_end") != "group_end":
+        epi = sr_epilogue(profile)
+        if epi is None or config["signal_at"] not in epi:
+            return None  # no measured cost of that signalling point: not priced
+        wave *= (1 + epi[config["signal_at"]]) / (1 + epi["group_end"])
+        delay = wave  # counted in the next tile's epilogue: one wave later
     comm = sr_comm_fn(site, geo, profile, ctx)
-    total, events = algorithm1(groups, wave, comm)
+    total, events = algorithm1(groups, wave, comm, delay)
     g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
     first_compute = groups[0] * wave
     last_comm = comm(geo.waves - groups[-1], geo.waves, True)
@@ -647,6 +656,21 @@ def signal_reorder(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx)
     note = (f"{geo.num_exec} tiles of {geo.block_m}x{geo.block_n} on {geo.programs} programs = {geo.waves} waves "
             f"of {wave:.4f} ms; groups {list(groups)}; +{reorder:.4f} ms un-reordering the received tiles")
     return Schedule(total + reorder, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+def sr_epilogue(profile: HardwareProfile) -> dict[str, float] | None:
+    """The signalling epilogue's measured cost per signalling point, as a fraction of the plain
+    kernel's time (``signal_epilogue`` in the profile: {"group_end": x, "next_tile": y}, from
+    benchmarks/gemm.py --signal-at). The wave model's calibration already holds group_end's cost,
+    so another point is priced by the ratio of the two. None until both are measured."""
+    table = profile.raw.get("signal_epilogue")
+    if not isinstance(table, dict):
+        return None
+    try:
+        out = {k: float(v) for k, v in table.items()}
+    except (TypeError, ValueError):
+        return None
+    return out if "group_end" in out and len(out) > 1 else None
 
 
 # HBM passes over the received tile-order buffer that its un-reorder costs. Read in place by a

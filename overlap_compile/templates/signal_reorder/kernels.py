@@ -857,7 +857,8 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     # inside a capture, this fork makes the comm stream part of the graph).
     comm.wait_stream(compute)
     mode = _wait_mode(plan.config["programs"], device)
-    gemm_signal_into(a, b, bias, plan, send=send, counters=counters, scope="sys" if mode == "stream" else "gpu")
+    gemm_signal_into(a, b, bias, plan, send=send, counters=counters, scope="sys" if mode == "stream" else "gpu",
+                     signal_at=plan.config.get("signal_at", "group_end"))
     op = _reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
     with torch.cuda.stream(comm):
         for g, ((lo, hi), (llo, lhi)) in enumerate(zip(sched.exec_ranges(), sched.local_ranges())):

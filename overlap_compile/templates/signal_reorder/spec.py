@@ -25,6 +25,11 @@ from ..base import TemplateSpec
 from ..plans import GemmCollectivePlan
 
 
+# Where the GEMM epilogue counts a wave group's tiles (kernels.SIGNAL_AT, without its
+# benchmark-only "none"): kept here so specs never import kernel code.
+SIGNAL_POINTS = ("group_end", "next_tile")
+
+
 class SignalReorderSpec(TemplateSpec):
     name = "signal_reorder"
     kinds = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall")
@@ -81,9 +86,21 @@ class SignalReorderSpec(TemplateSpec):
         partition per group count with |G1| <= wave_group_first_max, |GP| <= wave_group_last_max
         (config.current()). Without a profile: the default config."""
         from ...predictor import signal_reorder_candidates
+        from ...predictor.models import sr_epilogue
 
         configs = signal_reorder_candidates(match, profile)
-        return [self.with_subtile(match, c) for c in configs] if configs else [self.default_config(match)]
+        if not configs:
+            return [self.default_config(match)]
+        configs = [self.with_subtile(match, c) for c in configs]
+        # other signalling points (kernels.SIGNAL_AT) once the profile has measured their cost
+        points = [p for p in (sr_epilogue(profile) or {}) if p in SIGNAL_POINTS and p != "group_end"]
+        return configs + [dict(c, signal_at=p) for p in points for c in configs]
+
+    def plan(self, match: Match, config: dict, timeout_ms: int) -> GemmCollectivePlan:
+        point = config.get("signal_at", "group_end")
+        if point not in SIGNAL_POINTS:
+            raise ValueError(f"signal_reorder: signal_at must be one of {list(SIGNAL_POINTS)}, got {point!r}")
+        return super().plan(match, config, timeout_ms)
 
     def emit_gemm_collective(self, emit: Any, match: GemmThenCollective, plan: GemmCollectivePlan) -> Any:
         from . import reference
