@@ -136,9 +136,10 @@ LAYOUT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("signal_at", ["group_end", "next_tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind,m,n,k,world,bm,bn,programs,groups,outer,bias", LAYOUT_CASES)
-def test_signal_layout(dtype, kind, m, n, k, world, bm, bn, programs, groups, outer, bias):
+def test_signal_layout(dtype, kind, m, n, k, world, bm, bn, programs, groups, outer, bias, signal_at):
     K = _kernels()
     from overlap_compile.templates.signal_reorder import reference
 
@@ -149,7 +150,7 @@ def test_signal_layout(dtype, kind, m, n, k, world, bm, bn, programs, groups, ou
     bvec = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
     grid, sched = reference.layout(plan)
     send = torch.full((sched.num_exec, bm, bn), float("nan"), device="cuda", dtype=dtype)
-    send, counters = K.gemm_signal_into(a, b, bvec, plan, send=send)
+    send, counters = K.gemm_signal_into(a, b, bvec, plan, send=send, signal_at=signal_at)
     want = expected_send(a, b, bvec, plan)
     assert rel_err(send, want) < TOL[dtype]
     pad = want == 0
