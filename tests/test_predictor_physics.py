@@ -203,3 +203,17 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
     assert labels.index("experts own (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
     push = next(e for e in t_fast.events if e.label == "push 1")
     assert t_fast.total_ms > push.end  # nothing after the last piece's experts hides its push
+
+
+def test_a_training_sections_saved_intermediates_are_charged():
+    """A training MoE section's rewrite also copies out what backward saves: one read and one
+    write of those bytes, on every moe_fused path."""
+    p = h200()
+    E, C, H, F = 4, 1024, 4096, 2048
+    m = E * 2 * C
+    site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
+    saving = dataclasses.replace(site, saved_bytes=m * (H + 3 * F) * 2)
+    ctx = Ctx(mode="cuda_graph")
+    for cfg in ({"split": "source"}, {"pieces": 2}, {"split": "source", "transport": "p2p"}):
+        extra = models.moe_fused(saving, cfg, p, ctx).total_ms - models.moe_fused(site, cfg, p, ctx).total_ms
+        assert extra == pytest.approx(models.hbm_ms(p, 2 * saving.saved_bytes)), cfg

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import is_call, static_shape, val
+from ..templates.plans import MOE_SAVE_ROLES as SAVE_ROLES  # the intermediates moe_fused can return
 from .matches import MoeSectionMatch
 
 aten = torch.ops.aten
@@ -136,11 +137,20 @@ def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
     section = [wait, *chain_in, b1, b3, *act, mul, b2, *chain_out, m.combine_node]
     combine_wait = _wait_of(m.combine_node)
     inside = set(section) | {combine_wait}
+    # What a training graph saves for backward: the experts' input, both up-projections and the
+    # activation product. moe_fused returns those too (MoePlan.saves); anything else escaping
+    # the section would have to be recomputed, so such a section is left as written.
+    savable = {h: "tokens", b1: "gate", b3: "up", mul: "act"}
+    saved = {}
     for n in section:
         outside = [u.name for u in n.users if u not in inside]
-        if outside:
-            return (f"{generic}: {n.name} is also used by {outside} (saved for backward?): moe_fused replaces "
-                    "the whole section, so it takes sections whose intermediates stay inside (inference)")
+        if outside and n in savable:
+            saved[savable[n]] = n
+        elif outside:
+            return (f"{generic}: {n.name} is also used by {outside}: moe_fused replaces the whole section and "
+                    f"can hand out only the expert input, the two up-projections and the activation product "
+                    f"(what a training graph saves), not this")
+    m.saved_nodes = {role: saved[role] for role in SAVE_ROLES if role in saved}
     m.buffer_node, m.weight_nodes, m.combine_wait = m.dispatch_node.args[0], (b1.args[1], b3.args[1], b2.args[1]), combine_wait
     m.section_nodes, m.e_local, m.capacity, m.hidden = section, e_local, cap, hidden
     m.ffn = static_shape(b1)[2]

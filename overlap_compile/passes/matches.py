@@ -210,6 +210,9 @@ class MoeLayerMatch(Match):
     ffn: int = 0
 
     dispatch_wait: fx.Node | None = None
+    # Section nodes a training graph reads after the section (saved for backward), by role
+    # ("tokens", "gate", "up", "act"): moe_fused returns them as extra outputs.
+    saved_nodes: dict = dataclasses.field(default_factory=dict)
 
     # role names (the fields above keep the names the rest of the package was written with)
     @property
@@ -232,7 +235,7 @@ class MoeLayerMatch(Match):
         return [(e * m, n, k) for e, m, n, k in self.bmm_shapes]
 
     def signature_extra(self) -> str:
-        return f"e{self.e_local}|c{self.capacity}|h{self.hidden}|f{self.ffn}"
+        return f"e{self.e_local}|c{self.capacity}|h{self.hidden}|f{self.ffn}|saves={','.join(self.saved_nodes)}"
 
     def comm_bytes(self) -> int:
         return self.dispatch_bytes

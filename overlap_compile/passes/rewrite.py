@@ -100,8 +100,13 @@ def _rewrite_moe(graph: fx.Graph, m: MoeSectionMatch, plan) -> None:
     """dispatch all-to-all ... combine's wait -> one moe_fused op on the dispatch buffer."""
     import torch
 
+    import operator
+
     emit = GraphEmitter(graph, before=_after_inputs(graph, [m.buffer_node, *m.weight_nodes]))
-    out = emit(torch.ops.overlap_compile.moe_fused.default, m.buffer_node, *m.weight_nodes, m.group_name,
-               plan.to_json())
-    m.combine_wait.replace_all_uses_with(out)
+    outs = emit(torch.ops.overlap_compile.moe_fused.default, m.buffer_node, *m.weight_nodes, m.group_name,
+                plan.to_json())
+    m.combine_wait.replace_all_uses_with(emit(operator.getitem, outs, 0))
+    # a training section's intermediates that backward reads: the op's further outputs
+    for i, role in enumerate(plan.saves, start=1):
+        m.saved_nodes[role].replace_all_uses_with(emit(operator.getitem, outs, i))
     erase_if_dead(graph, [m.combine_wait, *reversed(m.section_nodes), m.dispatch_node])

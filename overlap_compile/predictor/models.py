@@ -118,6 +118,7 @@ class Site:
     dtype: str
     cross_node: bool = False
     output_fuses: bool = False  # the result's readers fuse a permuted read (Match.output_fuses)
+    saved_bytes: int = 0  # intermediates a rewrite must also hand out (a training MoE section's)
 
     @property
     def m(self) -> int:
@@ -152,12 +153,22 @@ class Site:
         from ..passes.matches import dtype_name
 
         return Site(match.kind, tuple(tuple(g) for g in match.gemms()), int(match.world_size),
-                    dtype_name(match.dtype), cross_node, bool(getattr(match, "output_fuses", False)))
+                    dtype_name(match.dtype), cross_node, bool(getattr(match, "output_fuses", False)),
+                    moe_saved_bytes(match))
 
     @staticmethod
     def from_report(site: Any, cross_node: bool = False) -> "Site":
         return Site(site.kind, tuple(tuple(g) for g in site.gemms), int(site.world_size), site.dtype, cross_node,
                     bool(getattr(site, "output_fuses", False)))
+
+
+def moe_saved_bytes(match: Any) -> int:
+    """Bytes of the intermediates a training MoE section saves for backward (Match.saved_nodes):
+    the experts' input [E, W*C, H] and the [E, W*C, F] up-projections / product."""
+    saved = getattr(match, "saved_nodes", None) or {}
+    rows = getattr(match, "e_local", 0) * getattr(match, "capacity", 0) * getattr(match, "world_size", 0)
+    width = {"tokens": getattr(match, "hidden", 0)}
+    return sum(rows * width.get(role, getattr(match, "ffn", 0)) for role in saved) * int(getattr(match, "itemsize", 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -996,8 +1007,14 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
             t_comm = c_start + c
     base = baseline(site, profile, ctx)
     how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
-    return Schedule(max(t_comm, t_exp), events, base.bound_ms if base else None,
+    return Schedule(max(t_comm, t_exp) + moe_save_ms(site, profile), events, base.bound_ms if base else None,
                     f"{how} of {nbytes / 2**20:.1f} MiB")
+
+
+def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
+    """A training section's saved intermediates, copied out of each piece into the layout backward
+    reads (reference.Saved): one read and one write of them."""
+    return hbm_ms(profile, 2 * site.saved_bytes)
 
 
 def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None
@@ -1055,7 +1072,7 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
     base = baseline(site, profile, ctx)
-    return Schedule(start + place, events, base.bound_ms if base else None,
+    return Schedule(start + place + moe_save_ms(site, profile), events, base.bound_ms if base else None,
                     f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
                     f"experts {e_piece:.4f} ms per piece")
 

@@ -133,6 +133,16 @@ class MoePlan:
     ffn: int
     config: dict
     timeout_ms: int = 10000
+    # intermediates the op also returns, in this order, each [e_local, W * capacity, hidden|ffn]
+    # as the section computed them: "tokens" (the experts' input), "gate", "up", "act" (what a
+    # training graph saves for backward; passes.find_moe.SAVE_ROLES)
+    saves: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "saves", tuple(self.saves))
+        bad = [s for s in self.saves if s not in MOE_SAVE_ROLES]
+        if bad:
+            raise ValueError(f"MoePlan.saves: unknown roles {bad}; allowed: {list(MOE_SAVE_ROLES)}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
@@ -141,3 +151,6 @@ class MoePlan:
     @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
     def from_json(text: str) -> "MoePlan":
         return MoePlan(**_load(text, "MoePlan"))
+
+
+MOE_SAVE_ROLES = ("tokens", "gate", "up", "act")

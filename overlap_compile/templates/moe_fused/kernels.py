@@ -114,10 +114,14 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     with torch.cuda.stream(call.copier):
         for src in call.srcs:
             call.fc.wait_free(src)  # my results of src's previous call were read out there
+    saved = ref.Saved(plan, buf)
     if plan.config.get("experts", "bmm") == "fused":
+        if plan.saves:
+            raise ValueError(f"{TEMPLATE}: the persistent expert kernel keeps no intermediates; a section that "
+                             f"saves {list(plan.saves)} for backward takes 'experts': 'bmm'")
         out, used = _fused_experts(call, w1, w3, w2, plan)
     else:
-        out, used = _bmm_experts(call, w1, w3, w2)
+        out, used = _bmm_experts(call, w1, w3, w2, saved)
     for k, src in enumerate(call.srcs, start=1):  # the results of my tokens, back from every peer
         call.fc.wait_ready(src, k)
         out[src].copy_(comb.local[src])
@@ -125,7 +129,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     call.compute.wait_stream(call.copier)
     for t in (buf, *used):
         t.record_stream(call.copier)
-    return out.view(w * rows, h)
+    return saved.result(out.view(w * rows, h))
 
 
 def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
@@ -136,7 +140,7 @@ def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
     call.fc.ready(src)
 
 
-def _bmm_experts(call: _Call, w1, w3, w2) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """cuBLAS bmm per piece: each peer piece pulled whole (one copy, one event), its experts when
     it has landed, its result pushed when they are done; the own tokens in two halves around
     the peer pieces (reference.own_parts)."""
@@ -151,18 +155,18 @@ def _bmm_experts(call: _Call, w1, w3, w2) -> tuple[torch.Tensor, list[torch.Tens
     out = torch.empty_like(call.slots)
     own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
     first, *rest = ref.own_parts(e, c)
-    ref.own_experts(own, w1, w3, w2, own_out, first)
+    ref.own_experts(own, w1, w3, w2, own_out, first, saved, r)
     ys = []
     for src, into, ev in zip(call.srcs, recv, pulled):
         call.compute.wait_event(ev)
-        y = ref.experts(into.view(e, c, h), w1, w3, w2)
+        y = ref.experts(into.view(e, c, h), w1, w3, w2, keep=saved.of_source(src))
         done = _event(call.compute)
         with torch.cuda.stream(call.copier):
             call.copier.wait_event(done)
             _push_result(call, src, y)
         ys.append(y)
     for part in rest:
-        ref.own_experts(own, w1, w3, w2, own_out, part)
+        ref.own_experts(own, w1, w3, w2, own_out, part, saved, r)
     return out, recv + ys
 
 

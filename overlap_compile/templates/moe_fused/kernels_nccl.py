@@ -63,12 +63,13 @@ def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tenso
             dist.all_to_all_single(recv[r - 1], slots[dst], ref.one_peer_splits(w, src, rows),
                                    ref.one_peer_splits(w, dst, rows), group=pg)
             landed.append(_event(side))
+    saved = ref.Saved(plan, buf)
     # own tokens: no transfer, computed while round 1 travels, straight into the output
-    ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h))
+    ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h), keep=saved.of_source(rank))
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
         compute.wait_event(landed[r - 1])
-        ref.experts(recv[r - 1].view(e, c, h), w1, w3, w2, out=ys[r - 1])
+        ref.experts(recv[r - 1].view(e, c, h), w1, w3, w2, out=ys[r - 1], keep=saved.of_source(src))
         done = _event(compute)
         with torch.cuda.stream(side):
             side.wait_event(done)
@@ -77,7 +78,7 @@ def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tenso
                                    ref.one_peer_splits(w, src, rows), group=pg)
     compute.wait_stream(side)  # join: the result is ready in the caller's stream order
     _used_on(side, buf, out, *recv, *ys)
-    return out.view(w * rows, h)
+    return saved.result(out.view(w * rows, h))
 
 
 def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:
@@ -99,11 +100,13 @@ def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Ten
         for s, r in zip(sends, recvs):
             dist.all_to_all_single(r, s, group=pg)
             landed.append(_event(side))
+    saved = ref.Saved(plan, buf)
     for (lo, hi), ev, r, y, back in zip(pieces, landed, recvs, ys, backs):
         n = hi - lo
         compute.wait_event(ev)
         got = r.view(w, e, n, h).transpose(0, 1).reshape(e, w * n, h)
-        y.view(w, e, n, h).copy_(ref.experts(got, w1, w3, w2).view(e, w, n, h).transpose(0, 1))
+        y.view(w, e, n, h).copy_(ref.experts(got, w1, w3, w2, keep=saved.of_capacity(lo, hi)).view(e, w, n, h)
+                                 .transpose(0, 1))
         done = _event(compute)
         with torch.cuda.stream(side):
             side.wait_event(done)
@@ -111,7 +114,7 @@ def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Ten
             out[:, :, lo:hi] = back.view(w, e, n, h)
     compute.wait_stream(side)
     _used_on(side, buf, out, *sends, *recvs, *ys, *backs)
-    return out.view(w * e * c, h)
+    return saved.result(out.view(w * e * c, h))
 
 
 def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:

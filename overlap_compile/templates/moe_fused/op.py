@@ -1,5 +1,6 @@
-"""torch.ops.overlap_compile.moe_fused(buf, w1, w3, w2, group_name, plan) -> the combined slots
-``[W * E_local * C, H]`` (what the section's combine all-to-all returned).
+"""torch.ops.overlap_compile.moe_fused(buf, w1, w3, w2, group_name, plan) -> [the combined slots
+``[W * E_local * C, H]`` (what the section's combine all-to-all returned), then the intermediates
+``plan.saves`` names (training graphs: what backward reads), each ``[E_local, W * C, H|F]``].
 
 Dispatch (``path``): CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
 kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels_nccl.py
@@ -16,7 +17,7 @@ from . import reference
 
 @torch.library.custom_op(f"{LIB}::moe_fused", mutates_args=())
 def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
-              plan: str) -> torch.Tensor:
+              plan: str) -> list[torch.Tensor]:
     p = MoePlan.from_json(plan)
     want = (p.world * p.e_local * p.capacity, p.hidden)
     if tuple(buf.shape) != want or tuple(w1.shape) != (p.e_local, p.hidden, p.ffn):
@@ -31,14 +32,13 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
     buf = buf.contiguous()  # the pieces are views of its rows
     where = path(group_name, buf.device, p)
     if where == "p2p":
-        from . import kernels
-
-        return kernels.run(buf, w1, w3, w2, group_name, p)
-    if where == "nccl":
-        from . import kernels_nccl
-
-        return kernels_nccl.run(buf, w1, w3, w2, group_name, p)
-    return reference.run(buf, w1, w3, w2, group_name, p)
+        from . import kernels as impl
+    elif where == "nccl":
+        from . import kernels_nccl as impl
+    else:
+        impl = reference
+    got = impl.run(buf, w1, w3, w2, group_name, p)
+    return got if isinstance(got, list) else [got]
 
 
 def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
@@ -57,4 +57,7 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
 
 @moe_fused.register_fake
 def _(buf, w1, w3, w2, group_name, plan):
-    return buf.new_empty(buf.shape)
+    p = MoePlan.from_json(plan)
+    saved = [buf.new_empty(p.e_local, p.world * p.capacity, p.hidden if role == "tokens" else p.ffn)
+             for role in p.saves]
+    return [buf.new_empty(buf.shape), *saved]

@@ -48,10 +48,43 @@ def bounds(size: int, parts: int) -> list[tuple[int, int]]:
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU over ``[E_local, rows, H]``; written into ``out`` when given (kernels.py)."""
-    act = F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3)
+            out: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
+    """SwiGLU over ``[E_local, rows, H]``; written into ``out`` when given (kernels.py).
+    ``keep``: role -> view (Saved.of_source / of_capacity) to copy that intermediate into."""
+    gate, up = torch.bmm(x, w1), torch.bmm(x, w3)
+    act = F.silu(gate) * up
+    if keep:
+        values = {"tokens": x, "gate": gate, "up": up, "act": act}
+        for role, view in keep.items():
+            view.copy_(values[role].view(view.shape))
     return torch.bmm(act, w2) if out is None else torch.bmm(act, w2, out=out)
+
+
+class Saved:
+    """The intermediates a training graph keeps (MoePlan.saves), each ``[E_local, W * C, H|F]``
+    laid out as the section as written has them (expert-major, the sources' slots side by
+    side), and the views of them one piece of the pipeline fills."""
+
+    def __init__(self, plan: MoePlan, like: torch.Tensor):
+        self.world, self.capacity = plan.world, plan.capacity
+        e, wc = plan.e_local, plan.world * plan.capacity
+        self.tensors = {r: like.new_empty(e, wc, plan.hidden if r == "tokens" else plan.ffn) for r in plan.saves}
+
+    def of_source(self, source: int, part: tuple[slice, slice] | None = None) -> dict:
+        """Views of source ``source``'s slots (``part``: an own_parts piece of them)."""
+        ex, rows = part or (slice(None), slice(None))
+        lo = source * self.capacity + (rows.start or 0)
+        hi = source * self.capacity + (self.capacity if rows.stop is None else rows.stop)
+        return {r: t[ex, lo:hi] for r, t in self.tensors.items()}
+
+    def of_capacity(self, lo: int, hi: int) -> dict:
+        """Views of capacity slice [lo, hi) of every source, ``[E, W, hi - lo, *]``."""
+        return {r: t.view(t.shape[0], self.world, self.capacity, t.shape[2])[:, :, lo:hi]
+                for r, t in self.tensors.items()}
+
+    def result(self, out: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """What an implementation returns: ``out``, or ``[out, *intermediates]`` when some are saved."""
+        return [out, *self.tensors.values()] if self.tensors else out
 
 
 def by_source(config: dict) -> bool:
@@ -69,10 +102,12 @@ def own_parts(e_local: int, capacity: int) -> list[tuple[slice, slice]]:
 
 
 def own_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
-                part: tuple[slice, slice]) -> None:
-    """One of own_parts of the own tokens ``x`` [E, C, H] through its experts, into ``out`` [E, C, H]."""
+                part: tuple[slice, slice], saved: "Saved | None" = None, rank: int = 0) -> None:
+    """One of own_parts of the own tokens ``x`` [E, C, H] through its experts, into ``out`` [E, C, H]
+    (and its intermediates into ``saved``, at source ``rank``'s columns)."""
     ex, rows = part
-    experts(x[ex, rows], w1[ex], w3[ex], w2[ex], out=out[ex, rows])
+    keep = saved.of_source(rank, part) if saved is not None else None
+    experts(x[ex, rows], w1[ex], w3[ex], w2[ex], out=out[ex, rows], keep=keep)
 
 
 def round_peers(rank: int, world: int, r: int) -> tuple[int, int]:
@@ -86,7 +121,9 @@ def one_peer_splits(world: int, peer: int, rows: int) -> list[int]:
 
 
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
-        plan: MoePlan) -> torch.Tensor:
+        plan: MoePlan) -> torch.Tensor | list[torch.Tensor]:
+    """The combined slots ``[W * E_local * C, H]``; with ``plan.saves``, ``[that, *intermediates]``
+    (Saved). The implementations in kernels.py / kernels_nccl.py return the same."""
     if by_source(plan.config):
         return run_by_source(buf, w1, w3, w2, group_name, plan)
     return run_by_capacity(buf, w1, w3, w2, group_name, plan)
@@ -107,24 +144,25 @@ def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tens
         sent.append(c10d.all_to_all_single.default(slots[dst], one_peer_splits(w, src, rows),
                                                    one_peer_splits(w, dst, rows), group_name))
     out = buf.new_empty(w, rows, h)
+    saved = Saved(plan, buf)
     # ... the own tokens' experts run while they travel (over the copy engine: the first half
     # only, the second after the peers' pieces) ...
     own, own_out = slots[rank].view(e, c, h), out[rank].view(e, c, h)
     parts = own_parts(e, c) if plan.config.get("transport") == "p2p" else [(slice(0, e), slice(0, c))]
-    own_experts(own, w1, w3, w2, own_out, parts[0])
+    own_experts(own, w1, w3, w2, own_out, parts[0], saved, rank)
     back = []
     for r, t in enumerate(sent, start=1):
         dst, src = round_peers(rank, w, r)
-        y = experts(comm.wait(t).view(e, c, h), w1, w3, w2).view(rows, h)
+        y = experts(comm.wait(t).view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
         # ... and each piece goes home as soon as its experts are done.
         back.append(c10d.all_to_all_single.default(y, one_peer_splits(w, dst, rows),
                                                    one_peer_splits(w, src, rows), group_name))
     for part in parts[1:]:
-        own_experts(own, w1, w3, w2, own_out, part)
+        own_experts(own, w1, w3, w2, own_out, part, saved, rank)
     for r, t in enumerate(back, start=1):
         dst, _ = round_peers(rank, w, r)
         out[dst] = comm.wait(t)
-    return out.view(w * rows, h)
+    return saved.result(out.view(w * rows, h))
 
 
 def run_by_capacity(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tensor:
@@ -132,13 +170,14 @@ def run_by_capacity(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Te
     slots = buf.view(w, e, c, h)
     pieces = bounds(c, plan.config.get("pieces", 1))
     sent = [comm.start_all_to_all(slots[:, :, lo:hi].reshape(-1, h), w, group_name) for lo, hi in pieces]
+    saved = Saved(plan, buf)
     back = []
     for (lo, hi), t in zip(pieces, sent):
         n = hi - lo
         got = comm.wait(t).view(w, e, n, h).transpose(0, 1).reshape(e, w * n, h)
-        y = experts(got, w1, w3, w2).view(e, w, n, h).transpose(0, 1).reshape(-1, h)
+        y = experts(got, w1, w3, w2, keep=saved.of_capacity(lo, hi)).view(e, w, n, h).transpose(0, 1).reshape(-1, h)
         back.append(comm.start_all_to_all(y, w, group_name))
     out = buf.new_empty(w, e, c, h)
     for (lo, hi), t in zip(pieces, back):
         out[:, :, lo:hi] = comm.wait(t).view(w, e, hi - lo, h)
-    return out.view(w * e * c, h)
+    return saved.result(out.view(w * e * c, h))

@@ -46,14 +46,18 @@ class MoeFusedSpec(TemplateSpec):
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         cap = getattr(match, "capacity", 1)
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
-        if copy_engine and expert_kernel_ratio(profile) is not None:
+        if copy_engine and expert_kernel_ratio(profile) is not None and not getattr(match, "saved_nodes", None):
             copy_engine.append({"split": "source", "transport": "p2p", "experts": "fused"})
         return copy_engine + [{"split": "source"}] + [{"pieces": p} for p in (2, 4) if p <= cap]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
         check_config(config)
+        saves = tuple(getattr(match, "saved_nodes", {}))
+        if saves and config.get("experts") == "fused":
+            raise ValueError(f"moe_fused: this section saves {list(saves)} for backward; the persistent expert "
+                             "kernel keeps no intermediates ('experts': 'bmm' does)")
         return MoePlan(template=self.name, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
-                       hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms)
+                       hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, saves=saves)
 
 
     def workspace_bytes(self, match: Match, config: dict) -> dict | None:
