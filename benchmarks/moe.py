@@ -13,9 +13,9 @@ Per shape (S tokens per rank, hidden H, expert FFN I, E experts, top-k), host-la
   "p2p"}``, copy engine, bmm experts) and ``moe_fused_p2p_kernel`` (the same with the persistent
   expert kernel, ``"experts": "fused"``);
 * ``train`` (forward + backward) -- ``sequential`` vs ``moe_fused`` (forced) vs ``overlap`` (the
-  predictor's choice). moe_fused takes sections whose intermediates stay inside, so training
-  sections are reported with that reason and left as written: these rows measure the pass's
-  cost, and each row's ``sites`` carries the reasons.
+  predictor's choice). moe_fused takes the forward section (it also returns what backward
+  saves); the backward section (the bmm gradients between two all-to-alls) is not the SwiGLU form
+  and stays as written, with that reason in each row's ``sites``.
 
 The output of each variant is checked against the sequential one in the same run. Median ms
 (benchmarks/timing.py: CUDA events, ranks synchronised), tokens/s, rows to

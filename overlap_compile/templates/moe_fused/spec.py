@@ -9,8 +9,10 @@ After::
 
     out = overlap_compile.moe_fused(buf, w1, w3, w2, '0', '{plan}')
 
-Only sections whose intermediates stay inside (no saved activations: inference / prefill) are
-found supported (passes.find_moe). Configurations: ``{"split": "source"}`` (one piece per source
+Sections are found supported (passes.find_moe) when nothing inside them is read afterwards but,
+in a training graph, what backward saves (the experts' input, both up-projections, the
+activation product): the op then also returns those (``MoePlan.saves``, getitem 1..) and
+backward reads them from it. Configurations: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only) or ``{"pieces": p}`` (the capacity axis in p slices); see
 reference.py. Latency model: predictor.models.moe_fused. kernels_nccl.py (NCCL on CUDA streams)
