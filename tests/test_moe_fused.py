@@ -338,3 +338,27 @@ def test_training_step_through_moe_fused_equals_the_layer_as_written(world, conf
         for r in per_rank:
             assert r["rewritten"] == [True] and r["fused"], r
             assert r["err"] < 1e-5 and max(r["grad_errs"]) < 1e-5, (world, r)
+
+
+def _exhaustive_on_the_layer() -> list:
+    import overlap_compile as oc
+
+    layer, _ = _layer(1.25)
+    torch.manual_seed(1 + dist.get_rank())
+    with torch.no_grad():
+        report = oc.explain(layer, torch.randn(TOKENS, H), templates=("moe_fused",), search="exhaustive",
+                            min_speedup=1.0)
+    (site,) = report.sites
+    return [site.template, site.predicted_ms, site.reason]
+
+
+def test_exhaustive_search_measures_the_section_and_every_moe_fused_config():
+    """search="exhaustive" on a MoE section (gloo): the section as written and every candidate run
+    on every rank, the times agreed (MAX) across ranks, the decision taken on them."""
+    per_rank = run_distributed(_exhaustive_on_the_layer, world_size=2, timeout_s=300)
+    assert per_rank[0] == per_rank[1]  # both ranks decided the same on the same numbers
+    template, predicted, reason = per_rank[0]
+    assert predicted["baseline"] > 0 and len(predicted) >= 3, predicted
+    assert all(v is not None and v > 0 for v in predicted.values()), predicted
+    if template == "moe_fused":  # taken only when a configuration measured fastest
+        assert min(v for k, v in predicted.items() if k.startswith("moe_fused")) < predicted["baseline"], predicted

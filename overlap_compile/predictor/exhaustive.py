@@ -111,7 +111,7 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from .. import templates
-    from ..passes.matches import AllGatherGemmMatch
+    from ..passes.matches import AllGatherGemmMatch, MoeLayerMatch
     from ..runtime import comm
 
     c10d = torch.ops._c10d_functional
@@ -122,6 +122,8 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
         def rnd(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt) * 0.1
 
+        if isinstance(match, MoeLayerMatch):
+            return _time(_moe_call(template, match, config, options, rnd), device)
         if isinstance(match, AllGatherGemmMatch):
             shard = rnd(match.m // W, match.k)
             bs = [rnd(match.k, c.n) for c in match.consumers]
@@ -158,6 +160,28 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
         return _time(fn, device)
 
 
+def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable) -> Callable[[], Any]:
+    """An expert-parallel section as written (all-to-all, SwiGLU experts, all-to-all) or as the
+    moe_fused op of ``config`` (which also returns what a training section saves)."""
+    import torch
+
+    from .. import templates
+    from ..runtime import comm
+    from ..templates.moe_fused import reference
+
+    w, e, c, h, f, g = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn, match.group_name
+    buf, w1, w3, w2 = rnd(w * e * c, h), rnd(e, h, f), rnd(e, h, f), rnd(e, f, h)
+    if template == "baseline":
+        def fn() -> Any:
+            got = comm.wait(comm.start_all_to_all(buf, w, g)).view(w, e, c, h).transpose(0, 1).reshape(e, w * c, h)
+            y = reference.experts(got, w1, w3, w2).view(e, w, c, h).transpose(0, 1).reshape(w * e * c, h)
+            return comm.wait(comm.start_all_to_all(y, w, g))
+        return fn
+    plan = templates.get_spec(template).plan(match, config, options.signal_timeout_ms).to_json()
+    op = torch.ops.overlap_compile.moe_fused.default
+    return lambda: op(buf, w1, w3, w2, g, plan)
+
+
 def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any) -> list[float] | str:
     """Measured ms per (template, config), agreed across the group; or the reason it was not measured."""
     if _measure_hook is not None:
@@ -171,13 +195,44 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any)
         import torch.distributed as dist
 
         return f"not measured: process-group backend {dist.get_backend(pg)!r} (exhaustive search needs nccl or gloo)"
-    local = []
-    for t, c in items:
+    def measure() -> list[float]:
+        local = []
+        for t, c in items:
+            try:
+                local.append(_real_measure(t, match, c, options, device))
+            except Exception:
+                local.append(FAILED_MS)
+        return _agree_max(local, pg, device)
+
+    return on_fresh_thread(measure)
+
+
+def on_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a new thread (same CUDA device), its result or its exception. The measurements
+    run while Inductor compiles, and on that thread several outstanding functional collectives
+    over gloo were seen to hang both ranks (torch 2.13 CPU: four all_reduces started, then
+    waited, inside a post-grad pass; the same calls on a fresh thread complete)."""
+    import threading
+
+    import torch
+
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    box: dict[str, Any] = {}
+
+    def run() -> None:
         try:
-            local.append(_real_measure(t, match, c, options, device))
-        except Exception:
-            local.append(FAILED_MS)
-    return _agree_max(local, pg, device)
+            if device is not None:
+                torch.cuda.set_device(device)
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="overlap_compile-exhaustive")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def measure_baseline(match: Any, options: Any) -> float | str:
@@ -208,5 +263,5 @@ def measure_candidates(spec: Any, match: Any, ranked: list, options: Any) -> lis
         pg = _group(match)
         device = _device_of(pg)
         if device is not None:
-            _broadcast_choice(order[0], pg, device, f"{spec.name} at {match.signature()}")
+            on_fresh_thread(lambda: _broadcast_choice(order[0], pg, device, f"{spec.name} at {match.signature()}"))
     return [out[i] for i in order] + rest
