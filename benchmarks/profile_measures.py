@@ -1,0 +1,107 @@
+"""Put one-GPU kernel measurements into a hardware profile, where the predictor reads them.
+
+    python benchmarks/profile_measures.py --profile h200 --gemm gemm-...json --experts moe_experts-...json \
+        --out h200.json
+
+* ``--gemm`` (benchmarks/gemm.py --signal-at ...): the signalling epilogue's cost per signalling
+  point, the geometric mean over shapes of (signal kernel / plain kernel with the same config) - 1
+  under CUDA graphs -> ``signal_epilogue`` {"group_end": x, "next_tile": y}. The predictor offers
+  signal_reorder's "next_tile" point only once this is there (models.sr_epilogue).
+* ``--experts`` (benchmarks/moe_experts.py): the persistent expert kernel's time over bmm's, the
+  geometric mean over cases of the best correct config with arrival waits on, CUDA graph ->
+  ``moe.expert_kernel_vs_bmm``. moe_fused offers ``"experts": "fused"`` only once this is there.
+
+Only rows marked correct count. Each value goes into the profile's notes with the file it came
+from; the result is written as JSON (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def signal_epilogue(rows: list[dict]) -> dict[str, float]:
+    """{signal_at: geomean(1 + overhead) - 1} over the CUDA-graph triton_signal rows."""
+    per_point: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("method") != "triton_signal" or r.get("mode", "cuda_graph") != "cuda_graph":
+            continue
+        over = r.get("overhead_vs_same_config")
+        if over is None or not r.get("correct", False):
+            continue
+        point = (r.get("config") or {}).get("signal_at", "group_end")
+        per_point.setdefault(point, []).append(1.0 + float(over))
+    return {p: geomean(v) - 1.0 for p, v in per_point.items() if p != "none"}
+
+
+def expert_kernel_ratio(rows: list[dict]) -> float | None:
+    """geomean over cases of min(kernel ms with waits) / bmm ms, CUDA graph, correct rows only."""
+    best: dict[tuple, float] = {}
+    bmm: dict[tuple, float] = {}
+    for r in rows:
+        if r.get("mode") != "cuda_graph" or "ms" not in r:
+            continue
+        key = (r.get("shape"), r.get("world"))
+        if r.get("method") == "bmm":
+            bmm[key] = float(r["ms"])
+        elif r.get("method") == "fused_waits" and r.get("correct"):
+            best[key] = min(best.get(key, math.inf), float(r["ms"]))
+    ratios = [best[k] / bmm[k] for k in best if k in bmm]
+    return geomean(ratios) if ratios else None
+
+
+def update(profile: dict, gemm_rows: list[dict] | None, expert_rows: list[dict] | None,
+           sources: dict[str, str]) -> dict:
+    out = copy.deepcopy(profile)
+    out.setdefault("notes", [])
+    if gemm_rows is not None:
+        epi = signal_epilogue(gemm_rows)
+        if "group_end" not in epi:
+            raise ValueError("no correct CUDA-graph triton_signal rows for signal_at='group_end' in the gemm file")
+        out["signal_epilogue"] = epi
+        out["notes"].append("signal_epilogue (signalling kernel / plain kernel, same config, CUDA graph, geomean): "
+                            + ", ".join(f"{k} {v:+.2%}" for k, v in sorted(epi.items())) + f" from {sources['gemm']}")
+    if expert_rows is not None:
+        ratio = expert_kernel_ratio(expert_rows)
+        if ratio is None:
+            raise ValueError("no correct CUDA-graph fused_waits rows with a bmm row of the same case in the experts file")
+        out.setdefault("moe", {})["expert_kernel_vs_bmm"] = ratio
+        out["notes"].append(f"moe.expert_kernel_vs_bmm = {ratio:.3f} (persistent expert kernel with arrival waits / "
+                            f"bmm experts, CUDA graph, geomean) from {sources['experts']}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="a built-in profile name or a profile JSON path")
+    ap.add_argument("--gemm", default=None)
+    ap.add_argument("--experts", default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from overlap_compile import predictor
+
+    base = predictor.load_profile(a.profile).raw
+    def load(path: str) -> list[dict]:
+        with open(path) as f:
+            return json.load(f)
+
+    prof = update(base, load(a.gemm) if a.gemm else None, load(a.experts) if a.experts else None,
+                  {"gemm": os.path.basename(a.gemm or ""), "experts": os.path.basename(a.experts or "")})
+    predictor.profile.profile_from_dict(prof, source=a.out)  # still a valid profile
+    with open(a.out, "w") as f:
+        json.dump(prof, f, indent=1)
+    print("wrote", a.out, "with", {k: prof[k] for k in ("signal_epilogue", "moe") if k in prof})
+
+
+if __name__ == "__main__":
+    main()
