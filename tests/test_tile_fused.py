@@ -211,3 +211,14 @@ def test_first_call_warm_up_loads_kernels():
         K._warming = False
         K._use_asm.pop("test-stand-in", None)
     assert loaded == [True]
+
+
+def test_allreduce_gather_grid():
+    """The all-reduce's gather kernel runs after the GEMM: one CTA per peer tile, up to every SM,
+    never fewer than the reduce-scatter's comm CTAs."""
+    from overlap_compile.templates.tile_fused.kernels import gather_grid
+
+    assert gather_grid(132, 8, 2, 64) == 64
+    assert gather_grid(132, 8, 4, 1000) == 132
+    assert gather_grid(4, 8, 2, 100) == 8
+    assert gather_grid(132, 8, 2, 1) == 1

@@ -938,13 +938,15 @@ def tile_fused_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx
     every reduced tile to the W-1 peers, then the gather kernel copying the peers' tiles into the
     output. The own stripe is the GEMM's last, so both trail it with nothing to hide them: W-1
     pushes of a stripe from comm_ctas CTAs (or the peer bandwidth), and a read + write of the
-    W-1 received stripes by as many CTAs. Not yet measured on a GPU."""
+    W-1 received stripes by up to every SM. Not yet measured on a GPU."""
     W = site.world
     ctas = max(1, int(config.get("comm_ctas", 8)))
     stripe = (site.m // W) * site.n * site.itemsize
     push = (W - 1) * max(profile.comm_ms("copy_engine", stripe, W, site.cross_node),
                          stripe / (ctas * TF_PUSH_GBPS_PER_CTA * 1e6))
-    copy_out = 2 * (W - 1) * stripe / (min(profile.gemm.mem_gbps, ctas * TF_REDUCE_GBPS_PER_CTA) * 1e6)
+    # the gather kernel runs after the GEMM on up to every SM (kernels.gather_grid)
+    gather_ctas = max(ctas, profile.sm_count)
+    copy_out = 2 * (W - 1) * stripe / (min(profile.gemm.mem_gbps, gather_ctas * TF_REDUCE_GBPS_PER_CTA) * 1e6)
     return reduce_scatter_then_gather(tile_fused, site, config, profile, ctx, push + copy_out + profile.launch(ctx.mode),
                                       f"push reduced tiles to {W - 1} peers, copy theirs out",
                                       "the reduced stripe pushed and the peers' copied out")

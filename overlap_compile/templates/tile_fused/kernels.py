@@ -628,6 +628,12 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     return _run_rs(a, b, bias, group_name, plan)
 
 
+def gather_grid(sms: int, comm_ctas: int, world: int, tiles: int) -> int:
+    """CTAs of the all-reduce's gather kernel: one per peer tile, at most the SM count, at least
+    the reduce-scatter's comm CTAs."""
+    return max(1, min(max(comm_ctas, sms), (world - 1) * tiles))
+
+
 def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
     from ...runtime.comm import resolve_group
 
@@ -677,7 +683,10 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tens
                       gat_tbl, gat, done_tbl, done, grid.rows, plan.n, out.stride(0), T, w, rank, tns, polls, scale,
                       BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m, GATHER=gather, num_warps=4)
         if gather:
-            _launch_small("gather", _gather_kernel, (ctas,), gat, done, out, err, grid.rows, plan.n, out.stride(0),
+            # queued behind the reduce CTAs, which finish with my own stripe, the GEMM's last: the
+            # GEMM is done by then and the copy-out may take every SM
+            gather_ctas = gather_grid(_num_sms(device), ctas, w, T)
+            _launch_small("gather", _gather_kernel, (gather_ctas,), gat, done, out, err, grid.rows, plan.n, out.stride(0),
                           plan.chunk, T, w, rank, tns, polls, BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m,
                           num_warps=4)
     compute.wait_stream(comm)
