@@ -362,3 +362,30 @@ def test_exhaustive_search_measures_the_section_and_every_moe_fused_config():
     assert all(v is not None and v > 0 for v in predicted.values()), predicted
     if template == "moe_fused":  # taken only when a configuration measured fastest
         assert min(v for k, v in predicted.items() if k.startswith("moe_fused")) < predicted["baseline"], predicted
+
+
+def _code_after_the_op() -> list:
+    import re
+
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+    from torch._inductor.utils import run_and_get_code
+
+    layer, _ = _layer(1.25)
+    x = torch.randn(TOKENS, H)
+    with torch.no_grad(), oc.config.patch(force_template="moe_fused", force_config={"split": "source"}):
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend=functools.partial(overlap_backend, report=oc.Report()))
+        _, code = run_and_get_code(fn, x)
+    src = code[0][code[0].index("def call("):]
+    after = src[src.index("overlap_compile.moe_fused.default("):src.index("return (")]
+    return re.findall(r"\b((?:cpp|triton)_\w+)\(", after)
+
+
+def test_receiving_side_unpermute_and_weighted_sum_is_one_kernel():
+    """What follows the op in the graph (index the combined slots by each choice's slot, times its
+    top-k weight, sum over k) is plain aten glue: Inductor makes it one kernel that reads the
+    combined slots once (FlashDMoE fuses the weighted combine into its kernel; here Inductor does)."""
+    kernels = run_distributed(_code_after_the_op, world_size=2, timeout_s=300)[0]
+    assert len(kernels) == 1, kernels
+    assert all(part in kernels[0] for part in ("index", "mul", "sum")), kernels
