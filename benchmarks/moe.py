@@ -91,7 +91,10 @@ def worker(shapes: list[dict], dry: bool, iters: int, out_dir: str | None = None
         for phase, variants in (("forward", forward), ("train", train)):
             ref_out, ref_ms = None, None
             for name, force, config in variants:
-                row = {**base, "shape": shape["name"], "phase": phase, "variant": name}
+                # plus the common schema's keys (benchmarks/plot.py): kind, method, mode
+                row = {**base, "shape": shape["name"], "phase": phase, "variant": name, "kind": f"moe_{phase}",
+                       "method": name, "mode": "eager", "experts": shape["E"], "topk": shape["topk"],
+                       "sizes": {k: shape[k] for k in ("S", "H", "I")}}
                 try:
                     torch._dynamo.reset()
                     report = oc.Report()

@@ -8,7 +8,9 @@ shape, one bar per method, with the overlap bound's speedup drawn as a tick wher
 communication hidden where the baseline row carries ``comm_ms`` (CommFuse's metric:
 (sequential - overlapped) / communication time). ``--metric KEY`` plots
 another time column of the rows (e.g. e2e's ``prefill_ms``); rows without it (errors, skipped
-configurations, checks) are left out.
+configurations, checks) are left out. Rows that carry ``experts`` (benchmarks/moe.py) also get
+latency against the expert count, per (kind, mode) and per group of shapes that differ only in
+it (FlashDMoE's Fig. 6.5: a flat line is the goal).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import math
 import os
 from collections import defaultdict
 
-BASELINES = ("sequential", "cublas", "inductor")
+BASELINES = ("sequential", "cublas", "inductor", "bmm")
 
 
 def speedups(rows: list[dict], metric: str = "ms") -> dict:
@@ -91,6 +93,43 @@ def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[
     return paths
 
 
+def by_experts(rows: list[dict], metric: str = "ms") -> dict:
+    """(kind, mode, sizes) -> method -> sorted [(experts, time)] for rows carrying ``experts``;
+    only groups with two or more expert counts."""
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if "experts" in r and "method" in r and isinstance(r.get(metric), (int, float)) and r[metric] == r[metric]:
+            sizes = json.dumps({**r.get("sizes", {}), "topk": r.get("topk")}, sort_keys=True)
+            out[(r["kind"], r["mode"], sizes)][r["method"]].append((r["experts"], r[metric]))
+    return {k: {m: sorted(v) for m, v in d.items()} for k, d in out.items()
+            if len({e for pts in d.values() for e, _ in pts}) >= 2}
+
+
+def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for i, ((kind, mode, sizes), methods) in enumerate(sorted(by_experts(rows, metric).items())):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m, pts in sorted(methods.items()):
+            ax.plot([e for e, _ in pts], [t for _, t in pts], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("experts")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{kind} ({mode}) {sizes} — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}",
+                     fontsize=8)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}-{kind}-{mode}-by-experts-{i}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def markdown(rows: list[dict], metric: str = "ms") -> str:
     lines = []
     hid = hidden(rows) if metric == "ms" else {}
@@ -125,7 +164,7 @@ def main() -> None:
         rows = json.load(open(path))
         out_dir = args.out or os.path.dirname(path) or "."
         stem = os.path.splitext(os.path.basename(path))[0] + ("" if args.metric == "ms" else f"-{args.metric}")
-        for p in plot(rows, out_dir, stem, args.metric):
+        for p in plot(rows, out_dir, stem, args.metric) + plot_by_experts(rows, out_dir, stem, args.metric):
             print("wrote", p)
         if args.markdown:
             print(markdown(rows, args.metric))
