@@ -214,12 +214,16 @@ class Counters:
     err: torch.Tensor
 
     @staticmethod
-    def make(world: int, e_local: int, capacity: int, block_m: int, device: torch.device) -> "Counters":
+    def make(world: int, e_local: int, capacity: int, block_m: int, device: torch.device,
+             pinned_err: bool = False) -> "Counters":
+        """``pinned_err``: keep the error record in pinned host memory (on CUDA), so the host
+        can read it at the next call without a synchronisation (kernels.py does)."""
         mb = -(-capacity // block_m)
+        err = (torch.zeros(prim.ERR_WORDS, dtype=torch.int32).pin_memory() if pinned_err and torch.device(device).type == "cuda"
+               else torch.zeros(prim.ERR_WORDS, dtype=torch.int32, device=device))
         return Counters(torch.zeros(world * e_local, dtype=torch.uint32, device=device),
                         torch.zeros(world * e_local * mb, dtype=torch.int32, device=device),
-                        torch.zeros(world, dtype=torch.int32, device=device),
-                        torch.zeros(prim.ERR_WORDS, dtype=torch.int32, device=device))
+                        torch.zeros(world, dtype=torch.int32, device=device), err)
 
     def reset(self) -> None:
         """After the kernel, in stream order (the error record stays for check_errors)."""

@@ -92,6 +92,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     rows, dev, dt = e * c, buf.device, buf.dtype
     check_errors(dev, synchronize=False)
+    _check_expert_kernels()
     if comm.rank_and_size(group_name)[1] != w:
         raise ValueError(f"{TEMPLATE}: group {group_name!r} does not have the plan's {w} ranks")
     shape = (w, rows, h)
@@ -197,8 +198,18 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
             call.fd.release(src)
     order = EK.tile_order(w, r, e, c, w1.shape[2], h, cfg.block_m, cfg.block_f, cfg.block_h)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    EK.launch(x, w1, w3, w2, act, y, EK.tile_table(order, dev), flags.view(torch.int32), counters.act_done,
-              counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms)
+
+    def launch() -> None:
+        EK.launch(x, w1, w3, w2, act, y, EK.tile_table(order, dev), flags.view(torch.int32), counters.act_done,
+                  counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms)
+
+    try:
+        launch()
+    except Exception as ex:  # a Triton that refuses a pinned host pointer: the record in device memory
+        if not (counters.err.is_pinned() and "ointer" in str(ex)):
+            raise
+        counters.err = torch.zeros_like(counters.err, device=dev)
+        launch()
     per_source = e * -(-c // cfg.block_m) * -(-h // cfg.block_h)
     with torch.cuda.stream(call.copier):
         for k, src in enumerate(call.srcs, start=1):
@@ -221,12 +232,24 @@ _counter_cache: dict[tuple, "object"] = {}
 
 
 def _counters(w: int, e: int, c: int, block_m: int, dev: torch.device):
-    """The expert kernel's signals for this geometry, allocated once (outside graph pools)."""
+    """The expert kernel's signals for this geometry, allocated once (outside graph pools), its
+    error record in pinned host memory (read at the next call without a synchronisation)."""
     from ...runtime.persistent import allocate
     from . import expert_kernel as EK
 
     key = (w, e, c, block_m, str(dev))
     got = _counter_cache.get(key)
     if got is None:
-        got = _counter_cache[key] = allocate(lambda: EK.Counters.make(w, e, c, block_m, dev))
+        got = _counter_cache[key] = allocate(lambda: EK.Counters.make(w, e, c, block_m, dev, pinned_err=True))
     return got
+
+
+def _check_expert_kernels() -> None:
+    """Raise a bounded wait of an earlier call's expert kernel that ran past its bound (its record
+    is in pinned memory: read without a synchronisation; a device-memory record is left for
+    expert_kernel.check_errors after a synchronisation)."""
+    from . import expert_kernel as EK
+
+    for counters in _counter_cache.values():
+        if counters.err.is_pinned() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            EK.check_errors(counters.err)
