@@ -300,8 +300,10 @@ def test_plan_rejects_bad_configs():
         with pytest.raises(ValueError, match=words):
             SPEC.plan(rs, bad, 1000)
     assert SPEC.plan(rs, {"slices": 2, "transport": "nccl"}, 1000).config["transport"] == "nccl"
-    with pytest.raises(ValueError, match="transport 'p2p'.*slices=1"):
-        SPEC.plan(rs, {"slices": 2, "transport": "p2p"}, 1000)
+    # the copy engine takes row slices too (each copied / pushed on its own), one direction only
+    assert SPEC.plan(rs, {"slices": 2, "transport": "p2p"}, 1000).config["slices"] == 2
+    with pytest.raises(ValueError, match="transport 'p2p'.*bidirectional=False"):
+        SPEC.plan(rs, {"slices": 2, "bidirectional": True, "transport": "p2p"}, 1000)
     a2a = _rs_match(cls=GemmAllToAllMatch, reduce_op=None)
     with pytest.raises(ValueError, match="all-to-all"):
         SPEC.plan(a2a, {"bidirectional": True}, 1000)

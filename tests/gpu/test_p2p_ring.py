@@ -30,10 +30,10 @@ TRANSPORTS = ("p2p", "nccl")
 REPEATS = 20
 
 
-def _plan(kind, w, chunk, k, n, bias, transport):
+def _plan(kind, w, chunk, k, n, bias, transport, slices=1):
     from overlap_compile.templates.plans import AllGatherGemmPlan, GemmCollectivePlan
 
-    cfg = {"slices": 1, "bidirectional": False, "transport": transport}
+    cfg = {"slices": slices, "bidirectional": False, "transport": transport}
     if kind == "allgather_gemm":
         return AllGatherGemmPlan(template="p2p_ring", m=w * chunk, k=k, ns=(n, 72), world=w, outer=1, chunk=chunk,
                                  has_bias=(bias, False), config=cfg, timeout_ms=5000)
@@ -68,13 +68,16 @@ def checks() -> list[str]:
             fails.append(f"rank {rank} W={w} {tag}: rel err {e:.3g}")
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    cases = list(itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"), dtypes,
-                                   SHAPES))
-    cases += list(itertools.product(("p2p",), ("gemm_allreduce",), dtypes, SHAPES))  # copy engine only
-    for transport, kind, dtype, (chunk, k, n) in cases:
+    cases = [(*c, 1) for c in itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"),
+                                                 dtypes, SHAPES)]
+    cases += [(*c, 1) for c in itertools.product(("p2p",), ("gemm_allreduce",), dtypes, SHAPES)]  # copy engine only
+    # the copy engine in 3 row slices per message (125 and 257 rows: uneven slices)
+    cases += [(*c, 3) for c in itertools.product(("p2p",), ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm",
+                                                            "gemm_allreduce"), (torch.bfloat16,), SHAPES)]
+    for transport, kind, dtype, (chunk, k, n), slices in cases:
         bias_on = (chunk, k, n) == SHAPES[0]
-        plan = _plan(kind, w, chunk, k, n, bias_on, transport)
-        tag = f"{transport} {kind} {str(dtype)[6:]} rows={chunk} k={k} n={n} bias={bias_on}"
+        plan = _plan(kind, w, chunk, k, n, bias_on, transport, slices)
+        tag = f"{transport} {kind} {str(dtype)[6:]} rows={chunk} k={k} n={n} bias={bias_on} slices={slices}"
         where = op.path(group, dev, plan)
         if where != transport:
             fails.append(f"rank {rank} {tag}: op dispatches to {where!r}")

@@ -1,6 +1,7 @@
 """p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
 buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
-flags in symmetric memory. Row stripes only (``outer == 1``, slices 1, one direction).
+flags in symmetric memory. Row stripes only (``outer == 1``), one direction; ``slices`` row slices
+per peer message (each copied, or computed and pushed, on its own; slices > 1 not yet run on GPUs).
 
 STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
 CUDA-graph replays); spec.gpu_implemented is True.
@@ -48,7 +49,7 @@ import torch
 
 from ...runtime import comm, peer_flags, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
-from .reference import a2a_pair, ag_source, check_config, rs_stripe
+from .reference import a2a_pair, ag_source, bounds, check_config, rs_stripe
 from .sum_kernel import sum_into
 
 TEMPLATE = "p2p_ring"
@@ -125,22 +126,24 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
     flags.publish_and_meet(peers, lambda: data.local.copy_(shard))
     copier.wait_stream(compute)
+    # each peer's shard in ``slices`` row slices: the GEMMs of a slice start when it has landed
+    parts = bounds(rows, plan.config.get("slices", 1))
     events = []
     with torch.cuda.stream(copier):
         gathered[r * rows:(r + 1) * rows].copy_(shard)
         for src in peers:
-            gathered[src * rows:(src + 1) * rows].copy_(data.peer(src))
+            for lo, hi in parts:
+                gathered[src * rows + lo:src * rows + hi].copy_(data.peer(src)[lo:hi])
+                ev = torch.cuda.Event()
+                ev.record(copier)
+                events.append((src * rows + lo, src * rows + hi, ev))
             flags.release(src)
-            ev = torch.cuda.Event()
-            ev.record(copier)
-            events.append(ev)
     for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
         _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
-    for src, ev in zip(peers, events):
+    for lo, hi, ev in events:
         compute.wait_event(ev)
-        part = gathered[src * rows:(src + 1) * rows]
         for b, bias, y in zip(bs, biases, ys):
-            _gemm(part, b, bias, out=y[src * rows:(src + 1) * rows])
+            _gemm(gathered[lo:hi], b, bias, out=y[lo:hi])
     compute.wait_stream(copier)
     shard.record_stream(copier)
     gathered.record_stream(copier)
@@ -181,18 +184,22 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
     with torch.cuda.stream(copier):  # before any GEMM of this call holds the SMs
         for d in order:
             flags.wait_free(d)
-    staged = []
+    # each destination's rows in ``slices`` row slices: a slice leaves while the next is computed;
+    # READY once the last one is in place (the receiver sums whole partials)
+    parts = bounds(rows, plan.config.get("slices", 1))
     for d in order:
-        part = _gemm(a[d * rows:(d + 1) * rows], b, bias)
-        ev = torch.cuda.Event()
-        ev.record(compute)
-        with torch.cuda.stream(copier):
-            copier.wait_event(ev)
-            flags.busy(d)
-            data.peer(d)[r].copy_(part)
-            flags.ready(d)
-        part.record_stream(copier)
-        staged.append(part)
+        for i, (lo, hi) in enumerate(parts):
+            part = _gemm(a[d * rows + lo:d * rows + hi], b, bias)
+            ev = torch.cuda.Event()
+            ev.record(compute)
+            with torch.cuda.stream(copier):
+                copier.wait_event(ev)
+                if i == 0:
+                    flags.busy(d)
+                data.peer(d)[r][lo:hi].copy_(part)
+                if i == len(parts) - 1:
+                    flags.ready(d)
+            part.record_stream(copier)
     return data, flags, compute, copier, r
 
 

@@ -74,8 +74,8 @@ def config_problem(kind: str, config: Any) -> str | None:
     transport = config.get("transport", "nccl")
     if transport not in TRANSPORTS:
         return f"config 'transport' must be one of {list(TRANSPORTS)}, got {transport!r}"
-    if transport == "p2p" and (slices != 1 or bidir):
-        return "transport 'p2p' (copy engine) runs whole stripes in one direction: slices=1, bidirectional=False"
+    if transport == "p2p" and bidir:
+        return "transport 'p2p' (copy engine) runs one direction: bidirectional=False"
     return None
 
 

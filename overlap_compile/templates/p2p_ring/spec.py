@@ -42,7 +42,8 @@ class P2PRingSpec(TemplateSpec):
     # the reduce-scatter then the copy-engine gather, ...-p2p_ring-allreduce.json); NCCL send/recv
     # 0.87-0.91x (its kernels take SMs from the GEMM and its model is 15% optimistic), so under a
     # GPU profile candidates() offers the copy-engine transport only (force_template with an
-    # explicit config still runs the NCCL one).
+    # explicit config still runs the NCCL one). The copy engine also runs "slices" > 1 (each
+    # message in row slices, 2026-11-23, not yet run on GPUs): not offered until measured.
     gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
