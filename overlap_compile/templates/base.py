@@ -115,6 +115,27 @@ def gemm_operands(emit: Callable, match: GemmThenCollective) -> tuple[fx.Node, f
 Impl = Callable[..., Any]
 
 
+def kernels_or_reference(package: str, reference: Any) -> tuple[Impl, Impl]:
+    """(cuda, cuda_allgather) implementations for the two op definers below: the template's
+    ``<package>.kernels`` (imported on first use) where its ``usable(group_name, device)`` says
+    so, else its reference."""
+    import importlib
+
+    def kernels_for(group_name: str, device: torch.device) -> Any:
+        kernels = importlib.import_module(f"{package}.kernels")
+        return kernels if kernels.usable(group_name, device) else None
+
+    def cuda(a, b, bias, group_name, plan):
+        impl = kernels_for(group_name, a.device)
+        return (impl or reference).run(a, b, bias, group_name, plan)
+
+    def cuda_allgather(shard, bs, biases, group_name, plan):
+        impl = kernels_for(group_name, shard.device)
+        return (impl or reference).run_allgather(shard, bs, biases, group_name, plan)
+
+    return cuda, cuda_allgather
+
+
 def define_gemm_collective_op(template: str, out_shape: Callable[[GemmCollectivePlan], Sequence[int]],
                               reference: Impl, cuda: Impl | None = None) -> Any:
     """Register ``overlap_compile::<template>_gemm_collective(a, b, bias, group_name, plan)``."""

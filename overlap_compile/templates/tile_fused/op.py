@@ -8,25 +8,10 @@ reference.py, the same tile schedule with point-to-point messages.
 """
 from __future__ import annotations
 
-from ..base import define_allgather_gemm_op, define_gemm_collective_op
+from ..base import define_allgather_gemm_op, define_gemm_collective_op, kernels_or_reference
 from . import reference
 
-
-def _cuda(a, b, bias, group_name, plan):
-    from . import kernels
-
-    if kernels.usable(group_name, a.device):
-        return kernels.run(a, b, bias, group_name, plan)
-    return reference.run(a, b, bias, group_name, plan)
-
-
-def _cuda_allgather(shard, bs, biases, group_name, plan):
-    from . import kernels
-
-    if kernels.usable(group_name, shard.device):
-        return kernels.run_allgather(shard, bs, biases, group_name, plan)
-    return reference.run_allgather(shard, bs, biases, group_name, plan)
-
+_cuda, _cuda_allgather = kernels_or_reference(__package__, reference)
 
 tile_fused_gemm_collective = define_gemm_collective_op("tile_fused", reference.out_shape, reference.run, cuda=_cuda)
 tile_fused_allgather_gemm = define_allgather_gemm_op("tile_fused", reference.run_allgather, cuda=_cuda_allgather)
