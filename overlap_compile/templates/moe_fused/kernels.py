@@ -4,8 +4,12 @@ GEMMs, the reason p2p_ring's copy-engine all-to-all beat NCCL's by 1.32-1.39x on
 experts on cuBLAS bmm, readiness through runtime.peer_flags (stream memory operations, bounded
 one-thread waits). Config ``{"split": "source", "transport": "p2p"}``.
 
-STATUS: written 2026-11-23 while no multi-GPU machine was lent; not yet run on GPUs, so
-spec.gpu_implemented stays False (tests/gpu/test_moe.py covers it with the NCCL path).
+STATUS: written 2026-11-23 while no multi-GPU machine was lent; not yet run on GPUs
+(tests/gpu/test_moe.py covers both expert strategies below), so spec.gpu_implemented stays False.
+
+Experts: cuBLAS bmm per piece (default, below), or with ``"experts": "fused"`` one persistent
+Triton kernel over every source (expert_kernel.py; _fused_experts). With ``plan.saves`` (a
+training section) the bmm path also fills the intermediates backward reads (reference.Saved).
 
 Rank r, world W, rows = E_local * C per slot; buf = [W, rows, H] (slot d: tokens for rank d's
 experts). Sources in round order src_k = (r - k) % W, k = 1..W-1 (reference.round_peers)::
