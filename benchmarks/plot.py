@@ -60,12 +60,25 @@ def hidden(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, fig, ax, path: str) -> str:
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
+    plt = _pyplot()
     paths = []
     for (kind, mode), shapes in sorted(speedups(rows, metric).items()):
         methods = sorted({m for d in shapes.values() for m in d})
@@ -84,12 +97,7 @@ def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("speedup over baseline" + (f", {metric}" if metric != "ms" else "") + " (tick: bound)")
         ax.set_title(f"{kind} ({mode}) — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-{kind}-{mode}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-{kind}-{mode}.png")))
     return paths
 
 
@@ -106,11 +114,7 @@ def by_experts(rows: list[dict], metric: str = "ms") -> dict:
 
 
 def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     paths = []
     for i, ((kind, mode, sizes), methods) in enumerate(sorted(by_experts(rows, metric).items())):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -121,12 +125,7 @@ def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms
         ax.set_ylabel(metric)
         ax.set_title(f"{kind} ({mode}) {sizes} — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}",
                      fontsize=8)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-{kind}-{mode}-by-experts-{i}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-{kind}-{mode}-by-experts-{i}.png")))
     return paths
 
 

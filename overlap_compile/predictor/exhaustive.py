@@ -166,17 +166,14 @@ def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd:
     import torch
 
     from .. import templates
-    from ..runtime import comm
     from ..templates.moe_fused import reference
+    from ..templates.plans import MoePlan
 
     w, e, c, h, f, g = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn, match.group_name
     buf, w1, w3, w2 = rnd(w * e * c, h), rnd(e, h, f), rnd(e, h, f), rnd(e, f, h)
-    if template == "baseline":
-        def fn() -> Any:
-            got = comm.wait(comm.start_all_to_all(buf, w, g)).view(w, e, c, h).transpose(0, 1).reshape(e, w * c, h)
-            y = reference.experts(got, w1, w3, w2).view(e, w, c, h).transpose(0, 1).reshape(w * e * c, h)
-            return comm.wait(comm.start_all_to_all(y, w, g))
-        return fn
+    if template == "baseline":  # one piece: all-to-all, the experts, all-to-all, as written
+        as_written = MoePlan("moe_fused", w, e, c, h, f, {"pieces": 1})
+        return lambda: reference.run(buf, w1, w3, w2, g, as_written)
     plan = templates.get_spec(template).plan(match, config, options.signal_timeout_ms).to_json()
     op = torch.ops.overlap_compile.moe_fused.default
     return lambda: op(buf, w1, w3, w2, g, plan)

@@ -38,6 +38,7 @@ import functools
 
 import torch
 
+from ..signal_reorder import kernels as SR  # its dot precision rule (fp32 follows torch's TF32 switch)
 from ..tile_fused import primitives as prim
 from ..tile_fused.primitives import HAVE_TRITON, tl, triton  # Triton is optional on CPU installs
 from . import reference as ref
@@ -169,13 +170,6 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    """fp32 operands follow torch's TF32 switch (as bmm does); half types need none."""
-    if dtype != torch.float32:
-        return None
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
            tiles: torch.Tensor, arrival: torch.Tensor, act_done: torch.Tensor, y_done: torch.Tensor,
            err: torch.Tensor, programs: int, cfg: ExpertTiles, wait_arrival: bool, timeout_ms: int,
@@ -197,7 +191,7 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=_dot_precision(x.dtype),
+        WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=SR._dot_precision(x.dtype),
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 
