@@ -169,7 +169,8 @@ def test_configs_transports_and_paths():
     assert SPEC.candidates(Section(), gpu)[0] == {"split": "source", "transport": "p2p"}
     assert all("transport" not in c for c in SPEC.candidates(Section(), cpu))
     # the persistent expert kernel is offered once a profile carries its measured speed
-    assert fused not in SPEC.candidates(Section(), gpu)
+    unmeasured = {k: v for k, v in gpu.raw.items() if k != "moe"}
+    assert fused not in SPEC.candidates(Section(), predictor.profile.profile_from_dict(unmeasured, source="test"))
     raw = dict(gpu.raw, moe={"expert_kernel_vs_bmm": 0.9})
     measured = predictor.profile.profile_from_dict(raw, source="test")
     assert fused in SPEC.candidates(Section(), measured)

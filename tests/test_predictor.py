@@ -108,7 +108,11 @@ def test_signal_points_are_priced_and_offered_only_once_measured(group):
     from overlap_compile.predictor.profile import profile_from_dict
     from overlap_compile.templates.signal_reorder import spec as sr_spec
 
-    p = h200()
+    from overlap_compile.predictor.profile import profile_from_dict as from_dict
+
+    unmeasured = copy.deepcopy(h200().raw)
+    unmeasured.pop("signal_epilogue", None)
+    p = from_dict(unmeasured, source="test")
     _, match = site_match(group)
     spec = templates.get_spec("signal_reorder")
     base = spec.candidates(match, p)
@@ -129,6 +133,9 @@ def test_signal_points_are_priced_and_offered_only_once_measured(group):
     want, _ = models.algorithm1(base[0]["wave_groups"], wave, comm, ready_delay=wave)
     assert later.total_ms == pytest.approx(want + models.sr_reorder_ms(site, cfg, measured))
     assert plain.total_ms != later.total_ms
+    # measured no cheaper than group_end: dominated (it signals a tile later too), not offered
+    raw["signal_epilogue"] = {"group_end": 0.032, "next_tile": 0.032}
+    assert all("signal_at" not in c for c in spec.candidates(match, profile_from_dict(raw, source="test")))
     with pytest.raises(ValueError, match="signal_at must be one of"):
         spec.plan(match, dict(base[0], signal_at="whenever"), 1000)
     from overlap_compile.templates.signal_reorder import kernels

@@ -118,8 +118,8 @@ if HAVE_TRITON:
             if phase == 1:
                 if WAIT_ARRIVAL:
                     prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
-                cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
-                cmask = cols < F
+                f_cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
+                f_mask = f_cols < F
                 x_rows = x_ptr + s.to(tl.int64) * sx_s + e.to(tl.int64) * sx_e + rows[:, None].to(tl.int64) * sx_c
                 w_base = e.to(tl.int64) * H * F
                 gate = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
@@ -128,8 +128,8 @@ if HAVE_TRITON:
                     ks = k0 + offs_k
                     kmask = ks < H
                     xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    woff = w_base + ks[:, None].to(tl.int64) * F + cols[None, :]
-                    wmask = kmask[:, None] & cmask[None, :]
+                    woff = w_base + ks[:, None].to(tl.int64) * F + f_cols[None, :]
+                    wmask = kmask[:, None] & f_mask[None, :]
                     gate = tl.dot(xa, tl.load(w1_ptr + woff, mask=wmask, other=0.0), gate,
                                   input_precision=DOT_PRECISION)
                     up = tl.dot(xa, tl.load(w3_ptr + woff, mask=wmask, other=0.0), up, input_precision=DOT_PRECISION)
@@ -140,15 +140,15 @@ if HAVE_TRITON:
                 silu = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)
                 act = (silu * u).to(act_ptr.dtype.element_ty)
                 dst = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
-                tl.store(dst + cols[None, :], act, mask=rmask[:, None] & cmask[None, :])
+                tl.store(dst + f_cols[None, :], act, mask=rmask[:, None] & f_mask[None, :])
                 # every thread's stores, then one release add for the CTA (GPU scope: the
                 # readers are this kernel's phase-2 tiles)
                 prim.signal_add(act_done_ptr + se * m_blocks + mb, 1, False, USE_ASM)
             else:
                 prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
                              timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
-                cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
-                cmask = cols < H
+                h_cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+                h_mask = h_cols < H
                 a_rows = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
                 w_base = e.to(tl.int64) * F * H
                 acc = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
@@ -156,11 +156,11 @@ if HAVE_TRITON:
                     ks = k0 + offs_k
                     kmask = ks < F
                     a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + cols[None, :],
-                                mask=kmask[:, None] & cmask[None, :], other=0.0)
+                    w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + h_cols[None, :],
+                                mask=kmask[:, None] & h_mask[None, :], other=0.0)
                     acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
                 dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
-                tl.store(dst + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+                tl.store(dst + h_cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & h_mask[None, :])
                 prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
 
 
