@@ -30,8 +30,12 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from overlap_compile.templates.moe_fused import expert_kernel as EK  # noqa: E402
 from overlap_compile.templates.moe_fused import reference  # noqa: E402
 
-CONFIGS = [EK.ExpertTiles(128, 64, 128, 64, 8, 3), EK.ExpertTiles(128, 128, 128, 64, 8, 3),
-           EK.ExpertTiles(64, 64, 128, 64, 4, 4), EK.ExpertTiles(128, 64, 256, 64, 8, 3)]
+# 1x H200 2026-11-23: pointer loads 0.74-0.83x of bmm; with TMA 128x128x256x64 s3 0.94-1.05x,
+# smaller tiles 0.60-0.92x (benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma.json)
+CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 8, 4),
+           EK.ExpertTiles(128, 128, 128, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 4, 3),
+           EK.ExpertTiles(128, 128, 256, 64, 8, 3, tma_waits=False),  # x by pointers when tiles wait
+           EK.ExpertTiles(128, 128, 128, 64, 8, 3, tma=False)]  # pointer loads only, as before TMA
 
 
 def cases(world_sizes: list[int]) -> list[dict]:
@@ -89,7 +93,8 @@ def main() -> None:
             rows.append({**base, "method": "bmm", "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
         for cfg in CONFIGS:
             counters = EK.Counters.make(w, e, c, cfg.block_m, dev)
-            label = f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            label = (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                     + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits"))
             try:
                 got = EK.swiglu_experts(x, *ws, 0, cfg, counters=counters)
                 EK.check_errors(counters.err)

@@ -62,6 +62,12 @@ def _weights(e, h, f, dtype):
             torch.randn(e, f, h, dtype=dtype) / 4)
 
 
+def _interp_operands(e, c, h, f):
+    import torch
+
+    return (torch.randn(2, e, c, h), *_weights(e, h, f, torch.float32))
+
+
 def check_against_reference(world, rank, e, c, h, f, cfg, arrived):
     import torch
 
@@ -134,6 +140,12 @@ def main() -> None:
     check_against_reference(2, 1, 2, 37, 40, 24, small, arrived=False)
     check_against_reference(3, 2, 1, 20, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=False)
     check_against_reference(4, 1, 3, 5, 16, 17, small, arrived=True)
+    # H, F multiples of block_k: weights (and x, with no arrival waits) through TMA descriptors;
+    # C = 37 is no multiple of block_m, so x's descriptor reads rows of the next slot
+    assert all(d is not None for d in EK._tma_views(*_interp_operands(2, 37, 32, 48), EK.ExpertTiles(16, 32, 16, 16),
+                                                     False))
+    check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=True)
+    check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16, tma=False), arrived=True)
     check_missing_arrival()
     check_half_precision()
     print("ALL OK")

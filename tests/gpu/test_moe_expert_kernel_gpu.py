@@ -69,3 +69,39 @@ def test_cuda_graph_replay():
         want = torch.stack([reference.experts(x[s].float(), *(t.float() for t in ws)) for s in range(2)])
         assert ((y.float() - want).abs().max() / want.abs().max()).item() < 2e-2
     EK.check_errors(counters.err)
+
+
+@pytest.mark.parametrize("tma_waits", [True, False])
+def test_tokens_landing_while_the_kernel_runs(tma_waits):
+    """The copy-engine path's order of events on one GPU: the kernel is already running when a
+    copy stream lands each (source, expert) chunk and then writes its arrival flag
+    (cuStreamWriteValue32, as kernels._fused_experts does). x starts as NaN, so a tile that
+    read its tokens before they landed (a missing wait, or TMA reads not ordered after the
+    acquire: tma_waits) leaves NaN in the result."""
+    from overlap_compile.runtime import symm
+    from overlap_compile.templates.moe_fused import expert_kernel as EK
+    from overlap_compile.templates.moe_fused import reference
+
+    w, e, c, h, f = 2, 2, 300, 512, 384
+    cfg = EK.ExpertTiles(64, 64, 128, 32, 4, 3, tma_waits=tma_waits)
+    counters = EK.Counters.make(w, e, c, cfg.block_m, torch.device("cuda"))
+    copier = torch.cuda.Stream()
+    for call in range(5):
+        stage, ws = _case(w, e, c, h, f, torch.bfloat16, 100 + call)
+        x = torch.full_like(stage, float("nan"))
+        copier.wait_stream(torch.cuda.current_stream())  # x, stage and the counters exist
+        # the copy stream's work is queued before the kernel, as in kernels._fused_experts (a
+        # host call queued after a kernel that waits on it could block the host on first use)
+        with torch.cuda.stream(copier):
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the kernel is running and waiting by then
+            for s in (1, 0):  # arrival order: own tokens first (rank 1), then the peer
+                for j in range(e):
+                    x[s, j].copy_(stage[s, j])
+                    symm.write_value32(counters.arrival, s * e + j, 1)
+        y = EK.swiglu_experts(x, *ws, 1, cfg, counters=counters, arrived=False, timeout_ms=5000)
+        torch.cuda.current_stream().wait_stream(copier)
+        torch.cuda.synchronize()
+        EK.check_errors(counters.err)
+        want = torch.stack([reference.experts(stage[s].float(), *(t.float() for t in ws)) for s in range(w)])
+        assert not y.isnan().any(), f"call {call}: tiles read tokens before they landed"
+        assert ((y.float() - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -27,9 +27,13 @@ past its bound it records [failed, code, index, seen, target] in ``err`` and the
 ``check_errors`` raises. Counters are zeroed after every call (stream order, a memset: no host
 state, capturable).
 
-STATUS: written 2026-11-23 with no GPU lent: the index math, the table order and the signal
-protocol are checked by Triton's interpreter (tests/test_moe_expert_kernel.py); its speed
-against cuBLAS bmm is benchmarks/moe_experts.py, not yet run.
+STATUS (2026-11-23, 1x H200): correct against bmm on odd shapes, fp32 and bf16, 50 calls back
+to back, in a CUDA graph, and with the tokens landing (copy stream + cuStreamWriteValue32)
+while it runs (tests/gpu/test_moe_expert_kernel_gpu.py); the index math, the table order and
+the signal protocol also under Triton's interpreter (tests/test_moe_expert_kernel.py). Speed:
+1.00x of cuBLAS bmm with arrival waits (geomean of 8 shapes.json moe cases, CUDA graph; TMA
+loads, 128x128x256x64 tiles; 0.79x with pointer loads), benchmarks/moe_experts.py, results in
+benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma-waits.json.
 """
 from __future__ import annotations
 
@@ -56,11 +60,15 @@ class ExpertTiles:
     columns per phase-2 tile, K step."""
 
     block_m: int = 128
-    block_f: int = 64
-    block_h: int = 128
+    block_f: int = 128
+    block_h: int = 256  # 1x H200: 0.94-1.05x of cuBLAS bmm; 128x128x128 0.80-0.92x (moe_experts.py)
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    # read the weights (and x, when every source has arrived before the launch) through TMA
+    # descriptors where the shapes allow it (launch: _tma_views); pointer loads otherwise
+    tma: bool = True
+    tma_waits: bool = True  # x through TMA also when tiles wait on arrivals (proxy fence after the wait)
 
     def __post_init__(self) -> None:
         for f in ("block_m", "block_f", "block_h", "block_k"):
@@ -92,14 +100,22 @@ if HAVE_TRITON:
     @triton.jit
     def _swiglu_experts_kernel(
         x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, tiles_ptr, n_tiles,
+        x_desc, w1_desc, w3_desc, w2_desc,
         arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls,
         E, C, H, F,
         sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        X_TMA: tl.constexpr, W_TMA: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
-        last stride. See the module doc for the tiles and their signals."""
+        last stride. See the module doc for the tiles and their signals.
+
+        W_TMA: the weights through 2-D descriptors over ``[E * H, F]`` / ``[E * F, H]`` (the
+        launcher sets it only when H and F are multiples of BLOCK_K, so no K step reads the next
+        expert's rows). X_TMA: x through a descriptor over ``[W * E * C, H]`` (rows past C belong
+        to the next slot and only feed rows that are never stored); after an arrival wait a
+        proxy fence orders those TMA reads after the acquire."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         m_blocks = (C + BLOCK_M - 1) // BLOCK_M
@@ -117,7 +133,10 @@ if HAVE_TRITON:
             se = s * E + e
             if phase == 1:
                 if WAIT_ARRIVAL:
-                    prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+                    landed = prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM,
+                                          USE_TIMER)
+                    if X_TMA:  # the copy engine's data, read by TMA after the acquire
+                        prim.fence_async_reads(landed, USE_ASM)
                 f_cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
                 f_mask = f_cols < F
                 x_rows = x_ptr + s.to(tl.int64) * sx_s + e.to(tl.int64) * sx_e + rows[:, None].to(tl.int64) * sx_c
@@ -127,12 +146,20 @@ if HAVE_TRITON:
                 for k0 in range(0, H, BLOCK_K):
                     ks = k0 + offs_k
                     kmask = ks < H
-                    xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    woff = w_base + ks[:, None].to(tl.int64) * F + f_cols[None, :]
-                    wmask = kmask[:, None] & f_mask[None, :]
-                    gate = tl.dot(xa, tl.load(w1_ptr + woff, mask=wmask, other=0.0), gate,
-                                  input_precision=DOT_PRECISION)
-                    up = tl.dot(xa, tl.load(w3_ptr + woff, mask=wmask, other=0.0), up, input_precision=DOT_PRECISION)
+                    if X_TMA:
+                        xa = x_desc.load([(se * C + mb * BLOCK_M).to(tl.int32), k0])
+                    else:
+                        xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    if W_TMA:
+                        w1t = w1_desc.load([(e * H + k0).to(tl.int32), nb * BLOCK_F])
+                        w3t = w3_desc.load([(e * H + k0).to(tl.int32), nb * BLOCK_F])
+                    else:
+                        woff = w_base + ks[:, None].to(tl.int64) * F + f_cols[None, :]
+                        wmask = kmask[:, None] & f_mask[None, :]
+                        w1t = tl.load(w1_ptr + woff, mask=wmask, other=0.0)
+                        w3t = tl.load(w3_ptr + woff, mask=wmask, other=0.0)
+                    gate = tl.dot(xa, w1t, gate, input_precision=DOT_PRECISION)
+                    up = tl.dot(xa, w3t, up, input_precision=DOT_PRECISION)
                 # SiLU of the gate GEMM's result rounded as the layer rounds it (bmm output in
                 # the activation dtype), the product likewise
                 g = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -156,8 +183,11 @@ if HAVE_TRITON:
                     ks = k0 + offs_k
                     kmask = ks < F
                     a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + h_cols[None, :],
-                                mask=kmask[:, None] & h_mask[None, :], other=0.0)
+                    if W_TMA:
+                        w = w2_desc.load([(e * F + k0).to(tl.int32), nb * BLOCK_H])
+                    else:
+                        w = tl.load(w2_ptr + w_base + ks[:, None].to(tl.int64) * H + h_cols[None, :],
+                                    mask=kmask[:, None] & h_mask[None, :], other=0.0)
                     acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
                 dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
                 tl.store(dst + h_cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & h_mask[None, :])
@@ -168,6 +198,26 @@ def _on_gpu(t: torch.Tensor) -> bool:
     import os
 
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, cfg: ExpertTiles,
+               wait_arrival: bool) -> tuple:
+    """(x, w1, w3, w2) descriptors for the kernel's X_TMA / W_TMA paths, None where a path does
+    not apply: weights only when H and F are multiples of block_k (a K step never crosses into
+    the next expert's rows) and each 2-D view is one TMA accepts; x when it is contiguous (and
+    ``cfg.tma_waits`` or no tile waits on an arrival)."""
+    if not cfg.tma or SR.TensorDescriptor is None:
+        return None, None, None, None
+    e, h, f = w1.shape
+    views = (w1.view(e * h, f), w3.view(e * h, f), w2.view(e * f, h))
+    w_ok = h % cfg.block_k == 0 and f % cfg.block_k == 0 and all(SR._tma_ok(v) for v in views)
+    w_descs = ((SR.TensorDescriptor.from_tensor(views[0], [cfg.block_k, cfg.block_f]),
+                SR.TensorDescriptor.from_tensor(views[1], [cfg.block_k, cfg.block_f]),
+                SR.TensorDescriptor.from_tensor(views[2], [cfg.block_k, cfg.block_h])) if w_ok else (None, None, None))
+    x_desc = None
+    if (cfg.tma_waits or not wait_arrival) and x.is_contiguous() and SR._tma_ok(x.view(-1, x.shape[-1])):
+        x_desc = SR.TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.block_m, cfg.block_k])
+    return (x_desc, *w_descs)
 
 
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
@@ -184,14 +234,16 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
         if t.stride(-1) != 1:
             raise ValueError(f"{TEMPLATE} expert kernel: {name} needs a unit last stride, got {t.stride()}")
     gpu = _on_gpu(x)
+    x_desc, w1_desc, w3_desc, w2_desc = _tma_views(x, w1, w3, w2, cfg, wait_arrival)
     _swiglu_experts_kernel[(programs,)](
-        x, w1, w3, w2, act, y, tiles, tiles.shape[0],
+        x, w1, w3, w2, act, y, tiles, tiles.shape[0], x_desc, w1_desc, w3_desc, w2_desc,
         arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
         e, c, h, f,
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=SR._dot_precision(x.dtype),
+        X_TMA=x_desc is not None, W_TMA=w1_desc is not None,
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 

@@ -173,6 +173,17 @@ if HAVE_TRITON:
             tl.debug_barrier()
             tl.atomic_add(flag_ptr, -value, sem="relaxed", scope="sys")
 
+    @triton.jit
+    def fence_async_reads(dep, USE_ASM: tl.constexpr):
+        """After a wait: order the TMA (async proxy) loads that follow after the acquire, so
+        they see the data the signal published (``fence.proxy.async.global``). Returns ``dep``;
+        nothing to do off the GPU."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise("fence.proxy.async.global;\nmov.u32 $0, $1;", "=r,r", [dep],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            return dep
+
     # ---- TileLink's named primitives ----------------------------------------------------------
 
     @triton.jit
