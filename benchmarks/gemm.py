@@ -60,8 +60,8 @@ def load_shapes(path: str | None) -> dict[tuple[int, int, int], list[str]]:
     return shapes
 
 
-def signal_plan(kind: str, m: int, n: int, k: int, cfg, programs: int) -> GemmCollectivePlan:
-    world = STRIPED.get(kind, 1)
+def signal_plan(kind: str, m: int, n: int, k: int, cfg, programs: int, flat: bool = False) -> GemmCollectivePlan:
+    world = 1 if flat else STRIPED.get(kind, 1)
     if kind == "gemm_allreduce" or world == 1 or m % world:
         kind, world, outer, chunk, rows, stripes = "gemm_allreduce", 1, 1, m, m, 1
     else:
@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--signal-at", default="group_end",
                     help="comma-separated signalling points to time (kernels.SIGNAL_AT: group_end, next_tile, "
                          "none); the first is the table's 'signal' column, the others get a table of their own")
+    ap.add_argument("--flat", action="store_true",
+                    help="lay every kind's signalling GEMM out as the all-reduce one (one stripe, no stripe "
+                         "interleaving): with --signal-at none, what the striped tile order itself costs")
     args = ap.parse_args()
     signal_modes = args.signal_at.split(",")
 
@@ -249,7 +252,7 @@ def main() -> None:
             from overlap_compile.templates.signal_reorder import reference
             from overlap_compile.tiling import untile
 
-            plan = signal_plan(kind, m, n, k, best, sms)
+            plan = signal_plan(kind, m, n, k, best, sms, args.flat)
             grid, sched = reference.layout(plan)
             send, counters = K.gemm_signal_into(a, b, None, plan, config=best, signal_at=signal_modes[0])
             if sched.stripes == 1:
@@ -313,7 +316,7 @@ def main() -> None:
         op_rows(args, shapes, rows, table_op, capture, bench, row, sms)
 
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gemm-{tag}-w1-{date}.json")
+    path = os.path.join(args.out, f"gemm-{tag}-w1-{date}{'-flat' if args.flat else ''}.json")
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     K._save_cache()
