@@ -90,7 +90,7 @@ def test_signal_reorder_signalling_gemm(kind, signal_at, dtype, bias, kmajor):
     m, n, k = 2048, 1024, 512
     a, b = _operands(m, n, k, dtype, kmajor)
     cfg = K.GemmConfig(128, 256, 64, 8, 3, 8, True, False)
-    plan = signal_plan(kind, m, n, k, cfg, 132)
+    plan = signal_plan(kind, m, n, k, cfg, 32)  # several waves, so several wave groups
     bias_t = torch.randn(n).to(dtype) if bias else None
     with building() as builds:
         K.gemm_signal_into(a, b, bias_t, plan, config=cfg, signal_at=signal_at)
