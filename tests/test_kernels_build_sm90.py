@@ -10,6 +10,8 @@ Triton's interpreter had accepted; ``test_expert_kernel`` would have caught it.
 """
 from __future__ import annotations
 
+import os
+import sys
 import types
 
 import pytest
@@ -19,8 +21,10 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from tests.sm90_build import building  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    __import__("os").environ.get("TRITON_INTERPRET") == "1", reason="builds real kernels; the interpreter is on")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="builds real kernels; the interpreter is on")
 
 
 def _ttgir(build) -> str:
@@ -80,12 +84,9 @@ def test_signal_reorder_plain_gemm(warp_specialize):
     ("gemm_alltoall", "none", torch.float16, False, True),
 ])
 def test_signal_reorder_signalling_gemm(kind, signal_at, dtype, bias, kmajor):
-    import sys
+    from gemm import signal_plan
 
     from overlap_compile.templates.signal_reorder import kernels as K
-
-    sys.path.insert(0, "benchmarks")
-    from gemm import signal_plan
 
     m, n, k = 2048, 1024, 512
     a, b = _operands(m, n, k, dtype, kmajor)

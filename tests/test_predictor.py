@@ -108,11 +108,9 @@ def test_signal_points_are_priced_and_offered_only_once_measured(group):
     from overlap_compile.predictor.profile import profile_from_dict
     from overlap_compile.templates.signal_reorder import spec as sr_spec
 
-    from overlap_compile.predictor.profile import profile_from_dict as from_dict
-
     unmeasured = copy.deepcopy(h200().raw)
     unmeasured.pop("signal_epilogue", None)
-    p = from_dict(unmeasured, source="test")
+    p = profile_from_dict(unmeasured, source="test")
     _, match = site_match(group)
     spec = templates.get_spec("signal_reorder")
     base = spec.candidates(match, p)

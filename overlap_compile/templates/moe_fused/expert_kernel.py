@@ -209,11 +209,9 @@ def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     if not cfg.tma or SR.TensorDescriptor is None:
         return None, None, None, None
     e, h, f = w1.shape
-    views = (w1.view(e * h, f), w3.view(e * h, f), w2.view(e * f, h))
-    w_ok = h % cfg.block_k == 0 and f % cfg.block_k == 0 and all(SR._tma_ok(v) for v in views)
-    w_descs = ((SR.TensorDescriptor.from_tensor(views[0], [cfg.block_k, cfg.block_f]),
-                SR.TensorDescriptor.from_tensor(views[1], [cfg.block_k, cfg.block_f]),
-                SR.TensorDescriptor.from_tensor(views[2], [cfg.block_k, cfg.block_h])) if w_ok else (None, None, None))
+    views = ((w1.view(e * h, f), cfg.block_f), (w3.view(e * h, f), cfg.block_f), (w2.view(e * f, h), cfg.block_h))
+    w_ok = h % cfg.block_k == 0 and f % cfg.block_k == 0 and all(SR._tma_ok(v) for v, _ in views)
+    w_descs = tuple(SR.TensorDescriptor.from_tensor(v, [cfg.block_k, cols]) if w_ok else None for v, cols in views)
     x_desc = None
     if (cfg.tma_waits or not wait_arrival) and x.is_contiguous() and SR._tma_ok(x.view(-1, x.shape[-1])):
         x_desc = SR.TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.block_m, cfg.block_k])
