@@ -50,6 +50,10 @@ class Options:
     # host-launched graphs: let a site's op overhead hide behind the GPU work the host queued
     # before it (passes/host_pacing.py); False prices every op as if launched from idle
     host_pacing: bool = True
+    # host-launched graphs: replay each op's stream work from a CUDA graph captured per (site,
+    # buffers) instead of launching it piece by piece (runtime/op_graphs.py); read on a site's
+    # first call
+    op_graphs: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -64,7 +68,7 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 
 
 def _validate(o: Options) -> None:
-    for key in ("enabled", "host_pacing"):
+    for key in ("enabled", "host_pacing", "op_graphs"):
         if not isinstance(getattr(o, key), bool):
             _fail(key, getattr(o, key), "True or False")
     if not isinstance(o.templates, tuple) or not all(t in TEMPLATE_NAMES for t in o.templates):
@@ -117,7 +121,7 @@ def _coerce(key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if key in ("enabled", "host_pacing"):
+    if key in ("enabled", "host_pacing", "op_graphs"):
         low = text.lower()
         if low in ("1", "true", "yes", "on"):
             return True

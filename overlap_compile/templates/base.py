@@ -11,6 +11,7 @@ A template is a folder ``templates/<name>/`` with
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -111,87 +112,152 @@ def gemm_operands(emit: Callable, match: GemmThenCollective) -> tuple[fx.Node, f
 
 
 # ---- op plumbing shared by every template ------------------------------------------------
+#
+# The ops are declared with the low-level torch.library API (schema + one Python kernel per
+# device + a fake impl) rather than ``torch.library.custom_op``, whose Python wrapper checks every
+# call's outputs for aliasing: 13-18 us per call on the dispatch path alone, which a host-launched
+# graph pays at every site. A call's route (which implementation, whether it can be replayed from
+# a CUDA graph, the plan decoded and agreed across ranks) is worked out on the site's first call
+# and kept (``_routes``), so a steady-state call only allocates its outputs and launches.
 
 Impl = Callable[..., Any]
+_LIBRARY = torch.library.Library(LIB, "FRAGMENT")
 
 
-def kernels_or_reference(package: str, reference: Any) -> tuple[Impl, Impl]:
-    """(cuda, cuda_allgather) implementations for the two op definers below: the template's
-    ``<package>.kernels`` (imported on first use) where its ``usable(group_name, device)`` says
-    so, else its reference."""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How a site's calls run on a device. ``graphable``: ``impl`` writes into the outputs it is
+    handed (``out=`` / ``outs=``) with stream work only, so runtime.op_graphs may replay it from a
+    CUDA graph; ``check_errors()`` raises a failure an earlier call recorded on the device."""
+
+    impl: Impl
+    graphable: bool = False
+    check_errors: Callable[[], None] | None = None
+
+
+# (template, op, group name, device, plan json) -> Route; plans are immutable JSON text
+_routes: dict[tuple, tuple[Route, Any]] = {}
+
+
+def kernels_or_reference(package: str, reference: Any, errors_check: str | None = "check_errors") -> tuple[Callable, Callable]:
+    """(route, route_allgather) for the op definers below: the template's ``<package>.kernels``
+    (imported on first use, graphable) where its ``usable(group_name, device)`` says so, else its
+    reference."""
     import importlib
 
-    def kernels_for(group_name: str, device: torch.device) -> Any:
-        kernels = importlib.import_module(f"{package}.kernels")
-        return kernels if kernels.usable(group_name, device) else None
+    def route_for(entry: str) -> Callable:
+        def route(group_name: str, device: torch.device, plan: Any) -> Route:
+            kernels = importlib.import_module(f"{package}.kernels")
+            if not kernels.usable(group_name, device):
+                return Route(getattr(reference, entry))
+            check = getattr(kernels, errors_check) if errors_check else None
+            return Route(getattr(kernels, entry), graphable=True,
+                         check_errors=(lambda: check(device, synchronize=False)) if check else None)
 
-    def cuda(a, b, bias, group_name, plan):
-        impl = kernels_for(group_name, a.device)
-        return (impl or reference).run(a, b, bias, group_name, plan)
+        return route
 
-    def cuda_allgather(shard, bs, biases, group_name, plan):
-        impl = kernels_for(group_name, shard.device)
-        return (impl or reference).run_allgather(shard, bs, biases, group_name, plan)
+    return route_for("run"), route_for("run_allgather")
 
-    return cuda, cuda_allgather
+
+def _route(template: str, op: str, group_name: str, device: torch.device, plan_json: str, parse: Callable,
+           route: Callable | None, reference: Impl) -> tuple[Route, Any]:
+    key = (template, op, group_name, device, plan_json)
+    hit = _routes.get(key)
+    if hit is not None:
+        return hit
+    plan = parse(plan_json)
+    from ..runtime.agreement import check_plan_agreement
+
+    check_plan_agreement(group_name, plan_json, template)
+    chosen = route(group_name, device, plan) if (route is not None and device.type == "cuda") else Route(reference)
+    if chosen.graphable:
+        from .. import config
+
+        if not config.current().op_graphs:
+            chosen = dataclasses.replace(chosen, graphable=False)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _routes[key] = (chosen, plan)  # inside a capture the agreement check could not run yet
+    return chosen, plan
+
+
+def clear_routes() -> None:
+    """Forget every site's route (tests; after an option such as ``op_graphs`` changed)."""
+    _routes.clear()
 
 
 def define_gemm_collective_op(template: str, out_shape: Callable[[GemmCollectivePlan], Sequence[int]],
-                              reference: Impl, cuda: Impl | None = None) -> Any:
-    """Register ``overlap_compile::<template>_gemm_collective(a, b, bias, group_name, plan)``."""
-    qualname = f"{LIB}::{template}_gemm_collective"
+                              reference: Impl, route: Callable | None = None) -> Any:
+    """Register ``overlap_compile::<template>_gemm_collective(a, b, bias, group_name, plan)``.
+    ``route(group_name, device, plan) -> Route`` picks the implementation of CUDA calls."""
+    name = f"{template}_gemm_collective"
+    _LIBRARY.define(f"{name}(Tensor a, Tensor b, Tensor? bias, str group_name, str plan) -> Tensor")
 
-    @torch.library.custom_op(qualname, mutates_args=())
     def op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, plan: str) -> torch.Tensor:
-        p = GemmCollectivePlan.from_json(plan)
+        how, p = _route(template, "gemm_collective", group_name, a.device, plan, GemmCollectivePlan.from_json, route,
+                        reference)
         _check_gemm_inputs(template, p, a, b, bias)
-        from ..runtime.agreement import check_plan_agreement
+        if not how.graphable:
+            return how.impl(a, b, bias, group_name, p)
+        from ..runtime import op_graphs
 
-        check_plan_agreement(group_name, plan, template)
-        if cuda is not None and a.is_cuda:
-            return cuda(a, b, bias, group_name, p)
-        return reference(a, b, bias, group_name, p)
+        out = a.new_empty(tuple(out_shape(p)))
+        op_graphs.run((template, group_name, plan), a.device, (a, b, bias), (out,),
+                      lambda: how.impl(a, b, bias, group_name, p, out=out), how.check_errors)
+        return out
 
-    @op.register_fake
-    def _(a, b, bias, group_name, plan):
-        p = GemmCollectivePlan.from_json(plan)
-        return a.new_empty(tuple(out_shape(p)))
+    def fake(a, b, bias, group_name, plan):
+        return a.new_empty(tuple(out_shape(GemmCollectivePlan.from_json(plan))))
 
-    return op
+    _register(name, op, fake)
+    return getattr(torch.ops.overlap_compile, name).default
 
 
-def define_allgather_gemm_op(template: str, reference: Impl, cuda: Impl | None = None) -> Any:
+def define_allgather_gemm_op(template: str, reference: Impl, route: Callable | None = None) -> Any:
     """Register ``overlap_compile::<template>_allgather_gemm(shard, bs, biases, group_name, plan)``
     returning ``[gathered [m, k], out_0 [m, n_0], ...]``."""
-    qualname = f"{LIB}::{template}_allgather_gemm"
+    name = f"{template}_allgather_gemm"
+    _LIBRARY.define(f"{name}(Tensor shard, Tensor[] bs, Tensor?[] biases, str group_name, str plan) -> Tensor[]")
 
-    @torch.library.custom_op(qualname, mutates_args=())
     def op(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None], group_name: str,
            plan: str) -> list[torch.Tensor]:
-        p = AllGatherGemmPlan.from_json(plan)
-        if tuple(shard.shape) != (p.m // p.world, p.k):
-            raise ValueError(f"{template}: shard shape {tuple(shard.shape)} != plan's {(p.m // p.world, p.k)}")
-        if len(bs) != len(p.ns) or len(biases) != len(p.ns):
-            raise ValueError(f"{template}: {len(bs)} weights / {len(biases)} biases for {len(p.ns)} GEMMs in the plan")
-        for b, bias, n, has_bias in zip(bs, biases, p.ns, p.has_bias):
-            if tuple(b.shape) != (p.k, n):
-                raise ValueError(f"{template}: weight shape {tuple(b.shape)} != plan's {(p.k, n)}")
-            if (bias is not None) != has_bias or (bias is not None and tuple(bias.shape) != (n,)):
-                raise ValueError(f"{template}: bias {None if bias is None else tuple(bias.shape)} does not match "
-                                 f"the plan (has_bias={has_bias}, n={n})")
-        from ..runtime.agreement import check_plan_agreement
+        how, p = _route(template, "allgather_gemm", group_name, shard.device, plan, AllGatherGemmPlan.from_json,
+                        route, reference)
+        _check_allgather_inputs(template, p, shard, bs, biases)
+        if not how.graphable:
+            return how.impl(shard, bs, biases, group_name, p)
+        from ..runtime import op_graphs
 
-        check_plan_agreement(group_name, plan, template)
-        if cuda is not None and shard.is_cuda:
-            return cuda(shard, bs, biases, group_name, p)
-        return reference(shard, bs, biases, group_name, p)
+        outs = [shard.new_empty(p.m, p.k)] + [shard.new_empty(p.m, n) for n in p.ns]
+        op_graphs.run((template, group_name, plan), shard.device, (shard, *bs, *biases), outs,
+                      lambda: how.impl(shard, bs, biases, group_name, p, outs=outs), how.check_errors)
+        return outs
 
-    @op.register_fake
-    def _(shard, bs, biases, group_name, plan):
+    def fake(shard, bs, biases, group_name, plan):
         p = AllGatherGemmPlan.from_json(plan)
         return [shard.new_empty(p.m, p.k)] + [shard.new_empty(p.m, n) for n in p.ns]
 
-    return op
+    _register(name, op, fake)
+    return getattr(torch.ops.overlap_compile, name).default
+
+
+def _register(name: str, kernel: Impl, fake: Impl) -> None:
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, kernel, key)
+    torch.library.register_fake(f"{LIB}::{name}", fake, lib=_LIBRARY)
+
+
+def _check_allgather_inputs(template: str, p: AllGatherGemmPlan, shard: torch.Tensor, bs: list[torch.Tensor],
+                            biases: list[torch.Tensor | None]) -> None:
+    if tuple(shard.shape) != (p.m // p.world, p.k):
+        raise ValueError(f"{template}: shard shape {tuple(shard.shape)} != plan's {(p.m // p.world, p.k)}")
+    if len(bs) != len(p.ns) or len(biases) != len(p.ns):
+        raise ValueError(f"{template}: {len(bs)} weights / {len(biases)} biases for {len(p.ns)} GEMMs in the plan")
+    for b, bias, n, has_bias in zip(bs, biases, p.ns, p.has_bias):
+        if tuple(b.shape) != (p.k, n):
+            raise ValueError(f"{template}: weight shape {tuple(b.shape)} != plan's {(p.k, n)}")
+        if (bias is not None) != has_bias or (bias is not None and tuple(bias.shape) != (n,)):
+            raise ValueError(f"{template}: bias {None if bias is None else tuple(bias.shape)} does not match "
+                             f"the plan (has_bias={has_bias}, n={n})")
 
 
 def _check_gemm_inputs(template: str, p: GemmCollectivePlan, a: torch.Tensor, b: torch.Tensor,

@@ -52,3 +52,42 @@ def traced_site(kind: str, m: int, n: int, k: int, world: int, dtype: torch.dtyp
     gm = make_fx(fn, tracing_mode="fake")(torch.empty(rows, k, dtype=dtype), torch.empty(k, n, dtype=dtype))
     (match,) = find(gm.graph)
     return match
+
+
+def site_op(kind: str, template: str, a: torch.Tensor, b: torch.Tensor, group: str, world: int,
+            config: dict | None = None):
+    """``fn()``: the template's op called directly on the plan of this site (row stripes along dim
+    0; ``config``, else the template's default), with no graph around it and no decision: also at
+    W=1, where the pass keeps every site as written, so an op's own path runs on one GPU. Returns
+    the op's output (allgather_gemm: ``[gathered, gathered @ b]``)."""
+    from .. import templates
+    from ..templates.plans import AllGatherGemmPlan, GemmCollectivePlan
+
+    templates.load_all_ops()
+    ops = torch.ops.overlap_compile
+    if kind == "allgather_gemm":
+        m = a.shape[0] * world
+        plan = AllGatherGemmPlan(template, m, a.shape[1], (b.shape[1],), world, 1, m // world, (False,),
+                                 config if config is not None else _default_config(template, kind, m, world))
+        op = getattr(ops, f"{template}_allgather_gemm").default
+        text = plan.to_json()
+        return lambda: op(a, [b], [None], group, text)
+    m = a.shape[0]
+    plan = GemmCollectivePlan(template, kind, m, b.shape[1], a.shape[1], world, None if kind == "gemm_alltoall" else "sum",
+                              1, m if kind == "gemm_allreduce" else m // world, False,
+                              config if config is not None else _default_config(template, kind, m, world))
+    op = getattr(ops, f"{template}_gemm_collective").default
+    text = plan.to_json()
+    return lambda: op(a, b, None, group, text)
+
+
+def _default_config(template: str, kind: str, m: int, world: int) -> dict:
+    """A configuration of ``template`` that fits any site (what site_op runs unless told)."""
+    from .. import templates
+
+    if template == "priority_stream":
+        return {"chunks": 2, "block_m": None, "block_n": None, "stages": None}
+    if template == "p2p_ring":
+        return {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    raise ValueError(f"site_op: give the {template} configuration explicitly (config=...); defaults are known for "
+                     f"{['priority_stream', 'p2p_ring']} (available templates: {templates.names()})")

@@ -143,17 +143,7 @@ def _cases():
     ]
 
 
-# GEMM + reduce-scatter is known broken on 2x H200 (2026-11-23, torch 2.11 / Triton 3.6): wrong
-# results on some calls (a race between the push/reduce CTAs and the GEMM's tile stores) and
-# local-tile waits timing out; it is not offered under GPU profiles (spec.candidates). The test
-# stays, expected to fail, so that a fix shows up as XPASS. The likely cause (CUDA lazy loading,
-# tests/gpu/test_kernel_loading.py) was fixed afterwards without a 2-GPU run. GEMM + all-reduce
-# runs the same kernels (plus the gather) and has not run on GPUs either.
-RS_BROKEN = pytest.mark.xfail(reason="tile_fused GEMM+RS: race / wait timeouts on 2x H200, see spec.py", strict=False)
-
-
-@pytest.mark.parametrize("kind", ["allgather_gemm", pytest.param("gemm_reducescatter", marks=RS_BROKEN),
-                                  pytest.param("gemm_allreduce", marks=RS_BROKEN)])
+@pytest.mark.parametrize("kind", ["allgather_gemm", "gemm_reducescatter", "gemm_allreduce"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_against_mm_and_nccl(world, kind):
     from overlap_compile.testing.multiprocess import run_distributed
@@ -166,6 +156,108 @@ def test_against_mm_and_nccl(world, kind):
         for c, eager, replay in rank_rows:
             print(f"W={world} {c}: eager {eager:.2e} graph {replay:.2e}")
             assert eager <= TOL[torch.bfloat16] and replay <= TOL[torch.bfloat16], (c, eager, replay)
+
+
+# ---- race loops: many calls back to back, the inputs changing every call ------------------------
+
+RACE_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
+RACE_VARIANTS = 3  # input sets cycled call after call: a tile left over from the last call shows
+
+
+def race_cases(cases: list[dict], calls: int) -> list[dict]:
+    """Per case: ``calls`` host-launched calls back to back (no synchronisation), then ``calls``
+    CUDA-graph replays (one graph per input set, outputs poisoned with NaN before each replay),
+    each call's every output compared with torch.mm + NCCL on that call's inputs. Counts the wrong
+    calls; the comparison runs on the GPU behind the calls so nothing slows them down."""
+    dist, K, dev, group, rank, world = _setup()
+    torch.cuda.set_device(dev)
+    out = []
+    for c in cases:
+        dtype = getattr(torch, c.get("dtype", "bfloat16"))
+        tol = RACE_TOL[dtype]
+        sets = []
+        for v in range(RACE_VARIANTS):
+            torch.manual_seed(100 * v + rank)
+            st, plan, args = _make(c["kind"], c["m"], c["n"], c["k"], c.get("outer", 1), world, dev, dtype,
+                                   c.get("bias", False), c.get("comm_ctas", 8), c.get("bm", 128), c.get("bn", 128),
+                                   c.get("n2"))
+            args = _reseed(args, v, rank)
+            sets.append((_op(c["kind"], group, plan, args), _sequential(dist, c["kind"], st, args, world)))
+        torch.cuda.synchronize()
+        dist.barrier()
+        errs = []
+        for i in range(calls):
+            fn, exp = sets[i % RACE_VARIANTS]
+            errs.append(torch.stack([_rel(g, e) for g, e in zip(fn(), exp)]).max())
+        eager = torch.stack(errs)
+        K.check_errors(dev)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graphs = []
+        for fn, exp in sets:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs = fn()
+            graphs.append((g, outs, exp))
+        errs = []
+        for i in range(calls):
+            g, outs, exp = graphs[i % RACE_VARIANTS]
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            errs.append(torch.stack([_rel(o, e) for o, e in zip(outs, exp)]).max())
+        replay = torch.stack(errs)
+        K.check_errors(dev)
+        bad = lambda e: int(((e > tol) | e.isnan()).sum())  # noqa: E731
+        out.append({"case": c, "calls": calls, "wrong_eager": bad(eager), "wrong_graph": bad(replay),
+                    "max_eager": float(eager.nan_to_num(float("inf")).max()),
+                    "max_graph": float(replay.nan_to_num(float("inf")).max())})
+        dist.barrier()
+    return out
+
+
+def _reseed(args, v: int, rank: int):
+    """Input set ``v`` of a case: the activations differ between sets (weights too), so that
+    consecutive calls must not agree by accident."""
+    g = torch.Generator(device=args[0].device).manual_seed(1000 * (v + 1) + rank)
+
+    def fresh(t):
+        return None if t is None else torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype) / 4
+
+    if isinstance(args[1], list):
+        shard, bs, biases = args
+        return fresh(shard), [fresh(b) for b in bs], [fresh(b) for b in biases]
+    return tuple(fresh(t) for t in args)
+
+
+def _race_cases_for(kind: str, world: int) -> list[dict]:
+    cases = []
+    for c in _cases():
+        if c["kind"] != kind or c["m"] % (world * c.get("outer", 1)):
+            continue
+        for dtype in ("bfloat16", "float16", "float32"):
+            cases.append({**c, "dtype": dtype})
+    return cases
+
+
+@pytest.mark.parametrize("kind", ["gemm_reducescatter", "gemm_allreduce", "allgather_gemm"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_race_loop_every_call_right(world, kind):
+    """1,000 calls per case and launch mode, varying inputs, bf16/fp16/fp32: zero wrong calls."""
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    cases = _race_cases_for(kind, world)
+    results = run_distributed(race_cases, world_size=world, args=(cases, 1000), backend="nccl", timeout_s=900)
+    wrong = []
+    for rank, rows in enumerate(results):
+        for r in rows:
+            print(f"W={world} rank {rank} {r['case']}: {r['calls']} calls, wrong eager {r['wrong_eager']} "
+                  f"(max rel {r['max_eager']:.2e}), wrong graph {r['wrong_graph']} (max rel {r['max_graph']:.2e})")
+            if r["wrong_eager"] or r["wrong_graph"]:
+                wrong.append((rank, r))
+    assert not wrong, wrong
 
 
 def test_wait_timeout_raises():

@@ -110,8 +110,10 @@ def _start(device: torch.device, plan) -> tuple[torch.cuda.Stream, torch.cuda.St
 # ---- all-gather -> GEMMs -----------------------------------------------------------------------
 
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
-    """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather."""
+                  group_name: str, plan: AllGatherGemmPlan,
+                  outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather (into ``outs`` when
+    given)."""
     w, rows, dev = plan.world, plan.chunk, shard.device
     shard = shard.contiguous()
     data = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (rows, plan.k), shard.dtype, dev)
@@ -119,8 +121,7 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
                    "all-gather")
     r = data.rank
     compute, copier = _start(dev, plan)
-    gathered = shard.new_empty(plan.m, plan.k)
-    ys = [shard.new_empty(plan.m, n) for n in plan.ns]
+    gathered, *ys = outs if outs is not None else _new_outputs(shard, plan)
     peers = [ag_source(r, w, s) for s in range(1, w)]
     # Publish and meet on the compute stream, before the first GEMM: a wait kernel queued
     # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
@@ -150,26 +151,31 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     return [gathered] + ys
 
 
+def _new_outputs(shard: torch.Tensor, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
+    return [shard.new_empty(plan.m, plan.k)] + [shard.new_empty(plan.m, n) for n in plan.ns]
+
+
 # ---- GEMM -> reduce-scatter / all-to-all / all-reduce ----------------------------------------------
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-        plan: GemmCollectivePlan) -> torch.Tensor:
+        plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The site's result rows (reference.out_shape), written into ``out`` when given."""
     if plan.kind == "gemm_reducescatter":
-        return run_reducescatter(a, b, bias, group_name, plan)
+        return run_reducescatter(a, b, bias, group_name, plan, out)
     if plan.kind == "gemm_alltoall":
-        return run_alltoall(a, b, bias, group_name, plan)
+        return run_alltoall(a, b, bias, group_name, plan, out)
     if plan.kind == "gemm_allreduce":
-        return run_allreduce(a, b, bias, group_name, plan)
+        return run_allreduce(a, b, bias, group_name, plan, out)
     raise ValueError(f"{TEMPLATE}: the copy-engine path implements gemm_reducescatter, gemm_alltoall and "
                      f"gemm_allreduce, not {plan.kind!r}")
 
 
 def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-                  plan: GemmCollectivePlan) -> torch.Tensor:
+                  plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reduce-scatter over W row stripes of the output, then the all-gather (copy-engine
     pulls, no GEMM) of the reduced stripes: ``[m, n]`` on every rank (reference.allreduce_*)."""
     mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan))
-    return run_allgather(mine, [], [], group_name, allreduce_gather(plan))[0]
+    return run_allgather(mine, [], [], group_name, allreduce_gather(plan), None if out is None else [out])[0]
 
 
 def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int]):
@@ -204,7 +210,7 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
 
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-                      plan: GemmCollectivePlan) -> torch.Tensor:
+                      plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg)."""
     if plan.reduce_op not in ("sum", "avg"):
         raise ValueError(f"{TEMPLATE}: reduce op {plan.reduce_op!r} is not supported (supported: ['sum', 'avg'])")
@@ -225,7 +231,7 @@ def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     # is what the GEMMs cannot hide), in place into my own partial.
     last = (r + w - 1) % w
     flags.wait_ready(last, w - 2)
-    out = sum_into(own, own, data.local[last], acc, 1.0 / w if plan.reduce_op == "avg" else 1.0)
+    out = sum_into(own if out is None else out, own, data.local[last], acc, 1.0 / w if plan.reduce_op == "avg" else 1.0)
     flags.release(last)
     compute.wait_stream(copier)
     return out
@@ -243,7 +249,7 @@ def _accumulate(acc, data, flags: _Flags, src: int, step: int) -> torch.Tensor:
 
 
 def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-                 plan: GemmCollectivePlan) -> torch.Tensor:
+                 plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """Block j of the result (rows j*rows..) is source j's ``a @ b + bias`` rows of my stripe."""
     w, rows = plan.world, plan.chunk
     a = a.contiguous()
@@ -251,7 +257,7 @@ def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
     pairs = [a2a_pair(r, w, s) for s in range(1, w)]
     data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "alltoall", "gemm_alltoall",
                                                 [dst for dst, _ in pairs])
-    out = a.new_empty(plan.m, plan.n)
+    out = a.new_empty(plan.m, plan.n) if out is None else out
     _gemm(a[r * rows:(r + 1) * rows], b, bias, out=out[r * rows:(r + 1) * rows])  # stays here, computed last
     for s, (_, src) in enumerate(pairs, start=1):
         flags.wait_ready(src, s)

@@ -6,14 +6,16 @@ The gemm-collective op returns the collective's result rows directly (reduce-sca
 stripe; all-to-all: the received blocks in source order), so the graph needs no glue beyond the
 view that spec's base emitter already adds.
 
-Dispatch (``path``): CUDA tensors on an NCCL group run kernels.py when the plan's transport is
-"p2p" and the group can use symmetric memory (copy-engine peer copies), else kernels_nccl.py
-(cuBLAS pieces + NCCL send/recv on a high-priority stream; slices=1, one direction); everything
-else (CPU / gloo, other configs) runs reference.py, the same decomposed algorithm.
+Dispatch (``path``, worked out on a site's first call): CUDA tensors on an NCCL group run
+kernels.py when the plan's transport is "p2p" and the group can use symmetric memory (copy-engine
+peer copies; stream work only, so host-launched calls replay from a CUDA graph, runtime.op_graphs),
+else kernels_nccl.py (cuBLAS pieces + NCCL send/recv on a high-priority stream; slices=1, one
+direction); everything else (CPU / gloo, other configs) runs reference.py, the same decomposed
+algorithm.
 """
 from __future__ import annotations
 
-from ..base import define_allgather_gemm_op, define_gemm_collective_op
+from ..base import Route, define_allgather_gemm_op, define_gemm_collective_op
 from . import reference
 
 
@@ -29,27 +31,20 @@ def path(group_name: str, device, plan) -> str:
     return "reference"
 
 
-def _cuda(a, b, bias, group_name, plan):
-    from . import kernels, kernels_nccl
+def _route_for(entry: str):
+    def route(group_name, device, plan) -> Route:
+        from . import kernels, kernels_nccl
 
-    where = path(group_name, a.device, plan)
-    if where == "p2p":
-        return kernels.run(a, b, bias, group_name, plan)
-    if where == "nccl":
-        return kernels_nccl.run(a, b, bias, group_name, plan)
-    return reference.run(a, b, bias, group_name, plan)
+        where = path(group_name, device, plan)
+        if where == "p2p":
+            return Route(getattr(kernels, entry), graphable=True,
+                         check_errors=lambda: kernels.check_errors(device, synchronize=False))
+        return Route(getattr(kernels_nccl if where == "nccl" else reference, entry))
 
-
-def _cuda_allgather(shard, bs, biases, group_name, plan):
-    from . import kernels, kernels_nccl
-
-    where = path(group_name, shard.device, plan)
-    if where == "p2p":
-        return kernels.run_allgather(shard, bs, biases, group_name, plan)
-    if where == "nccl":
-        return kernels_nccl.run_allgather(shard, bs, biases, group_name, plan)
-    return reference.run_allgather(shard, bs, biases, group_name, plan)
+    return route
 
 
-p2p_ring_gemm_collective = define_gemm_collective_op("p2p_ring", reference.out_shape, reference.run, cuda=_cuda)
-p2p_ring_allgather_gemm = define_allgather_gemm_op("p2p_ring", reference.run_allgather, cuda=_cuda_allgather)
+p2p_ring_gemm_collective = define_gemm_collective_op("p2p_ring", reference.out_shape, reference.run,
+                                                     route=_route_for("run"))
+p2p_ring_allgather_gemm = define_allgather_gemm_op("p2p_ring", reference.run_allgather,
+                                                   route=_route_for("run_allgather"))

@@ -150,9 +150,9 @@ def _collective(plan: GemmCollectivePlan, lay: ref.Layout, c: int, send_c: torch
 
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-        plan: GemmCollectivePlan) -> torch.Tensor:
+        plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked GEMM on the compute stream, chunk c's collective on the comm stream as soon as
-    chunk c is done. Returns reference.run's result (``[result_rows, n]``)."""
+    chunk c is done. Returns reference.run's result (``[result_rows, n]``), in ``out`` if given."""
     from ...runtime.comm import resolve_group
 
     lay = ref.gemm_layout(plan)
@@ -160,8 +160,9 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     op = reduce_op(plan.reduce_op) if plan.kind != "gemm_alltoall" else None
     compute = torch.cuda.current_stream(a.device)
     side = comm_stream(a.device)
-    send = a.new_empty(plan.m, plan.n)  # chunk-major: chunk c is send[W*lo : W*hi]
-    result = send if plan.kind == "gemm_allreduce" else a.new_empty(plan.result_rows, plan.n)
+    in_place = plan.kind == "gemm_allreduce"  # the all-reduce sums the send buffer in place
+    send = out if (in_place and out is not None) else a.new_empty(plan.m, plan.n)  # chunk-major: chunk c is send[W*lo : W*hi]
+    result = send if in_place else (out if out is not None else a.new_empty(plan.result_rows, plan.n))
     for c in range(len(lay.chunks)):
         send_c = send[slice(*lay.buffer_rows(c))]
         ref.compute_chunk(a, b, bias, lay, c, send_c, tile_gemm(plan.config, a.device))
@@ -179,9 +180,11 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
 # ---- all-gather -> GEMM ----------------------------------------------------------------------
 
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
+                  group_name: str, plan: AllGatherGemmPlan,
+                  outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Every chunk's all-gather on the comm stream (an event after each), chunk c's GEMMs on the
-    compute stream once event c has fired. Returns ``[gathered, y_0, y_1, ...]``."""
+    compute stream once event c has fired. Returns ``[gathered, y_0, y_1, ...]`` (``outs`` if
+    given)."""
     import torch.distributed as dist
 
     from ...runtime.comm import resolve_group
@@ -191,8 +194,10 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     compute = torch.cuda.current_stream(shard.device)
     side = comm_stream(shard.device)
     shard = shard.contiguous()  # NCCL reads contiguous rows
-    gathered = shard.new_empty(plan.m, plan.k)
-    ys = [shard.new_empty(plan.m, n) for n in plan.ns]
+    if outs is not None:
+        gathered, *ys = outs
+    else:
+        gathered, ys = shard.new_empty(plan.m, plan.k), [shard.new_empty(plan.m, n) for n in plan.ns]
     # One chunk with outer == 1: the gather's source-major rows are the gathered matrix itself.
     direct = len(lay.chunks) == 1 and lay.stripes.outer == 1
     gath = gathered if direct else shard.new_empty(plan.m, plan.k)  # chunk-major scratch

@@ -11,10 +11,11 @@ from __future__ import annotations
 from ..base import define_allgather_gemm_op, define_gemm_collective_op, kernels_or_reference
 from . import reference
 
-_cuda, _cuda_allgather = kernels_or_reference(__package__, reference)
+_route, _route_allgather = kernels_or_reference(__package__, reference,
+                                                errors_check=None)
 
 priority_stream_gemm_collective = define_gemm_collective_op(
-    "priority_stream", reference.out_shape, reference.run, cuda=_cuda
+    "priority_stream", reference.out_shape, reference.run, route=_route
 )
 priority_stream_allgather_gemm = define_allgather_gemm_op("priority_stream", reference.run_allgather,
-                                                          cuda=_cuda_allgather)
+                                                          route=_route_allgather)

@@ -62,6 +62,7 @@ import torch
 
 from ...tiling import TileGrid, WaveSchedule, cdiv
 from ..plans import GemmCollectivePlan
+from .reference import out_shape as reference_out_shape
 from ...runtime.persistent import allocate, zeros_int32
 
 try:  # Triton is optional on CPU-only installs; available() then says False.
@@ -822,8 +823,9 @@ def _reduce_op(name: str | None) -> Any:
 
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-        plan: GemmCollectivePlan) -> torch.Tensor:
-    """GEMM + collective, overlapped by wave group; returns reference.run's received buffer.
+        plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM + collective, overlapped by wave group; returns reference.run's received buffer
+    (``out`` when given).
 
     Compute stream: the signalling GEMM. Comm stream (highest priority), per group g: bounded
     wait on counter g (consumes it), then the collective on the group's contiguous send slice
@@ -846,13 +848,19 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     compute = torch.cuda.current_stream(device)
     comm = _comm_stream(device)
     tiles = (grid.block_m, grid.block_n)
-    send = torch.empty(sched.num_exec, *tiles, dtype=a.dtype, device=device)
-    if plan.kind == "gemm_reducescatter":
-        recv = torch.empty(grid.num_tiles, *tiles, dtype=a.dtype, device=device)
-    elif plan.kind == "gemm_alltoall":
-        recv = torch.empty(plan.world, grid.num_tiles, *tiles, dtype=a.dtype, device=device)
-    else:
+    in_place = plan.kind == "gemm_allreduce"  # the all-reduce sums the send buffer in place
+    send = out if (in_place and out is not None) else torch.empty(sched.num_exec, *tiles, dtype=a.dtype, device=device)
+    if out is not None and tuple(out.shape) != tuple(send.shape if in_place else reference_out_shape(plan)):
+        raise ValueError(f"signal_reorder: output buffer {tuple(out.shape)} does not match the plan's "
+                         f"{tuple(reference_out_shape(plan))}")
+    if in_place:
         recv = send
+    elif out is not None:
+        recv = out
+    elif plan.kind == "gemm_reducescatter":
+        recv = torch.empty(grid.num_tiles, *tiles, dtype=a.dtype, device=device)
+    else:
+        recv = torch.empty(plan.world, grid.num_tiles, *tiles, dtype=a.dtype, device=device)
     # The comm stream may only start after everything the caller queued before this op (and,
     # inside a capture, this fork makes the comm stream part of the graph).
     comm.wait_stream(compute)

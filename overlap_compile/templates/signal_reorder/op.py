@@ -5,18 +5,18 @@ spec.SignalReorderSpec.emit_gemm_collective turns it back into rows.
 """
 from __future__ import annotations
 
-from ..base import define_gemm_collective_op
+from ..base import Route, define_gemm_collective_op
 from . import reference
 
 
-def _cuda(a, b, bias, group_name, plan):
+def _route(group_name, device, plan) -> Route:
     from . import kernels
 
     if kernels.available() and not reference.is_subtile(plan):  # no GPU kernel for the subtile form yet
-        return kernels.run(a, b, bias, group_name, plan)
-    return reference.run(a, b, bias, group_name, plan)
+        return Route(kernels.run, graphable=True, check_errors=lambda: kernels.check_errors(device, synchronize=False))
+    return Route(reference.run)
 
 
 signal_reorder_gemm_collective = define_gemm_collective_op(
-    "signal_reorder", reference.out_shape, reference.run, cuda=_cuda
+    "signal_reorder", reference.out_shape, reference.run, route=_route
 )

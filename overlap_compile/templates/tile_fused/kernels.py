@@ -617,7 +617,7 @@ def _gemm_cfg(device, m, n, k, dtype, plan) -> Any:
 # ------------------------------------------------------------------------------------------
 
 def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-        plan: GemmCollectivePlan) -> torch.Tensor:
+        plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM + reduce-scatter: my reduced stripe as [outer*chunk, n] rows; GEMM + all-reduce:
     [m, n] (the reduce-scatter over W row stripes, the reduced tiles pushed to every peer)."""
     from ...runtime.comm import resolve_group
@@ -625,7 +625,7 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
     check_plan(plan)
     key = (plan.kind, a.device.index, group_name, plan.to_json(), a.dtype, bias is not None, a.stride(), b.stride())
     _first_call(key, resolve_group(group_name), a.device, lambda: _run_rs(a, b, bias, group_name, plan))
-    return _run_rs(a, b, bias, group_name, plan)
+    return _run_rs(a, b, bias, group_name, plan, out)
 
 
 def gather_grid(sms: int, comm_ctas: int, world: int, tiles: int) -> int:
@@ -634,7 +634,7 @@ def gather_grid(sms: int, comm_ctas: int, world: int, tiles: int) -> int:
     return max(1, min(max(comm_ctas, sms), (world - 1) * tiles))
 
 
-def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
+def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     from ...runtime.comm import resolve_group
 
     gather = plan.kind == "gemm_allreduce"
@@ -656,7 +656,8 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tens
     arrived, arrived_tbl = _symm(group_name, f"arrived/{ptag}", (w * T,), torch.int32, device, zero=True)
     ready = _zeros_cached(("ready", device.index, group_name, ptag), w * T, device)
     part = torch.empty(w * T, bm, bn, dtype=a.dtype, device=device)
-    out = torch.empty((w if gather else 1) * plan.result_rows, plan.n, dtype=a.dtype, device=device)
+    if out is None:
+        out = torch.empty((w if gather else 1) * plan.result_rows, plan.n, dtype=a.dtype, device=device)
     if gather:  # every rank's reduced tiles, pushed by its reduce CTAs, and one flag per tile
         gat, gat_tbl = _symm(group_name, f"gather/{ptag}", (w * T, bm, bn), a.dtype, device)
         done, done_tbl = _symm(group_name, f"done/{ptag}", (w * T,), torch.int32, device, zero=True)
@@ -697,17 +698,18 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tens
 
 
 def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None], group_name: str,
-                  plan: AllGatherGemmPlan) -> list[torch.Tensor]:
+                  plan: AllGatherGemmPlan, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """All-gather + GEMMs: returns [gathered, y_0, y_1, ...]; y_0's GEMM is fused with the gather."""
     from ...runtime.comm import resolve_group
 
     key = ("ag", shard.device.index, group_name, plan.to_json(), shard.dtype, tuple(b.stride() for b in bs))
     _first_call(key, resolve_group(group_name), shard.device,
                 lambda: _run_ag(shard, bs, biases, group_name, plan))
-    return _run_ag(shard, bs, biases, group_name, plan)
+    return _run_ag(shard, bs, biases, group_name, plan, outs)
 
 
-def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
+def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
+            outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     from ...runtime.comm import resolve_group
 
     check_config(plan.config)
@@ -723,7 +725,8 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan) -> list
     ptag = f"{plan.m}x{plan.k}/w{w}"
     mine, mine_tbl = _symm(group_name, f"shard/{ptag}", (rows_local, plan.k), shard.dtype, device)
     arrived = _zeros_cached(("ag", device.index, group_name), w, device)
-    gathered = torch.empty(plan.m, plan.k, dtype=shard.dtype, device=device)
+    given = outs
+    gathered = given[0] if given else torch.empty(plan.m, plan.k, dtype=shard.dtype, device=device)
     compute, comm = torch.cuda.current_stream(device), _comm_stream(device)
     comm.wait_stream(compute)
     with torch.cuda.stream(comm):
@@ -739,7 +742,7 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan) -> list
         piece.copy_(part)  # my rows: no wait
     outs = []
     n0 = plan.ns[0]
-    y0 = torch.empty(plan.m, n0, dtype=shard.dtype, device=device)
+    y0 = given[1] if given else torch.empty(plan.m, n0, dtype=shard.dtype, device=device)
     grid = TileGrid(rows_local, n0, bm, bn, c.get("group_m", 8))
     cfg = _gemm_cfg(device, plan.m, n0, plan.k, shard.dtype, plan)
     programs = max(1, min(_num_sms(device), w * grid.num_tiles))
@@ -749,9 +752,9 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan) -> list
     arrived.zero_()  # every tile that waited has read its flag (the GEMM is done): back to zero
     compute.wait_stream(comm)
     outs.append(y0)
-    for b, bias in zip(bs[1:], biases[1:]):
-        y = gathered @ b
-        outs.append(y + bias if bias is not None else y)
+    for i, (b, bias) in enumerate(zip(bs[1:], biases[1:]), start=2):
+        y = given[i] if given else None
+        outs.append(torch.addmm(bias, gathered, b, out=y) if bias is not None else torch.mm(gathered, b, out=y))
     gathered.record_stream(comm)
     _after_call(device, "allgather_gemm")
     return [gathered] + outs

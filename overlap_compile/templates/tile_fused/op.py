@@ -11,7 +11,8 @@ from __future__ import annotations
 from ..base import define_allgather_gemm_op, define_gemm_collective_op, kernels_or_reference
 from . import reference
 
-_cuda, _cuda_allgather = kernels_or_reference(__package__, reference)
+_route, _route_allgather = kernels_or_reference(__package__, reference,
+                                                errors_check="check_errors")
 
-tile_fused_gemm_collective = define_gemm_collective_op("tile_fused", reference.out_shape, reference.run, cuda=_cuda)
-tile_fused_allgather_gemm = define_allgather_gemm_op("tile_fused", reference.run_allgather, cuda=_cuda_allgather)
+tile_fused_gemm_collective = define_gemm_collective_op("tile_fused", reference.out_shape, reference.run, route=_route)
+tile_fused_allgather_gemm = define_allgather_gemm_op("tile_fused", reference.run_allgather, route=_route_allgather)

@@ -1,0 +1,187 @@
+"""Host-launched template ops replayed from CUDA graphs, one graph per (call site, buffers).
+
+In torch.compile's default mode the host launches every kernel, and a template op queues many
+small pieces (stream forks and joins, events, flag writes, bounded wait kernels, GEMM slices):
+0.3-0.7 ms of host time per call on an H200 host where the site it replaces costs 0.07-0.16 ms
+(benchmarks/host_profile.py). All of that stream work is capturable (the ops already run inside
+Inductor's CUDA-graph trees), so here a call's work is captured once into a CUDA graph and later
+calls with the same buffers replay it: one graph launch instead of dozens of runtime calls.
+
+What makes a replay the same call:
+
+* the plan (shapes, config, group) and, for every input, its address, shape, strides and dtype:
+  a graph reads its inputs where they were at capture;
+* the output buffers, which the op allocates from the ordinary caching allocator *before* the
+  lookup and the graph writes into: the output is a fresh tensor every call, owned by the caller
+  as usual (nothing static is handed out, nothing a caller still holds is overwritten), and in a
+  model's steady state the allocator hands out the same addresses step after step;
+* state that lives between calls (symmetric buffers, flags, error records) has fixed addresses
+  and returns to its initial values at the end of each call (each template's kernels module says
+  so), so a replay is a fresh call.
+
+A key seen for the first time runs the op as usual (most one-off addresses never come back), on
+a side stream so that stream's per-stream state (the cuBLAS workspace) exists before any capture;
+the second time it is captured and replayed, and from then on replayed. The op's temporaries live
+in one graph memory pool per device that all op graphs share: their replays are stream-ordered
+one after the other, so none can be running while another uses the same memory. Inside another
+capture (``mode="reduce-overhead"``, a user's ``torch.cuda.graph``) the op runs as written and the
+outer graph records it. A capture that fails leaves that site to run as written from then on,
+with a warning naming the template and the error.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from typing import Callable, Sequence
+
+import torch
+
+CAPTURE_ON_SIGHT = 2  # the n-th call with the same key is captured (1: the first one runs as usual)
+MAX_GRAPHS = 256  # per process; the least recently replayed graph is dropped past this
+MAX_SEEN = 4096  # keys seen once and not (yet) captured; forgotten all at once past this
+
+_lock = threading.Lock()
+_graphs: "collections.OrderedDict[tuple, torch.cuda.CUDAGraph]" = collections.OrderedDict()
+_seen: dict[tuple, int] = {}
+_failed: dict[tuple, str] = {}  # static key -> why its capture failed (run as written from then on)
+_pools: dict[int, tuple] = {}
+_live = collections.Counter()  # device index -> graphs alive in its pool
+_side: dict[int, torch.cuda.Stream] = {}
+stats = collections.Counter()  # "eager", "captured", "replayed", "failed": for tests and benchmarks
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a graph assumes about an input: where it is and how it is laid out."""
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor | None],
+        outputs: Sequence[torch.Tensor], call: Callable[[], None],
+        check_errors: Callable[[], None] | None = None) -> None:
+    """Do ``call()`` (the op's stream work, writing into ``outputs``) now, replayed from a graph
+    when this exact call was captured before. ``static_key`` names the site (template, plan,
+    group); ``check_errors`` raises a failure an earlier call recorded on the device (a captured
+    call does not run the op's Python, so its own check would not run on a replay)."""
+    if torch.cuda.is_current_stream_capturing():
+        call()
+        return
+    key = (static_key, device.index, tuple(tensor_key(t) for t in inputs), tuple(o.data_ptr() for o in outputs))
+    graph = _graphs.get(key)
+    if graph is not None:
+        if check_errors is not None:
+            check_errors()
+        _graphs.move_to_end(key)
+        graph.replay()
+        stats["replayed"] += 1
+        return
+    if static_key in _failed:
+        call()
+        stats["eager"] += 1
+        return
+    seen = _seen.get(key, 0) + 1
+    if len(_seen) >= MAX_SEEN:
+        _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
+    _seen[key] = seen
+    if seen < CAPTURE_ON_SIGHT:
+        _on_side_stream(device, call)
+        stats["eager"] += 1
+        return
+    graph = _capture(static_key, device, call)
+    if graph is None:
+        call()
+        stats["eager"] += 1
+        return
+    with _lock:
+        _seen.pop(key, None)
+        _graphs[key] = graph
+        _live[device.index] += 1
+        while len(_graphs) > MAX_GRAPHS:
+            _drop(*_graphs.popitem(last=False))
+    if check_errors is not None:
+        check_errors()
+    graph.replay()
+    stats["captured"] += 1
+
+
+def _drop(key: tuple, graph: torch.cuda.CUDAGraph) -> None:
+    """Forget one graph; with the last graph of a device its memory pool goes too (torch frees a
+    pool when no graph uses it, and its handle must not be used again)."""
+    device = key[1]
+    graph.reset()
+    _live[device] -= 1
+    if _live[device] == 0:
+        _pools.pop(device, None)
+
+
+def clear() -> None:
+    """Drop every graph (their pool memory goes back once no graph holds it)."""
+    with _lock:
+        while _graphs:
+            _drop(*_graphs.popitem(last=False))
+        _seen.clear()
+        _failed.clear()
+        stats.clear()
+
+
+def failures() -> dict[tuple, str]:
+    return dict(_failed)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _side.get(device.index)
+    if s is None:
+        s = _side[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+def _on_side_stream(device: torch.device, call: Callable[[], None]) -> None:
+    """``call()`` on the capture stream, ordered after the caller's work and before the caller's
+    next work, exactly like a call on the caller's stream."""
+    caller, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        call()
+    caller.wait_stream(side)
+
+
+def _pool(device: torch.device) -> tuple:
+    p = _pools.get(device.index)
+    if p is None:
+        p = _pools[device.index] = torch.cuda.graph_pool_handle()
+    return p
+
+
+def _capture(static_key: tuple, device: torch.device, call: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+    """The op's stream work recorded on the side stream (nothing runs), or None after a failed
+    capture (remembered: that site runs as written from then on)."""
+    caller, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    error: BaseException | None = None
+    with torch.cuda.stream(side):
+        # thread-local: another thread's CUDA calls (a compile worker) cannot spoil this capture
+        graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - reported below, the call then runs as written
+            error = e
+        finally:
+            try:
+                graph.capture_end()
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+    caller.wait_stream(side)
+    if error is None:
+        return graph
+    why = f"{type(error).__name__}: {error}"
+    _failed[static_key] = why
+    del graph
+    if _live[device.index] == 0:
+        _pools.pop(device.index, None)  # the failed capture was the pool's only user: it is gone
+    stats["failed"] += 1
+    warnings.warn(f"overlap_compile: {static_key[0]} could not be captured into a CUDA graph for host-launched "
+                  f"replay ({why}); this site runs as written (per-call host launches) from now on")
+    return None
