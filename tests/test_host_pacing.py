@@ -16,6 +16,14 @@ from overlap_compile.testing.patterns import collective
 M, N, K = 8192, 8192, 2048  # an all-reduce site p2p_ring runs 1.34x faster on 2x H200 (CUDA graph)
 
 
+@pytest.fixture(autouse=True)
+def ops_launched_piece_by_piece():
+    """These tests are about ops whose host time is large (0.3-0.9 ms, launched piece by piece:
+    ``op_graphs=False``), the case pacing exists for; replayed ops are the last test's."""
+    with config.patch(op_graphs=False):
+        yield
+
+
 @pytest.fixture
 def group():
     with fake_process_group(2) as name:
@@ -173,3 +181,13 @@ def test_lighter_op_chosen_where_the_fastest_cannot_hide_its_host_time(host_laun
     out = host_pacing.pace(g, [da, db], config.current(), Profile())
     assert out[0].template == "baseline" and out[1].template == "light", out[1].reason
     assert out[1].host_clock["lead"] == pytest.approx(0.96) and out[1].host_clock["gpu_end"] == pytest.approx(1.45)
+
+
+def test_replayed_ops_cost_less_host_time_than_the_site_so_no_site_waits_for_a_lead(group, host_launched):
+    """With runtime.op_graphs (the default) a rewritten site's host time is a fraction of the
+    site's own, so even the first site of the chain, with nothing queued before it, is rewritten."""
+    gm = _chain(group, between=1)
+    with config.patch(profile="h200", op_graphs=True):
+        predictor.clear_cache()
+        record = run_on_graph(gm.graph, config.current())
+    assert [s.template for s in record.sites] == ["p2p_ring"] * 3, [s.reason for s in record.sites]

@@ -222,3 +222,30 @@ def test_allreduce_gather_grid():
     assert gather_grid(132, 8, 4, 1000) == 132
     assert gather_grid(4, 8, 2, 100) == 8
     assert gather_grid(132, 8, 2, 1) == 1
+
+
+def test_unproven_gpu_kinds_stay_as_written_under_gpu_profiles_even_when_forced():
+    """GEMM + reduce-scatter / all-reduce: until the 2-GPU race loops pass, a GPU profile leaves the
+    site as written (with the reason) also under force_template; the all-gather (proven on 2x H200)
+    and the CPU reference (cpu-gloo profile) are still rewritten."""
+    from overlap_compile import config, predictor
+    from overlap_compile.passes.decide import decide
+    from overlap_compile.testing.fake_group import fake_process_group
+    from overlap_compile.testing.patterns import traced_site
+
+    with fake_process_group(2):
+        rs = traced_site("gemm_reducescatter", 8192, 4096, 2048, 2)
+        ar = traced_site("gemm_allreduce", 8192, 4096, 2048, 2)
+        ag = traced_site("allgather_gemm", 8192, 4096, 2048, 2)
+        with config.patch(force_template="tile_fused"):
+            opts = config.current()
+            gpu = decide([rs, ar, ag], opts, predictor.load_profile("h200"))
+            cpu = decide([rs, ar, ag], opts, predictor.load_profile("cpu-gloo"))
+        free = decide([rs, ar], config.current(), predictor.load_profile("h200"))
+    assert [d.template for d in gpu] == ["baseline", "baseline", "tile_fused"]
+    for d in gpu[:2]:
+        assert "race loops" in d.reason and "force_template='tile_fused' cannot take this site" in d.reason, d.reason
+    assert [d.template for d in cpu] == ["tile_fused"] * 3
+    for d in free:  # not a candidate in the predictor's contest either, with the reason
+        (tf,) = [c for c in d.candidates if c.template == "tile_fused"]
+        assert tf.predicted_ms is None and "race loops" in tf.note

@@ -70,7 +70,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
     if forced == BASELINE:
         return Decision(match, BASELINE, None, "force_template='baseline'", cands)
     if forced is not None:
-        problem = _why_not(forced, match, options)
+        problem = _why_not(forced, match, options) or _gpu_refusal(forced, match, profile)
         if problem:
             return Decision(match, BASELINE, None, f"force_template={forced!r} cannot take this site: {problem}", cands)
         spec = templates.get_spec(forced)
@@ -90,7 +90,7 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         return Decision(match, forced, config, f"force_template={forced!r}", cands)
 
     for name in options.templates:
-        problem = _why_not(name, match, options) or _no_gpu_path(name, profile)
+        problem = _why_not(name, match, options) or _no_gpu_path(name, profile) or _gpu_refusal(name, match, profile)
         if problem:
             cands.append(Candidate(name, None, None, problem))
             continue
@@ -139,6 +139,14 @@ def _no_gpu_path(name: str, profile: Any) -> str | None:
     """Under a GPU profile, a template with no GPU implementation is no candidate."""
     if gpu_profile(profile) and not templates.get_spec(name).gpu_implemented:
         return f"template {name!r} has no GPU implementation yet (its reference runs, slowly)"
+    return None
+
+
+def _gpu_refusal(name: str, match: Match, profile: Any) -> str | None:
+    """Under a GPU profile, a template whose GPU kernels are not shown right on this kind of site
+    leaves it as written (also when forced): a wrong answer must never be the price of a rewrite."""
+    if gpu_profile(profile) and name in templates.names():
+        return templates.get_spec(name).gpu_refusal(match)
     return None
 
 

@@ -19,6 +19,7 @@ a candidate whose transport needs peer access is listed with the reason and no p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -156,7 +157,7 @@ def _ctx(opts: Any) -> Ctx:
 
 
 def _key(what: str, match: Any, site: Site, profile: HardwareProfile, opts: Any, ctx: Ctx) -> tuple:
-    return (what, match.signature(), profile.key, ctx, site.cross_node, opts.search)
+    return (what, match.signature(), profile.key, ctx, site.cross_node, opts.search, opts.op_graphs)
 
 
 # ---- the API passes.decide uses ---------------------------------------------------------------
@@ -187,13 +188,23 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     return ms
 
 
-def op_overhead_ms(profile: HardwareProfile, template: str, mode: str, calls: int = 1) -> float:
+def op_overhead_ms(profile: HardwareProfile, template: str, mode: str, calls: int = 1,
+                   replayed: bool = False) -> float:
     """The profile's host overhead of ``template``'s op per call in ``mode``, beyond the site's own
     (``site_host_ms``): its own measured figure when the profile has one (``per_template``,
     host-launched only), else the mode's; plus ``per_call`` for every collective call / transfer
     after the first that the op issues from Python (a chunk's event, stream switch and
-    torch.distributed call: host time that grows with the chunk count)."""
+    torch.distributed call: host time that grows with the chunk count).
+
+    ``replayed``: host-launched calls replay the op from a CUDA graph (runtime.op_graphs): one
+    dispatch and one graph launch whatever the chunk count, priced as a measured fraction of the
+    site's own host time (``replayed.ratio_to_site``, per template where measured), so the
+    overhead is that fraction minus one times ``site_host_ms`` (below 0: cheaper than the site)."""
     table = profile.raw.get("op_overhead_ms", {})
+    if mode == "eager" and replayed and "replayed" in table:
+        r = table["replayed"]
+        ratio = float(r.get("per_template", {}).get(template, r["ratio_to_site"]))
+        return (ratio - 1.0) * site_host_ms(profile, mode)
     if mode == "eager" and template in table.get("per_template", {}):
         base = float(table["per_template"][template])
     else:
@@ -249,8 +260,13 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
             why = "the group spans nodes" if site.cross_node else f"profile {profile.name!r} has no peer access"
             untimed.append(Candidate(spec.name, cfg, None, f"needs peer access but {why}: NCCL transports only"))
             continue
+        # host-launched calls replayed from a CUDA graph launch their pieces as a graph does
+        # (GPU profiles: the profile has measured the replay; CPU references are never replayed)
+        replayed = (ctx.mode == "eager" and bool(opts.op_graphs) and getattr(spec, "host_replay", False)
+                    and "replayed" in profile.raw.get("op_overhead_ms", {}))
         try:
-            sched = schedule_for(spec, match, cfg, profile, ctx, site)
+            sched = schedule_for(spec, match, cfg, profile, dataclasses.replace(ctx, mode="cuda_graph") if replayed
+                                 else ctx, site)
         except Exception as e:  # a model bug must not break compilation: report it
             untimed.append(Candidate(spec.name, cfg, None, f"prediction failed: {type(e).__name__}: {e}"))
             continue
@@ -260,7 +276,8 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
         # A rewritten site runs one Python custom op where the baseline ran plain kernels: when
         # kernels are host-launched its dispatch, plan handling and stream/event work add a fixed
         # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
-        overhead = op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched)) + site_host_ms(profile, ctx.mode)
+        overhead = (op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched), replayed)
+                    + site_host_ms(profile, ctx.mode))
         note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
         timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note,
                                                                   host_ms=overhead)))

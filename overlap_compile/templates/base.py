@@ -35,12 +35,20 @@ class TemplateSpec:
     # False while the template runs on GPUs only through its step-by-step reference: the
     # predictor then offers it no candidates under a GPU profile (force_template still can).
     gpu_implemented: bool = True
+    # True when the op's host-launched GPU calls go through runtime.op_graphs (define_*_op with a
+    # graphable route): the predictor prices their host time as a graph replay
+    host_replay: bool = False
 
     # -- what it can do -------------------------------------------------------------------
     def supports(self, match: Match) -> str | None:
         """None when this template can rewrite the site, else the reason it cannot."""
         if match.kind not in self.kinds:
             return f"{self.name} does not implement {match.kind} (it implements {', '.join(self.kinds)})"
+        return None
+
+    def gpu_refusal(self, match: Match) -> str | None:
+        """Why this template must not run its GPU kernels on this site (None: it may): a path
+        known or not yet shown to be right. Checked under GPU profiles, ``force_template`` too."""
         return None
 
     def default_config(self, match: Match) -> dict:

@@ -31,6 +31,7 @@ SLICE_CHOICES = (1, 2, 4)
 
 class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
+    host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "gemm_allreduce")
     # On GPUs (op.py): transport "p2p" runs kernels.py (copy-engine peer copies over symmetric
     # memory), transport "nccl" with slices=1 one direction runs kernels_nccl.py (cuBLAS + NCCL

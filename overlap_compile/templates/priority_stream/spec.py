@@ -44,6 +44,7 @@ def _config(chunks: int) -> dict:
 
 class PriorityStreamSpec(TemplateSpec):
     name = "priority_stream"
+    host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = KINDS
 
     def supports(self, match: Match) -> str | None:

@@ -32,6 +32,7 @@ SIGNAL_POINTS = ("group_end", "next_tile")
 
 class SignalReorderSpec(TemplateSpec):
     name = "signal_reorder"
+    host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall")
 
     def supports(self, match: Match) -> str | None:

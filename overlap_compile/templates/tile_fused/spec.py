@@ -30,10 +30,17 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 COMM_CTA_CHOICES = (4, 8, 16)
+_UNPROVEN = ("tile_fused GEMM + {what} on GPUs gave wrong results on some calls on 2x H200 (2026-11-23); the "
+             "suspected cause is fixed but its 2-GPU race loops (tests/gpu/test_tile_fused.py) have not passed "
+             "since, so the site stays as written on GPUs (force_template included); the CPU reference still runs it")
+# kinds whose GPU kernels are not yet shown right on every call
+GPU_UNPROVEN = {"gemm_reducescatter": _UNPROVEN.format(what="reduce-scatter"),
+                "gemm_allreduce": _UNPROVEN.format(what="all-reduce")}
 
 
 class TileFusedSpec(TemplateSpec):
     name = "tile_fused"
+    host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = ("gemm_reducescatter", "gemm_allreduce", "allgather_gemm")
     # GPU path (kernels.py) on 2x H200 (2026-11-23, benchmarks/results/predictor-...-w2-...):
     # all-gather + GEMM passes tests/gpu/test_tile_fused.py (100 calls back to back, eager and
@@ -59,6 +66,13 @@ class TileFusedSpec(TemplateSpec):
             return "tile_fused needs the collective's row stripes (the finder did not determine them)"
         if match.kind in ("gemm_reducescatter", "gemm_allreduce") and match.reduce_op not in REDUCE_OPS:
             return f"tile_fused reduces with {' or '.join(REDUCE_OPS)} only, not {match.reduce_op!r}"
+        return None
+
+    def gpu_refusal(self, match: Match) -> str | None:
+        """GEMM + reduce-scatter / all-reduce: refused on GPUs until the 2-GPU race loops of
+        tests/gpu/test_tile_fused.py (1,000 calls per case, inputs changing every call) pass."""
+        if match.kind in GPU_UNPROVEN:
+            return GPU_UNPROVEN[match.kind]
         return None
 
     @staticmethod
