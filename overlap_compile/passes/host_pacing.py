@@ -1,7 +1,8 @@
 """host_pacing: in a host-launched graph, is a rewritten site's host time hidden or exposed?
 
 Without CUDA graphs the host issues a graph's kernels one after another while the GPU runs them.
-A template's op costs 0.3-1.0 ms of host time per call (profile ``op_overhead_ms``;
+A template's op launched piece by piece (``op_graphs=False``; replayed from a CUDA graph it costs
+less than the site, runtime/op_graphs.py) costs 0.3-1.0 ms of host time per call (profile ``op_overhead_ms``;
 ``benchmarks/host_profile.py`` shows where it goes: torch's custom-op dispatch, Triton's
 launcher, stream and event work). ``decide`` prices each site on its own, starting from an idle
 host, so that time is exposed and adds to the op's GPU time. That is what ``benchmarks/ops.py``

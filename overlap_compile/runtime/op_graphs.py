@@ -19,9 +19,10 @@ What makes a replay the same call:
   and returns to its initial values at the end of each call (each template's kernels module says
   so), so a replay is a fresh call.
 
-A key seen for the first time runs the op as usual (most one-off addresses never come back), on
-a side stream so that stream's per-stream state (the cuBLAS workspace) exists before any capture;
-the second time it is captured and replayed, and from then on replayed. The op's temporaries live
+A key seen for the first time runs the op as usual (most one-off addresses never come back); the
+second time it is captured (on a stream of this module's, into a graph nothing runs yet) and
+replayed, and from then on replayed. A workspace cuBLAS allocates during a capture lands in the
+graph's pool and stays with the graph, as in Inductor's CUDA-graph trees. The op's temporaries live
 in one graph memory pool per device that all op graphs share: their replays are stream-ordered
 one after the other, so none can be running while another uses the same memory. Inside another
 capture (``mode="reduce-overhead"``, a user's ``torch.cuda.graph``) the op runs as written and the
@@ -86,7 +87,7 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
         _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
     _seen[key] = seen
     if seen < CAPTURE_ON_SIGHT:
-        _on_side_stream(device, call)
+        call()
         stats["eager"] += 1
         return
     graph = _capture(static_key, device, call)
@@ -131,20 +132,19 @@ def failures() -> dict[tuple, str]:
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream captures run on (never the caller's: it may be the legacy default stream,
+    which cannot be captured). Made once per device, with a small GEMM run on it so that the
+    cuBLAS state of that stream exists before its first capture."""
     s = _side.get(device.index)
     if s is None:
-        s = _side[device.index] = torch.cuda.Stream(device)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            x = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            torch.mm(x, x)
+        torch.cuda.current_stream(device).wait_stream(s)
+        _side[device.index] = s
     return s
-
-
-def _on_side_stream(device: torch.device, call: Callable[[], None]) -> None:
-    """``call()`` on the capture stream, ordered after the caller's work and before the caller's
-    next work, exactly like a call on the caller's stream."""
-    caller, side = torch.cuda.current_stream(device), _side_stream(device)
-    side.wait_stream(caller)
-    with torch.cuda.stream(side):
-        call()
-    caller.wait_stream(side)
 
 
 def _pool(device: torch.device) -> tuple:
