@@ -55,7 +55,6 @@ import datetime
 import functools
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -68,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from timing import time_ms  # noqa: E402
+from timing import Budget, time_ms  # noqa: E402
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
@@ -388,30 +387,6 @@ def agree(rows: list[dict], device: str) -> None:
     if others and not mine:
         r, e = others[0]
         rows[-1].update(error=f"rank {r}: {e}", failure=rows[-1].get("failure", "error"))
-
-
-class Budget:
-    """Rank 0's clock decides for all: skip a configuration when what is left is less than the
-    longest configuration so far (the next one is likely as long). Counted from the launch
-    (``start``: wall clock of the launching process), so process start-up is paid from it too."""
-
-    def __init__(self, seconds: float, device: str, start: float) -> None:
-        self.seconds, self.device = seconds, device
-        self.start, self.longest = start, 0.0
-
-    def left(self) -> float:
-        return self.seconds - (time.time() - self.start) if self.seconds else math.inf
-
-    def should_skip(self) -> str | None:
-        flag = torch.tensor([self.left(), self.longest], dtype=torch.float64, device=self.device)
-        dist.broadcast(flag, 0)
-        left, longest = flag.tolist()
-        if left < longest or left <= 0:
-            return f"time budget: {max(left, 0):.0f} s left of {self.seconds:.0f} s, the longest configuration took {longest:.0f} s"
-        return None
-
-    def took(self, seconds: float) -> None:
-        self.longest = max(self.longest, seconds)
 
 
 def model_check(shape: dict, device: str, dtype, base: dict) -> dict:

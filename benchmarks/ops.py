@@ -2,13 +2,14 @@
 async-TP vs every template, on W GPUs (NCCL).
 
     python benchmarks/ops.py --world 4 --kinds gemm_allreduce,gemm_reducescatter --out $OUT
-    python benchmarks/ops.py --world 2 --kinds all --templates auto,async_tp --limit 4
+    python benchmarks/ops.py --world 2 --kinds all --templates auto,async_tp --time-budget 200
     python benchmarks/ops.py --dry-run          # CPU, gloo, world 2, every kind's first shape / 128
 
 Per shape of shapes.json (or --shapes): the sequential baseline (torch.mm then the collective),
 then each method of ``--templates``, each host-launched ("eager") and CUDA-graph captured
 ("cuda_graph"); correctness is checked against the baseline in the same run; the overlap bound is
-max(g, c) + min(g, c) / groups (ANCHORS.md). Methods:
+max(g, c) + min(g, c) / groups (ANCHORS.md). Shapes run round-robin over the kinds (the first
+shape of each, then the second ...); ``--time-budget`` skips those that would not fit. Methods:
 
 * a template name (``NAME@key=value`` restricts its configs): the site rewritten with that
   template forced (no row where it does not support the site);
@@ -33,6 +34,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)  # timing.py, also when imported as benchmarks.ops
 
 from overlap_compile import templates  # noqa: E402
-from timing import graphed, time_ms  # noqa: E402,F401  (signal_reorder_breakdown imports them from here too)
+from timing import Budget, graphed, time_ms  # noqa: E402,F401  (signal_reorder_breakdown imports them from here too)
 from overlap_compile.testing.patterns import KINDS, collective, gemm_then_collective as sequential_fn  # noqa: E402
 
 DEFAULT_SHAPES = os.path.join(HERE, "shapes.json")  # copy of shared/shapes.json
@@ -144,61 +146,85 @@ def _times(fn, modes: tuple[str, ...], label: str) -> dict[str, float]:
     return out
 
 
-def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str], cuda: bool | None = None) -> list[dict]:
+def _method_rows(name: str, kind: str, a, b, ref, group: str, world: int, modes, base: dict, seq_ms: dict,
+                 gemm_ms: float, comm_ms: float) -> list[dict]:
+    """One method's rows on one site (one per mode); none where a forced template does not apply."""
+    label = f"{name} {kind} {base['shape']}"
+    try:
+        fn, config, groups, reason = _site(name, kind, a, b, group, world)
+        if fn is None:
+            return []
+        out = fn().reshape(ref.shape)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        times = _times(fn, modes, label)
+    except Exception as e:  # a method that fails is a row with its error; the sweep goes on
+        if dist.get_rank() == 0:
+            print(f"{label}: {type(e).__name__}: {e}")
+        return [{**base, "method": name.split("@")[0], "config": None, "mode": mode, "ms": float("nan"),
+                 "error": f"{type(e).__name__}: {e}"[:2000], "correct": False} for mode in modes]
+    bound = max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / max(groups, 1) if groups else None
+    return [{**base, "method": name.split("@")[0], "config": config, "mode": mode, "ms": ms,
+             "speedup": seq_ms[mode] / ms if ms == ms else None, "bound_ms": bound,
+             "rel_err": err, "correct": err < 2e-2, **({"reason": reason} if reason else {})}
+            for mode, ms in times.items()]
+
+
+def bench_shape(kind: str, shape: list[int], world: int, methods: list[str], cuda: bool) -> list[dict]:
+    """Every row of one shape: the sequential baseline, then each method, measured in this run."""
     rank = dist.get_rank()
     group = dist.group.WORLD.group_name
-    cuda = torch.cuda.is_available() if cuda is None else cuda
     device = "cuda" if cuda else "cpu"
-    dev = torch.cuda.get_device_name() if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
+    m, n, k = shape
+    torch.manual_seed(rank)
+    full = torch.randn(m, k, device=device, dtype=dtype) / k**0.25
+    b = torch.randn(k, n, device=device, dtype=dtype) / k**0.25
+    # an all-gather site's input is this rank's shard of the M rows; the GEMM is over all of them
+    a = full[rank * (m // world):(rank + 1) * (m // world)].contiguous() if kind == "allgather_gemm" else full
+    seq = sequential_fn(kind, group, world)
+    ref = seq(a, b)
+    gemm_ms = time_ms(lambda: full @ b)
+    y = a if kind == "allgather_gemm" else full @ b
+    comm_ms = time_ms(lambda: collective(kind, y, group, world))
+    base = {"benchmark": "ops", "device": torch.cuda.get_device_name() if cuda else "cpu", "world_size": world,
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "kind": kind, "shape": shape}
+    modes = ("eager", "cuda_graph") if cuda else ("eager",)
+    seq_ms = {"eager": time_ms(lambda: seq(a, b))}
+    if cuda:
+        seq_ms["cuda_graph"] = time_ms(graphed(lambda: seq(a, b)))
+    rows = [{**base, "method": "sequential", "config": None, "mode": mode, "ms": ms, "gemm_ms": gemm_ms,
+             "comm_ms": comm_ms, "correct": True} for mode, ms in seq_ms.items()]
+    for name in _expand(methods):
+        if name == "async_tp" and not cuda:
+            continue  # symmetric memory: CUDA only (noted once in main())
+        rows += _method_rows(name, kind, a, b, ref, group, world, modes, base, seq_ms, gemm_ms, comm_ms)
+    return rows
+
+
+def shape_order(kinds: list[str], shapes: dict) -> list[tuple[str, list[int]]]:
+    """Shape i of every kind before shape i + 1 of any: a time budget that runs out leaves every
+    kind measured on its first shapes."""
+    most = max((len(shapes[k]) for k in kinds), default=0)
+    return [(k, shapes[k][i]) for i in range(most) for k in kinds if i < len(shapes[k])]
+
+
+def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str], cuda: bool | None = None,
+          time_budget: float = 0.0, start: float | None = None) -> list[dict]:
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    budget = Budget(time_budget, "cuda" if cuda else "cpu", start or time.time())
     rows = []
-    date = datetime.date.today().isoformat()
-    for kind in kinds:
-        for shape in shapes[kind]:
-            m, n, k = shape
-            torch.manual_seed(rank)
-            full = torch.randn(m, k, device=device, dtype=dtype) / k**0.25
-            b = torch.randn(k, n, device=device, dtype=dtype) / k**0.25
-            # an all-gather site's input is this rank's shard of the M rows; the GEMM is over all of them
-            a = full[rank * (m // world):(rank + 1) * (m // world)].contiguous() if kind == "allgather_gemm" else full
-            seq = sequential_fn(kind, group, world)
-            ref = seq(a, b)
-            gemm_ms = time_ms(lambda: full @ b)
-            y = a if kind == "allgather_gemm" else full @ b
-            comm_ms = time_ms(lambda: collective(kind, y, group, world))
-            base = {"benchmark": "ops", "device": dev, "world_size": world, "torch": torch.__version__, "date": date,
-                    "kind": kind, "shape": shape}
-            modes = ("eager", "cuda_graph") if cuda else ("eager",)
-            seq_eager = time_ms(lambda: seq(a, b))
-            seq_graph = time_ms(graphed(lambda: seq(a, b))) if cuda else float("nan")
-            for mode, ms in (("eager", seq_eager), ("cuda_graph", seq_graph))[: len(modes)]:
-                rows.append({**base, "method": "sequential", "config": None, "mode": mode, "ms": ms,
-                             "gemm_ms": gemm_ms, "comm_ms": comm_ms, "correct": True})
-            for name in _expand(templates_to_run):
-                if name == "async_tp" and not cuda:
-                    continue  # symmetric memory: CUDA only (noted once in run())
-                label = f"{name} {kind} {shape}"
-                try:
-                    fn, config, groups, reason = _site(name, kind, a, b, group, world)
-                    if fn is None:
-                        continue
-                    out = fn().reshape(ref.shape)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    times = _times(fn, modes, label)
-                except Exception as e:  # a method that fails is a row with its error; the sweep goes on
-                    if rank == 0:
-                        print(f"{label}: {type(e).__name__}: {e}")
-                    rows += [{**base, "method": name.split("@")[0], "config": None, "mode": mode, "ms": float("nan"),
-                              "error": f"{type(e).__name__}: {e}"[:2000], "correct": False} for mode in modes]
-                    continue
-                bound = max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / max(groups, 1) if groups else None
-                for mode, ms in times.items():
-                    seq_ms = seq_eager if mode == "eager" else seq_graph
-                    rows.append({**base, "method": name.split("@")[0], "config": config, "mode": mode, "ms": ms,
-                                 "speedup": seq_ms / ms if ms == ms else None, "bound_ms": bound,
-                                 "rel_err": err, "correct": err < 2e-2, **({"reason": reason} if reason else {})})
-            if rank == 0:
-                print(_table_rows([r for r in rows if r["kind"] == kind and r["shape"] == shape]), flush=True)
+    for kind, shape in shape_order(kinds, shapes):
+        skip = budget.should_skip()
+        if skip:
+            if dist.get_rank() == 0:
+                print(f"{kind} {shape} skipped: {skip}", flush=True)
+            continue
+        t0 = time.monotonic()
+        got = bench_shape(kind, shape, world, templates_to_run, cuda)
+        budget.took(time.monotonic() - t0)
+        rows += got
+        if dist.get_rank() == 0:
+            print(_table_rows(got), flush=True)
     return rows
 
 
@@ -212,9 +238,9 @@ def _table_rows(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def worker(kinds, shapes, templates_to_run, out_dir, cuda=None):
+def worker(kinds, shapes, templates_to_run, out_dir, cuda=None, time_budget=0.0, start=None):
     world = dist.get_world_size()
-    rows = bench(kinds, shapes, world, templates_to_run, cuda)
+    rows = bench(kinds, shapes, world, templates_to_run, cuda, time_budget, start)
     if dist.get_rank() == 0 and out_dir:
         dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "_")
         path = os.path.join(out_dir, f"ops-{dev}-w{world}-{datetime.date.today().isoformat()}.json")
@@ -237,8 +263,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "auto (the predictor's choice), async_tp (PyTorch async-TP, CUDA only); default all")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--scale", type=int, default=None, help=f"divide every shape dim by this (dry run default {DRY_SCALE})")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds from the launch; a shape that would not fit (the longest so far is the estimate) "
+                    "is skipped, with a note; shapes run round-robin over the kinds (0 = no budget)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, small shapes, no async-TP")
     a = ap.parse_args(argv)
+    a.start_time = time.time()
     a.dry_run = a.dry_run or not torch.cuda.is_available()
     if a.dry_run:
         a.world, a.limit = a.world or 2, a.limit or 1
@@ -266,8 +296,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from overlap_compile.testing.multiprocess import run_distributed
 
     backend = "gloo" if args.dry_run else "nccl"
-    return run_distributed(worker, world_size=args.world, args=(kinds, shapes, methods, args.out, not args.dry_run),
-                           backend=backend, timeout_s=3000)[0]
+    return run_distributed(worker, world_size=args.world, backend=backend, timeout_s=3000,
+                           args=(kinds, shapes, methods, args.out, not args.dry_run, args.time_budget, args.start_time))[0]
 
 
 if __name__ == "__main__":

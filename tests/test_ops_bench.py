@@ -47,3 +47,12 @@ def test_auto_runs_the_template_the_predictor_picks(tmp_path):
         chosen = r["config"]["chosen"]
         assert chosen in templates.names() and len(r["config"]) > 1, r["config"]  # the template and its config
         assert r["correct"] and r["bound_ms"] > 0 and "predicted" in r["reason"], r
+
+
+def test_shapes_run_round_robin_over_kinds():
+    from benchmarks import ops
+
+    shapes = {"gemm_allreduce": [[1, 1, 1], [2, 2, 2], [3, 3, 3]], "gemm_alltoall": [[4, 4, 4]]}
+    assert ops.shape_order(["gemm_allreduce", "gemm_alltoall"], shapes) == [
+        ("gemm_allreduce", [1, 1, 1]), ("gemm_alltoall", [4, 4, 4]), ("gemm_allreduce", [2, 2, 2]),
+        ("gemm_allreduce", [3, 3, 3])]
