@@ -13,6 +13,7 @@ It leaves all-reduce and all-to-all as they are: a model compiled with it still 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterable, Iterator
 
 FUSED_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter", "fused_scaled_matmul_reduce_scatter")
@@ -24,7 +25,11 @@ def async_tp(group_name: str | None = None) -> Iterator[None]:
     from torch._inductor import config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    enable_symm_mem_for_group(group_name or dist.group.WORLD.group_name)  # idempotent
+    with warnings.catch_warnings():
+        # torch 2.13 calls it deprecated, yet its micro-pipeline pass still fuses only for groups it
+        # enabled (is_symm_mem_enabled_for_group); torch 2.11 needs it. Idempotent.
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(group_name or dist.group.WORLD.group_name)
     with inductor_config.patch({"_micro_pipeline_tp": True}):
         yield
 

@@ -56,3 +56,43 @@ def test_shapes_run_round_robin_over_kinds():
     assert ops.shape_order(["gemm_allreduce", "gemm_alltoall"], shapes) == [
         ("gemm_allreduce", [1, 1, 1]), ("gemm_alltoall", [4, 4, 4]), ("gemm_allreduce", [2, 2, 2]),
         ("gemm_allreduce", [3, 3, 3])]
+
+
+def _async_tp_rows() -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from benchmarks import ops
+
+    # CPU stand-ins for what a GPU has: torch's own reference implementations of the fused ops (they
+    # call the functional collectives, which gloo runs), and the NCCL check the micro-pipeline pass
+    # makes before fusing (a CPU build has no NCCL)
+    lib = torch.library.Library("symm_mem", "IMPL")
+    lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
+    lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
+    dist.is_nccl_available = lambda: True
+    group, rows = dist.group.WORLD.group_name, {}
+    for kind in KINDS:
+        torch.manual_seed(dist.get_rank())
+        a = torch.randn(32 if kind == "allgather_gemm" else 64, 16)
+        b = torch.randn(16, 32)
+        ref = ops.sequential_fn(kind, group, 2)(a, b)
+        base = {"kind": kind, "shape": [64, 32, 16]}
+        rows[kind] = ops._method_rows("async_tp", kind, a, b, ref, group, 2, ("eager",), base, {"eager": 1.0}, 1.0, 1.0)
+    del lib
+    return rows
+
+
+def test_async_tp_rows_say_whether_async_tp_rewrote_the_site():
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    rows = run_distributed(_async_tp_rows, world_size=2, timeout_s=600)[0]
+    for kind, got in rows.items():
+        (r,) = got  # one mode on CPU
+        assert "error" not in r, r.get("error")
+        # async-TP fuses all-gather -> matmul and matmul -> reduce-scatter, nothing else: the other
+        # kinds run as compiled, and their rows say so
+        assert r["config"] == {"rewritten": kind in ("allgather_gemm", "gemm_reducescatter")}, (kind, r["config"])
+        assert (r["method"], r["mode"]) == ("async_tp", "eager") and r["correct"] and r["rel_err"] < 1e-5
+        assert r["bound_ms"] is None and r["ms"] > 0
