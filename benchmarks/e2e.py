@@ -40,8 +40,9 @@ torch.compile with every collective of the post-grad graphs replaced by a local 
 output, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
 ``nocomm_replaced``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
 share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).
-A failing variant is recorded with its error, never fatal. ``--time-budget`` stops starting configurations that would not fit (the longest one so
-far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
+A failing variant is recorded with its error, never fatal. Configurations run model by model,
+then compile mode, then variant, in the order asked; ``--time-budget`` stops starting those that
+would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
 <out>/e2e-<device>-w<world>-torch<v>-<date>.json, with a markdown table and PNGs (benchmarks/plot.py)
 beside; rank 0 also appends each row to <out>/e2e-partial-<run>.jsonl as it lands. Exit status 1
