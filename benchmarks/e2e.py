@@ -513,6 +513,7 @@ def one_line(r: dict) -> str:
         return head + "  skipped: " + r["skipped"]
     fmt = lambda k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     extra = f"  rewritten {r['rewritten']}/{len(r['sites'])}, pass {r['pass_s']:.2f} s" if "sites" in r else ""
+    extra += f"  collectives replaced {sum(r['nocomm_replaced'].values())}" if "nocomm_replaced" in r else ""
     modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
     loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
     return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "
