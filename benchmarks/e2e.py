@@ -1,8 +1,10 @@
 """End-to-end: transformer blocks under torch.compile, default Inductor vs backend="overlap" vs
-PyTorch async-TP, training steps and inference prefill.
+PyTorch async-TP vs the same compile without communication (the bound), training steps and
+inference prefill.
 
     python benchmarks/e2e.py --world 2 --shapes 8b-small --out $OUT    # GPUs (NCCL), self-spawning
     torchrun --nproc-per-node 4 benchmarks/e2e.py --shapes 8b,70b       # or under torchrun
+    python benchmarks/e2e.py --world 2 --models llama_dtensor,llama70_dtensor --shapes 8b   # 8B and 70B
     python benchmarks/e2e.py --world 4 --models mixtral_ep --shapes moe --modes default,reduce-overhead
     python benchmarks/e2e.py --dry-run                                  # CPU, gloo, world 2, tiny shapes
 
@@ -24,12 +26,24 @@ Per model (benchmarks/models) x shape x compile mode x activation checkpointing 
 * first, when both Llama forms are asked for: the Megatron-style block against the DTensor block
   (same weights, eager), the ``check`` row.
 
+Models and shapes: every model runs on the ``--shapes`` of its family (dense Llama or MoE), except
+a model pinned to a shape (benchmarks/models' PINNED_SHAPE): ``llama70_dtensor`` is llama_dtensor on
+the Llama-3-70B block ("70b"; dry run: "tiny-70b"). Named in ``--models`` it runs that shape whatever
+``--shapes`` says; under ``--models all`` it runs when ``--shapes`` names its shape; and llama_dtensor
+asked for the 70B shape runs as llama70_dtensor, so the 70B rows always say ``model:
+"llama70_dtensor"`` and ``--models llama_dtensor,llama70_dtensor --shapes 8b`` gives 8B and 70B rows.
+
 Variants: ``default`` (torch.compile), ``overlap`` (backend="overlap": the predictor decides;
 ``--force TEMPLATE`` forces one), ``async_tp`` (torch._inductor.config._micro_pipeline_tp with
-symmetric memory enabled for the group; CUDA only). A failing variant is recorded with its error,
-never fatal. ``--time-budget`` stops starting configurations that would not fit (the longest one so
-far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
-method = inductor | overlap | async_tp, mode = eager | cuda_graph, ms = train step) and go to
+symmetric memory enabled for the group; CUDA only; benchmarks/async_tp.py), ``nocomm`` (the bound:
+torch.compile with every collective of the post-grad graphs replaced by a local op of the same
+output, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
+``nocomm_replaced``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
+share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).
+A failing variant is recorded with its error, never fatal. Configurations run model by model,
+then compile mode, then variant, in the order asked; ``--time-budget`` stops starting those that
+would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
+method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
 <out>/e2e-<device>-w<world>-torch<v>-<date>.json, with a markdown table and PNGs (benchmarks/plot.py)
 beside; rank 0 also appends each row to <out>/e2e-partial-<run>.jsonl as it lands. Exit status 1
 when a loss or the model check disagrees.
@@ -42,7 +56,6 @@ import datetime
 import functools
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -55,11 +68,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from timing import time_ms  # noqa: E402
+from timing import Budget, time_ms  # noqa: E402
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
     "tiny": {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 8, "seq": 32, "batch": 2},
+    # the 70B block's proportions (intermediate = 3.5 x hidden): llama70_dtensor's dry-run stand-in
+    "tiny-70b": {"name": "tiny 70B-like (CPU)", "hidden": 64, "intermediate": 224, "heads": 8, "seq": 32, "batch": 2},
     "tiny-moe": {"name": "tiny MoE (CPU)", "hidden": 64, "intermediate": 96, "heads": 8, "seq": 32, "batch": 2,
                  "E": 4, "topk": 2},
 }
@@ -74,26 +89,54 @@ SMALL_SHAPES = {
 DEFAULT_BUDGET_S = 360
 GRACE_S = 180  # one configuration in flight past the budget, then the output
 PHASES = ("train", "prefill")
+VARIANTS = ("default", "overlap", "async_tp", "nocomm")
 
 
-def load_shapes(which: str, dry: bool) -> list[dict]:
-    """Shapes by key; a model only runs on shapes of its family (dense Llama vs MoE, by 'E')."""
+def shape_table(dry: bool) -> dict[str, dict]:
+    """Shape key -> sizes: the CPU shapes on a dry run, else shapes.json's e2e set and the small ones."""
     if dry:
-        named = dict(CPU_SHAPES)
-    else:
-        with open(os.path.join(HERE, "shapes.json")) as f:
-            e2e = json.load(f)["e2e"]
-        named = {"8b": e2e[0], "70b": e2e[1], "moe": e2e[2], **SMALL_SHAPES}
+        return dict(CPU_SHAPES)
+    with open(os.path.join(HERE, "shapes.json")) as f:
+        e2e = {s["name"]: s for s in json.load(f)["e2e"]}
+    return {"8b": e2e["Llama-3-8B block, TP+SP"], "70b": e2e["Llama-3-70B block, TP+SP"],
+            "moe": e2e["Mixtral-8x7B block, EP"], **SMALL_SHAPES}
+
+
+def shape_keys(which: str, dry: bool) -> list[str]:
+    named = shape_table(dry)
     keys = list(named) if which == "all" else which.split(",")
     bad = [k for k in keys if k not in named]
     if bad:
         raise SystemExit(f"--shapes: unknown {bad}; choose from {sorted(named)} or 'all'"
                          + (" (dry run: CPU shapes only)" if dry else ""))
-    return [named[k] for k in keys]
+    return keys
+
+
+def load_shapes(which: str, dry: bool) -> list[dict]:
+    """Shapes by key; a model only runs on shapes of its family (dense Llama vs MoE, by 'E')."""
+    named = shape_table(dry)
+    return [named[k] for k in shape_keys(which, dry)]
 
 
 def family_of(shape: dict) -> str:
     return "moe" if "E" in shape else "llama"
+
+
+def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
+    """(model, shape) pairs to run, in the order asked, for registered models (module docstring:
+    a pinned model runs its own shape; its base model asked for that shape runs under its name)."""
+    from benchmarks.models import FAMILY, MODELS, PINNED_SHAPE
+
+    named, keys = shape_table(dry), shape_keys(shapes, dry)
+    pinned_key = {m: (dry_key if dry else key) for m, (_, key, dry_key) in PINNED_SHAPE.items()}
+    renamed = {(PINNED_SHAPE[m][0], k): m for m, k in pinned_key.items()}
+    names = models.split(",") if models != "all" else [m for m in sorted(MODELS)
+                                                       if m not in pinned_key or pinned_key[m] in keys]
+    pairs: list[tuple[str, str]] = []
+    for m in [m for m in names if m in MODELS]:
+        own = [pinned_key[m]] if m in pinned_key else [k for k in keys if family_of(named[k]) == FAMILY[m]]
+        pairs += [(renamed.get((m, k), m), k) for k in own]
+    return [(m, named[k]) for m, k in dict.fromkeys(pairs)]
 
 
 # ---- one configuration ---------------------------------------------------------------------------
@@ -114,15 +157,19 @@ class Checkpointed(torch.nn.Module):
 
 @contextlib.contextmanager
 def variant_context(variant: str):
-    if variant != "async_tp":
-        yield
-        return
-    from torch._inductor import config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    """What the variant changes around torch.compile; yields the nocomm pass (its counts) or None."""
+    if variant == "async_tp":
+        from benchmarks.async_tp import async_tp
 
-    enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    with inductor_config.patch({"_micro_pipeline_tp": True}):
-        yield
+        with async_tp():
+            yield None
+    elif variant == "nocomm":
+        from benchmarks.nocomm import nocomm
+
+        with nocomm() as p:
+            yield p
+    else:
+        yield None
 
 
 def compiled(model, variant: str, compile_mode: str, force: str | None, report):
@@ -214,7 +261,7 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     recompiles = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with variant_context(variant):
+    with variant_context(variant) as nocomm_pass:
         fn, overrides = compiled(model, variant, compile_mode, force, report)
 
         def train_step() -> torch.Tensor:
@@ -256,6 +303,8 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
             row["prefill_compile_s"] = max(0.0, first_s - row["prefill_ms"] / 1e3)
             row["prefill_tokens_per_s"] = built.tokens / (row["prefill_ms"] / 1e3)
     row.update(watch.summary(recompiles))
+    if nocomm_pass is not None:
+        row["nocomm_replaced"] = dict(nocomm_pass.replaced)
     if torch.cuda.is_available():
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if variant == "overlap":
@@ -341,30 +390,6 @@ def agree(rows: list[dict], device: str) -> None:
         rows[-1].update(error=f"rank {r}: {e}", failure=rows[-1].get("failure", "error"))
 
 
-class Budget:
-    """Rank 0's clock decides for all: skip a configuration when what is left is less than the
-    longest configuration so far (the next one is likely as long). Counted from the launch
-    (``start``: wall clock of the launching process), so process start-up is paid from it too."""
-
-    def __init__(self, seconds: float, device: str, start: float) -> None:
-        self.seconds, self.device = seconds, device
-        self.start, self.longest = start, 0.0
-
-    def left(self) -> float:
-        return self.seconds - (time.time() - self.start) if self.seconds else math.inf
-
-    def should_skip(self) -> str | None:
-        flag = torch.tensor([self.left(), self.longest], dtype=torch.float64, device=self.device)
-        dist.broadcast(flag, 0)
-        left, longest = flag.tolist()
-        if left < longest or left <= 0:
-            return f"time budget: {max(left, 0):.0f} s left of {self.seconds:.0f} s, the longest configuration took {longest:.0f} s"
-        return None
-
-    def took(self, seconds: float) -> None:
-        self.longest = max(self.longest, seconds)
-
-
 def model_check(shape: dict, device: str, dtype, base: dict) -> dict:
     from benchmarks.models.equivalence import megatron_vs_dtensor
 
@@ -420,58 +445,56 @@ def worker(args_dict: dict) -> list[dict]:
             rows.append(model_check(first, device, dtype, base))
             emit(rows[-1])
     cache_checked: set = set()
-    for model_name in models:
-        if model_name not in MODELS:
-            why = MISSING.get(model_name, f"unknown; models: {sorted(MODELS)}")
-            rows.append({**base, "kind": model_name, "model": model_name, "error": f"not available: {why}",
-                         "failure": "unavailable"})
-            emit(rows[-1])
-            continue
-        for shape in [s for s in shapes if family_of(s) == FAMILY[model_name]]:
-            for compile_mode in a.modes.split(","):
-                for ckpt in [c == "on" for c in a.ckpt.split(",")]:
-                    for variant in variants:
-                        cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, ckpt, a.force)}
-                        if variant == "async_tp" and FAMILY[model_name] == "moe":
-                            rows.append({**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
-                                                           "an EP block has none (its collectives are all-to-all)"})
-                            emit(rows[-1])
-                            continue
-                        skip = budget.should_skip()
-                        if skip:
-                            rows.append({**cfg, "skipped": skip})
-                            emit(rows[-1])
-                            continue
-                        t0 = time.monotonic()
-                        if rank0 and inflight:  # names the configuration if the run is killed inside it
-                            os.makedirs(a.out, exist_ok=True)
-                            with open(inflight, "w") as f:
-                                json.dump({k: cfg[k] for k in ("model", "shape", "compile_mode", "ckpt", "variant")}, f)
-                        try:
-                            torch._dynamo.reset()
-                            # caches off: every variant compiles from scratch, so compile times compare
-                            kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
-                            with no_compile_caches(), kernels:
-                                got = run_config(model_name, shape, variant, compile_mode, ckpt, phases, a.steps,
-                                                 a.iters, a.force, device, dtype)
-                            rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
-                            want = a.check_cache == "all" or (a.check_cache == "first" and model_name not in cache_checked)
-                            if variant == "overlap" and want:
-                                cache_checked.add(model_name)
-                                rows[-1]["fxgraph_cache_hit"] = second_compile_hits(
-                                    model_name, shape, compile_mode, a.force, device, dtype)
-                        except Exception as e:  # recorded, the sweep goes on
-                            rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
-                                         "trace": traceback.format_exc()[-3000:]})
-                        finally:  # a failed variant must not leave its memory to the next
-                            gc.collect()
-                            if torch.cuda.is_available():
-                                torch.cuda.empty_cache()
-                        agree(rows, device)
-                        budget.took(time.monotonic() - t0)
+    for model_name in [m for m in models if m not in MODELS]:
+        why = MISSING.get(model_name, f"unknown; models: {sorted(MODELS)}")
+        rows.append({**base, "kind": model_name, "model": model_name, "error": f"not available: {why}",
+                     "failure": "unavailable"})
+        emit(rows[-1])
+    for model_name, shape in plan(a.models, a.shapes, dry):
+        for compile_mode in a.modes.split(","):
+            for ckpt in [c == "on" for c in a.ckpt.split(",")]:
+                for variant in variants:
+                    cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, ckpt, a.force)}
+                    if variant == "async_tp" and FAMILY[model_name] == "moe":
+                        rows.append({**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
+                                                       "an EP block has none (its collectives are all-to-all)"})
                         emit(rows[-1])
-                        if rank0 and inflight and os.path.exists(inflight):
-                            os.remove(inflight)
+                        continue
+                    skip = budget.should_skip()
+                    if skip:
+                        rows.append({**cfg, "skipped": skip})
+                        emit(rows[-1])
+                        continue
+                    t0 = time.monotonic()
+                    if rank0 and inflight:  # names the configuration if the run is killed inside it
+                        os.makedirs(a.out, exist_ok=True)
+                        with open(inflight, "w") as f:
+                            json.dump({k: cfg[k] for k in ("model", "shape", "compile_mode", "ckpt", "variant")}, f)
+                    try:
+                        torch._dynamo.reset()
+                        # caches off: every variant compiles from scratch, so compile times compare
+                        kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
+                        with no_compile_caches(), kernels:
+                            got = run_config(model_name, shape, variant, compile_mode, ckpt, phases, a.steps,
+                                             a.iters, a.force, device, dtype)
+                        rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
+                        want = a.check_cache == "all" or (a.check_cache == "first" and model_name not in cache_checked)
+                        if variant == "overlap" and want:
+                            cache_checked.add(model_name)
+                            rows[-1]["fxgraph_cache_hit"] = second_compile_hits(
+                                model_name, shape, compile_mode, a.force, device, dtype)
+                    except Exception as e:  # recorded, the sweep goes on
+                        rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
+                                     "trace": traceback.format_exc()[-3000:]})
+                    finally:  # a failed variant must not leave its memory to the next
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
+                    agree(rows, device)
+                    budget.took(time.monotonic() - t0)
+                    emit(rows[-1])
+                    if rank0 and inflight and os.path.exists(inflight):
+                        os.remove(inflight)
     return rows
 
 
@@ -490,6 +513,7 @@ def one_line(r: dict) -> str:
         return head + "  skipped: " + r["skipped"]
     fmt = lambda k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     extra = f"  rewritten {r['rewritten']}/{len(r['sites'])}, pass {r['pass_s']:.2f} s" if "sites" in r else ""
+    extra += f"  collectives replaced {sum(r['nocomm_replaced'].values())}" if "nocomm_replaced" in r else ""
     modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
     loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
     return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "
@@ -497,20 +521,27 @@ def one_line(r: dict) -> str:
 
 
 def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
-    """Speedups over the default variant of the same configuration, and the loss check."""
+    """Speedups over the default variant of the same configuration, the share of the gap to the
+    nocomm bound closed, and the loss check (not for nocomm: without communication its numbers differ)."""
+    from plot import gap_closed
+
     key = lambda r: (r["model"], r["shape"], r["compile_mode"], r["ckpt"])  # noqa: E731
     measured = [r for r in rows if "ms" in r]
     default = {key(r): r for r in measured if r["variant"] == "default"}
+    bound = {key(r): r for r in measured if r["variant"] == "nocomm"}
     for r in measured:
         d = default.get(key(r))
         if d is None or r is d:
             continue
+        b = bound.get(key(r))
         for k in ("train_ms", "prefill_ms"):
             if k in r and k in d:
                 r[k.replace("_ms", "_speedup")] = d[k] / r[k]
+                if b is not None and k in b and r is not b:
+                    r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
         if d.get("compile_s") and "compile_s" in r:
             r["compile_overhead"] = r["compile_s"] / d["compile_s"] - 1
-        if r.get("losses") and d.get("losses"):
+        if r.get("losses") and d.get("losses") and r["variant"] != "nocomm":
             rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], d["losses"]))
             r["loss_max_rel_diff"] = rel
             r["loss_matches_default"] = r["correct"] = rel <= loss_rtol
@@ -520,19 +551,21 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | shape | compile mode | variant | train ms | x default | tokens/s | prefill ms | x default | "
-             "compile s | pass s | FX cache hits | loss = default | sites rewritten | failure modes |", "|" + "---|" * 15]
+             "gap closed train/prefill | compile s | pass s | FX cache hits | loss = default | sites rewritten | failure modes |",
+             "|" + "---|" * 16]
     for r in rows:
         if "check" in r:
             continue
         head = f"| {r.get('model', '-')} | {r.get('shape', '-')} | {r.get('compile_mode', '-')} | {r.get('variant', '-')} |"
         if "ms" not in r:
             what = f"ERROR [{r.get('failure')}] {r['error']}" if "error" in r else f"skipped: {r.get('skipped', '')}"
-            lines.append(head + f" {what.splitlines()[0][:100]} ||||||||||")
+            lines.append(head + f" {what.splitlines()[0][:100]} |||||||||||")
             continue
         f = lambda k, spec: format(r[k], spec) if r.get(k) is not None else "-"  # noqa: E731
         sites = f"{r['rewritten']}/{len(r['sites'])}" if "sites" in r else "-"
+        gap = f"{f('train_gap_closed', '.0%')} / {f('prefill_gap_closed', '.0%')}"
         lines.append(head + f" {f('train_ms', '.3f')} | {f('train_speedup', '.3f')} | {f('tokens_per_s', '.3g')} | "
-                     f"{f('prefill_ms', '.3f')} | {f('prefill_speedup', '.3f')} | {f('compile_s', '.1f')} | "
+                     f"{f('prefill_ms', '.3f')} | {f('prefill_speedup', '.3f')} | {gap} | {f('compile_s', '.1f')} | "
                      f"{f('pass_s', '.2f')} | {r.get('fxgraph_cache_hit', '-')} | {r.get('loss_matches_default', '-')} | {sites} | "
                      f"{', '.join(r.get('failure_modes', [])) or '-'} |")
     return "\n".join(lines) + "\n"
@@ -575,6 +608,8 @@ def write(rows: list[dict], out: str) -> str:
         for metric, suffix in (("ms", "-train"), ("prefill_ms", "-prefill")):
             for p in plot.plot(rows, out, os.path.basename(stem) + suffix, metric=metric):
                 print("wrote", p)
+        for p in plot.plot_e2e(rows, out, os.path.basename(stem)):  # absolute times with the nocomm bound
+            print("wrote", p)
     except ImportError as e:
         print(f"no plots ({e})")
     return stem
@@ -605,10 +640,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=None, help="processes to spawn (default: all GPUs; 2 on CPU); "
                     "ignored under torchrun")
-    ap.add_argument("--models", default=None, help="comma list or 'all' (default: all registered)")
+    ap.add_argument("--models", default=None, help="comma list or 'all' (default: all registered; "
+                    "llama70_dtensor runs the 70b shape only: see the module docstring)")
     ap.add_argument("--shapes", default=None, help="GPU: comma list of 8b, 70b, moe, 8b-small, moe-small, or 'all' "
-                    "(default 8b,moe); dry run: tiny, tiny-moe")
-    ap.add_argument("--variants", default="default,overlap,async_tp")
+                    "(default 8b,moe); dry run: tiny, tiny-70b, tiny-moe")
+    ap.add_argument("--variants", default="default,overlap,async_tp,nocomm",
+                    help="comma list of default, overlap, async_tp (CUDA only), nocomm (the comm-free bound)")
     ap.add_argument("--modes", default="default", help="compile modes: comma list of default, reduce-overhead")
     ap.add_argument("--ckpt", default="off", help="activation checkpointing: comma list of off, on")
     ap.add_argument("--phases", default="train,prefill", help="comma list of train, prefill")
@@ -634,7 +671,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or not torch.cuda.is_available()
     for opt, vals, allowed in (("--modes", a.modes, ("default", "reduce-overhead")), ("--ckpt", a.ckpt, ("off", "on")),
-                               ("--phases", a.phases, PHASES), ("--variants", a.variants, ("default", "overlap", "async_tp"))):
+                               ("--phases", a.phases, PHASES), ("--variants", a.variants, VARIANTS)):
         for v in vals.split(","):
             if v not in allowed:
                 raise SystemExit(f"{opt}: {v!r} is not one of {', '.join(allowed)}")

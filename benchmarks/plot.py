@@ -11,6 +11,11 @@ another time column of the rows (e.g. e2e's ``prefill_ms``); rows without it (er
 configurations, checks) are left out. Rows that carry ``experts`` (benchmarks/moe.py) also get
 latency against the expert count, per (kind, mode) and per group of shapes that differ only in
 it (FlashDMoE's Fig. 6.5: a flat line is the goal).
+
+End-to-end rows (benchmarks/e2e.py) also get one bar chart per (model, compile mode, phase): the
+step time of inductor, async_tp, overlap and nocomm (the comm-free bound) per shape, each bar
+between the two labelled with the share of the gap to the bound it closes,
+(inductor - method) / (inductor - nocomm); ``--markdown`` prints the same as a table.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ import os
 from collections import defaultdict
 
 BASELINES = ("sequential", "cublas", "inductor", "bmm")
+E2E_METHODS = ("inductor", "async_tp", "overlap", "nocomm")  # bar order: baseline ... bound
+E2E_PHASES = {"train": "train_ms", "prefill": "prefill_ms"}
 
 
 def speedups(rows: list[dict], metric: str = "ms") -> dict:
@@ -58,6 +65,47 @@ def hidden(rows: list[dict]) -> dict:
         label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
         out[(r["kind"], r["mode"])][label][r["method"]] = (base_ms - ms) / comm_ms
     return out
+
+
+def gap_closed(base_ms: float, ms: float, bound_ms: float) -> float | None:
+    """Share of the distance from the baseline to the bound that ``ms`` covers (1: at the bound, 0:
+    no better than the baseline, < 0: slower); None when the bound is no faster than the baseline."""
+    gap = base_ms - bound_ms
+    return (base_ms - ms) / gap if gap > 0 else None
+
+
+def _e2e_label(r: dict) -> str:
+    force = (r.get("config") or {}).get("force_template")
+    return r["method"] + (f"[{force}]" if force else "")
+
+
+def e2e_bars(rows: list[dict]) -> dict:
+    """(model, compile mode, phase) -> shape -> method label -> ms, for e2e rows that measured the phase."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r.get("benchmark") != "e2e" or "method" not in r:
+            continue
+        for phase, key in E2E_PHASES.items():
+            ms = r.get(key)
+            if isinstance(ms, (int, float)) and ms == ms:
+                out[(r["kind"], r.get("compile_mode", r.get("mode")), phase)][str(r["shape"])][_e2e_label(r)] = ms
+    return out
+
+
+def e2e_gaps(bars: dict) -> dict:
+    """shape -> method label -> gap closed, for one (model, compile mode, phase) of ``e2e_bars``;
+    only shapes with both an inductor and a nocomm time."""
+    out: dict = {}
+    for shape, ms in bars.items():
+        if "inductor" in ms and "nocomm" in ms:
+            out[shape] = {m: gap_closed(ms["inductor"], t, ms["nocomm"]) for m, t in ms.items()
+                          if m not in ("inductor", "nocomm")}
+    return out
+
+
+def _e2e_order(methods) -> list[str]:
+    rank = {m: i for i, m in enumerate(E2E_METHODS)}
+    return sorted(methods, key=lambda m: (rank.get(m.split("[")[0], len(rank)), m))
 
 
 def _pyplot():
@@ -99,6 +147,47 @@ def plot(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[
         ax.set_title(f"{kind} ({mode}) — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}")
         paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-{kind}-{mode}.png")))
     return paths
+
+
+def plot_e2e(rows: list[dict], out_dir: str, stem: str) -> list[str]:
+    plt = _pyplot()
+    paths = []
+    for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
+        methods = _e2e_order({m for d in shapes.values() for m in d})
+        labels, gaps = list(shapes), e2e_gaps(shapes)
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) * len(methods) / 4), 4))
+        width = 0.8 / max(len(methods), 1)
+        for i, m in enumerate(methods):
+            xs = [j + i * width for j in range(len(labels))]
+            ys = [shapes[l].get(m, math.nan) for l in labels]
+            ax.bar(xs, ys, width, label=m + (" (bound)" if m == "nocomm" else ""))
+            for x, y, l in zip(xs, ys, labels):
+                g = gaps.get(l, {}).get(m)
+                if g is not None and y == y:
+                    ax.annotate(f"{g:.0%}", (x, y), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=15, ha="right", fontsize=8)
+        ax.set_ylabel(f"{phase} ms (label: share of the gap inductor -> nocomm closed)", fontsize=8)
+        ax.set_title(f"{model}, {compile_mode}, {phase} — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}",
+                     fontsize=9)
+        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-e2e-{model}-{compile_mode}-{phase}.png")))
+    return paths
+
+
+def markdown_e2e(rows: list[dict]) -> str:
+    lines = []
+    for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
+        methods = _e2e_order({m for d in shapes.values() for m in d})
+        closing = [m for m in methods if m not in ("inductor", "nocomm")]
+        gaps = e2e_gaps(shapes)
+        lines += [f"\n**{model}, {compile_mode}, {phase}** (ms; gap closed = (inductor - method) / "
+                  "(inductor - nocomm))\n",
+                  "| shape | " + " | ".join(methods) + " | " + " | ".join(f"gap closed {m}" for m in closing) + " |",
+                  "|---" * (len(methods) + len(closing) + 1) + "|"]
+        for label, ms in shapes.items():
+            times = [f"{ms[m]:.3f}" if m in ms else "-" for m in methods]
+            closed = [f"{g:.0%}" if (g := gaps.get(label, {}).get(m)) is not None else "-" for m in closing]
+            lines.append(f"| {label} | " + " | ".join(times + closed) + " |")
+    return "\n".join(lines)
 
 
 def by_experts(rows: list[dict], metric: str = "ms") -> dict:
@@ -163,10 +252,12 @@ def main() -> None:
         rows = json.load(open(path))
         out_dir = args.out or os.path.dirname(path) or "."
         stem = os.path.splitext(os.path.basename(path))[0] + ("" if args.metric == "ms" else f"-{args.metric}")
-        for p in plot(rows, out_dir, stem, args.metric) + plot_by_experts(rows, out_dir, stem, args.metric):
+        for p in plot(rows, out_dir, stem, args.metric) + plot_by_experts(rows, out_dir, stem, args.metric) \
+                + plot_e2e(rows, out_dir, stem):
             print("wrote", p)
         if args.markdown:
             print(markdown(rows, args.metric))
+            print(markdown_e2e(rows))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # one slow step cannot eat the others. Everything lands in $OUT/results.tar.gz (one file: the
 # device tool brings back at most 8), plus a short log on stdout.
 #   usage: STEPS=profile,predictor,tests,ops,host,moe,sweep,e2e bash benchmarks/run_multigpu.sh
-#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS, OPS_TEMPLATES, OPS_LIMIT, PRED_LIMIT, E2E_ARGS, MOE_ARGS, HOST_ARGS,
-#          SWEEP_ARGS (see each step)
+#   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS (or all), OPS_TEMPLATES (methods: templates, auto, async_tp),
+#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, MOE_ARGS, HOST_ARGS, SWEEP_ARGS,
+#          <STEP>_TIMEOUT (see each step)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -43,7 +44,7 @@ fi
 if has ops; then
   step "ops (world $W)"
   timeout ${OPS_TIMEOUT:-150} python3 benchmarks/ops.py --world "$W" --kinds "${OPS_KINDS:-gemm_reducescatter,allgather_gemm}" \
-    --limit "${OPS_LIMIT:-0}" ${OPS_TEMPLATES:+--templates $OPS_TEMPLATES} --out "$R" > "$R/ops.log" 2>&1
+    --limit "${OPS_LIMIT:-0}" ${OPS_TEMPLATES:+--templates $OPS_TEMPLATES} ${OPS_ARGS:-} --out "$R" > "$R/ops.log" 2>&1
   grep -v Warn "$R/ops.log" | tail -30
 fi
 if has host; then

@@ -4,10 +4,12 @@
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
 is the result (all ranks return the same number). Without a process group (one-GPU benchmarks):
 this process's median. ``graphed(fn)``: fn captured in a CUDA graph
-(after warm-up on a side stream), returned as its replay.
+(after warm-up on a side stream), returned as its replay. ``Budget``: rank 0's clock decides for
+every rank whether the next configuration still fits a time budget.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -57,3 +59,27 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+class Budget:
+    """Rank 0's clock decides for all: skip a configuration when what is left is less than the
+    longest configuration so far (the next one is likely as long). Counted from the launch
+    (``start``: wall clock of the launching process), so process start-up is paid from it too."""
+
+    def __init__(self, seconds: float, device: str, start: float) -> None:
+        self.seconds, self.device = seconds, device
+        self.start, self.longest = start, 0.0
+
+    def left(self) -> float:
+        return self.seconds - (time.time() - self.start) if self.seconds else math.inf
+
+    def should_skip(self) -> str | None:
+        flag = torch.tensor([self.left(), self.longest], dtype=torch.float64, device=self.device)
+        dist.broadcast(flag, 0)
+        left, longest = flag.tolist()
+        if left < longest or left <= 0:
+            return f"time budget: {max(left, 0):.0f} s left of {self.seconds:.0f} s, the longest configuration took {longest:.0f} s"
+        return None
+
+    def took(self, seconds: float) -> None:
+        self.longest = max(self.longest, seconds)

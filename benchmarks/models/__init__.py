@@ -9,6 +9,8 @@ group, one rank per device):
                      overlap_compile.demo.models)
     llama_megatron   the same block with plain functional collectives and hand-sharded weights
                      (Megatron style), numerically equal to llama_dtensor for the same weights
+    llama70_dtensor  llama_dtensor pinned to the Llama-3-70B block shape (``PINNED_SHAPE``): e2e.py
+                     runs it on that shape only, and names every 70B llama_dtensor row after it
     mixtral_ep       attention + expert-parallel MoE FFN (overlap_compile.demo.moe), when present
 
 ``sizes`` come from shapes.json's e2e set (hidden, intermediate, heads, seq, batch [, E, topk]);
@@ -25,7 +27,20 @@ MODELS: dict[str, Callable[..., Built]] = {
     "llama_dtensor": build_llama_dtensor,
     "llama_megatron": build_llama_megatron,
 }
-FAMILY = {"llama_dtensor": "llama", "llama_megatron": "llama"}
+FAMILY = {"llama_dtensor": "llama", "llama_megatron": "llama", "llama70_dtensor": "llama"}
+# A model that is another model on one shape: name -> (the model it builds, e2e.py's shape key on
+# GPUs, the key of its CPU stand-in on dry runs).
+#
+# Llama-3-70B block (hidden 8192, intermediate 28672, 64 heads, seq 8192, batch 1) at world 2, bf16:
+# the demo block has full multi-head K/V (kv_heads is not modelled), so 4 x 8192^2 attention +
+# 3 x 8192 x 28672 FFN = 973M parameters, 487M per rank. Parameters 0.97 GB + gradients 0.97 GB +
+# AdamW's two moments in the parameter dtype 1.95 GB = 3.9 GB per rank. Activations per rank: a full
+# [8192, 8192] bf16 tensor is 128 MiB (the all-gathered inputs), q/k/v/attention out 64 MiB each
+# (32 local heads, flash attention keeps no seq^2 scores), the FFN's w1/w3/SwiGLU outputs 224 MiB each:
+# what backward keeps is ~1.5 GiB, the step's peak a few GiB. Well inside 141 GB without activation
+# checkpointing (--ckpt on still works for it).
+PINNED_SHAPE = {"llama70_dtensor": ("llama_dtensor", "70b", "tiny-70b")}
+MODELS["llama70_dtensor"] = build_llama_dtensor
 REQUIRED = {"llama": ("hidden", "intermediate", "heads", "seq", "batch"),
             "moe": ("hidden", "intermediate", "heads", "seq", "batch", "E", "topk")}
 MISSING: dict[str, str] = {}  # model -> why it is not in the registry

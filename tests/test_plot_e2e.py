@@ -1,0 +1,83 @@
+"""benchmarks/plot.py on end-to-end rows: one bar chart per (model, compile mode, phase) with the
+nocomm bound, the share of the gap closed, (inductor - method) / (inductor - nocomm), in the
+markdown table; and e2e.py's own rows carry the same numbers (compare)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import e2e, plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = "Llama-3-8B block, TP+SP"
+# (compile mode, variant) -> (train ms, prefill ms)
+TIMES = {("default", "default"): (100.0, 40.0), ("default", "async_tp"): (95.0, 38.0),
+         ("default", "overlap"): (90.0, 42.0), ("default", "nocomm"): (80.0, 30.0),
+         # the bound no faster than inductor: no gap to close
+         ("reduce-overhead", "default"): (50.0, 20.0), ("reduce-overhead", "overlap"): (49.0, 19.0),
+         ("reduce-overhead", "nocomm"): (50.0, 21.0)}
+
+
+def _rows() -> list[dict]:
+    base = {"benchmark": "e2e", "device": "NVIDIA H200", "world_size": 2, "torch": "2.11.0", "date": "2026-11-24"}
+    rows = []
+    for (mode, variant), (train, prefill) in TIMES.items():
+        keys = e2e.schema_keys("llama_dtensor", {"name": SHAPE}, variant, mode, False, None)
+        rows.append({**base, **keys, "train_ms": train, "prefill_ms": prefill, "ms": train})
+    keys = e2e.schema_keys("llama_dtensor", {"name": SHAPE}, "overlap", "default", True, None)
+    rows.append({**base, **keys, "error": "OutOfMemoryError: ...", "failure": "oom"})  # no times: left out
+    return rows
+
+
+def test_gap_closed():
+    assert plot.gap_closed(100.0, 90.0, 80.0) == pytest.approx(0.5)
+    assert plot.gap_closed(100.0, 105.0, 80.0) == pytest.approx(-0.25)  # slower than inductor
+    assert plot.gap_closed(50.0, 49.0, 50.0) is None and plot.gap_closed(50.0, 49.0, 51.0) is None
+
+
+def test_e2e_bars_and_gaps_per_model_mode_phase():
+    bars = plot.e2e_bars(_rows())
+    assert sorted(bars) == [("llama_dtensor", m, p) for m in ("default", "reduce-overhead") for p in ("prefill", "train")]
+    train = bars[("llama_dtensor", "default", "train")][SHAPE]
+    assert train == {"inductor": 100.0, "async_tp": 95.0, "overlap": 90.0, "nocomm": 80.0}
+    gaps = plot.e2e_gaps(bars[("llama_dtensor", "default", "train")])[SHAPE]
+    assert gaps == pytest.approx({"async_tp": 0.25, "overlap": 0.5})
+    prefill = plot.e2e_gaps(bars[("llama_dtensor", "default", "prefill")])[SHAPE]
+    assert prefill == pytest.approx({"async_tp": 0.2, "overlap": -0.2})
+    assert plot.e2e_gaps(bars[("llama_dtensor", "reduce-overhead", "train")])[SHAPE] == {"overlap": None}
+
+
+def test_png_per_model_mode_phase_and_markdown(tmp_path):
+    path = tmp_path / "e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-24.json"
+    path.write_text(json.dumps(_rows()))
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), str(path), "--markdown"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for mode in ("default", "reduce-overhead"):
+        for phase in ("train", "prefill"):
+            png = tmp_path / f"{path.stem}-e2e-llama_dtensor-{mode}-{phase}.png"
+            assert png.exists() and png.stat().st_size > 1000, png
+    lines = run.stdout.splitlines()
+    head = lines.index("**llama_dtensor, default, train** (ms; gap closed = (inductor - method) / (inductor - nocomm))")
+    assert lines[head + 2] == ("| shape | inductor | async_tp | overlap | nocomm | gap closed async_tp | "
+                               "gap closed overlap |")
+    assert lines[head + 4] == f"| {SHAPE} | 100.000 | 95.000 | 90.000 | 80.000 | 25% | 50% |"
+
+
+def test_e2e_compare_carries_the_gap_and_leaves_nocomm_out_of_the_loss_check():
+    rows = _rows()
+    for r in rows:
+        r["losses"] = [1.0, 0.9] if r["variant"] != "nocomm" else [0.5, 0.4]
+    rows = e2e.compare(rows, 1e-4)
+    by = {(r["compile_mode"], r["variant"]): r for r in rows if "ms" in r}
+    assert by[("default", "overlap")]["train_gap_closed"] == pytest.approx(0.5)
+    assert by[("default", "async_tp")]["prefill_gap_closed"] == pytest.approx(0.2)
+    assert by[("reduce-overhead", "overlap")]["train_gap_closed"] is None
+    assert "train_gap_closed" not in by[("default", "nocomm")]
+    assert "loss_matches_default" not in by[("default", "nocomm")]
+    assert by[("default", "overlap")]["loss_matches_default"]
+    ok, notes = e2e.verdict(rows, 1e-4)
+    assert ok, notes
+    assert "| 50% / -20% |" in e2e.markdown(rows)
