@@ -19,6 +19,7 @@ a candidate whose transport needs peer access is listed with the reason and no p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -45,6 +46,17 @@ __all__ = [
 _lock = threading.RLock()
 _profiles: dict[Any, HardwareProfile] = {}
 _cache: dict[tuple, Any] = {}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way to run a site (a template's configuration, or the baseline) with its predicted ms."""
+
+    template: str
+    config: dict | None
+    predicted_ms: float | None
+    note: str = ""  # why a template is not a candidate, or how it was measured
+    host_ms: float = 0.0  # the part of predicted_ms that is host time (host-launched; 0 in CUDA graphs)
 
 
 # ---- profiles ---------------------------------------------------------------------------------
@@ -219,7 +231,6 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
     transport on a group spanning nodes) or have no model come last with the reason in ``note``.
     """
     from .. import config
-    from ..passes.decide import Candidate
 
     if profile is None:
         return []
