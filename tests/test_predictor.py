@@ -656,16 +656,16 @@ def test_draw_timeline(group, tmp_path):
 
 
 def test_profile_command_pure_parts(tmp_path):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import build
 
     sizes = prof_mod.sample_sizes()
     assert len(sizes) == 14 and sizes[0] == 64 * KiB and sizes[-1] == 512 * MiB
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
-    shapes = profile_cmd.gemm_shapes({"gemm_allreduce": [[64, 8, 4], [32, 8, 4]], "moe": [{"S": 1}]})
+    shapes = build.gemm_shapes({"gemm_allreduce": [[64, 8, 4], [32, 8, 4]], "moe": [{"S": 1}]})
     assert shapes == [(64, 8, 4), (32, 8, 4), (16, 8, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4)]
-    assert len(profile_cmd.gemm_shapes()) > 100
-    assert profile_cmd.world_sizes(4) == [2, 4] and profile_cmd.world_sizes(6) == [2, 4, 6]
-    d = profile_cmd.build_profile(
+    assert len(build.gemm_shapes()) > 100
+    assert build.world_sizes(4) == [2, 4] and build.world_sizes(6) == [2, 4, 6]
+    d = build.build_profile(
         name="t", gpu="Test GPU", sm_count=100, smem_per_sm=200 * KiB, regs_per_sm=65536,
         gemm_rows=[{"m": 8192, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 2.0}],
         peak=800.0, mem_gbps=3000.0, kernels=[], nccl_sms={"all_reduce": 20},
@@ -681,7 +681,7 @@ def test_profile_command_pure_parts(tmp_path):
 
 
 def test_profile_command_smoke_on_fake_group(group, tmp_path):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import command as profile_cmd
 
     out = str(tmp_path / "smoke.json")
     assert profile_cmd.main(["--smoke", "--iters", "1", "--out", out, "--name", "smoke"]) == 0
@@ -691,7 +691,7 @@ def test_profile_command_smoke_on_fake_group(group, tmp_path):
 
 
 def test_profile_command_without_cuda_says_how_to_run(capsys, monkeypatch):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import command as profile_cmd
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_cmd.main([]) == 2
@@ -737,7 +737,7 @@ def test_one_gpu_profile_borrows_only_group_measurements(tmp_path):
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from gemm_profile import BORROWED, one_gpu_profile
-    from overlap_compile.predictor.profile_cmd import build_profile
+    from overlap_compile.profiling.build import build_profile
 
     base = predictor.load_profile("h200").raw
     rows = [{"m": 8192, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 1.5},

@@ -9,11 +9,12 @@ ranking. It prices; the pass (passes/decide.py) decides. It imports nothing from
 | ``seed.py`` | the seeded (not measured) GPU profiles |
 | ``exhaustive.py`` | ``search="exhaustive"``: measuring the candidates instead of trusting the prediction |
 | ``timeline.py`` | predicted schedules and host clocks drawn as PNG |
-| ``profile_cmd.py``, ``op_overhead.py`` | the profile command |
 
 Each template's own latency model is ``templates/<name>/model.py`` (``MODEL``, optionally
 ``CONFIGS`` and ``PEER_ONLY``); the predictor finds it through the template registry
-(``templates.get_model``) when it ranks, never at import time.
+(``templates.get_model``) when it ranks, never at import time. The command that measures a
+machine into a profile (``python -m overlap_compile profile``) sits above the predictor and the
+pass: ``overlap_compile/profiling/``.
 
 API used by passes.decide::
 
