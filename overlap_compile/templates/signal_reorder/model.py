@@ -31,7 +31,8 @@ import math
 from typing import Callable
 
 from ...predictor.models import Ctx, Event, Schedule, Site, comm_call_ms, gemm_ms, overlap_bound
-from ...predictor.profile import HardwareProfile, Kernel
+from ...predictor.gemm_table import Kernel
+from ...predictor.profile import HardwareProfile
 from ...tiling import cdiv
 
 MAX_LISTED_GROUPS = 6  # best partition listed per group count up to this
