@@ -1,16 +1,20 @@
 """Latency predictor: hardware profiles, the physics every latency model shares, and the per-site
 ranking. It prices; the pass (passes/decide.py) decides. It imports nothing from the pass.
 
-| module | what is there |
-|---|---|
-| ``__init__.py`` | the API below: profiles by name, the baseline's price, the ranking of a template's configurations (``Candidate``), the decision cache |
-| ``models.py`` | what every latency model is built from (``Site``, ``Ctx``, ``Schedule``, GEMM and collective prices, contention, the two-lane ``pipeline``) and the baseline model |
-| ``profile.py`` | ``HardwareProfile`` and its JSON format: validation, loading, saving, built-in profiles, the roofline fallback |
-| ``gemm_table.py`` | a profile's GEMM table: measured rows, interpolated in efficiency, the roofline fallback; the template kernels' occupancy |
-| ``curves.py`` | a profile's collective curves and the ring traffic factor that carries them to other world sizes |
-| ``seed.py`` | the seeded (not measured) GPU profiles |
-| ``exhaustive.py`` | ``search="exhaustive"``: measuring the candidates instead of trusting the prediction |
-| ``timeline.py`` | predicted schedules and host clocks drawn as PNG |
+* ``__init__.py``: the API below: profiles by name, the baseline's price, the ranking of a
+  template's configurations (``Candidate``), the decision cache
+* ``models.py``: what every latency model is built from (``Site``, ``Ctx``, ``Schedule``, GEMM and
+  collective prices, contention, the two-lane ``pipeline``) and the baseline model
+* ``profile.py``: ``HardwareProfile`` and its JSON format: validation, loading, saving, built-in
+  profiles, the roofline fallback
+* ``gemm_table.py``: a profile's GEMM table: measured rows, interpolated in efficiency, the roofline
+  fallback; the template kernels' occupancy
+* ``curves.py``: a profile's collective curves and the ring traffic factor that carries them to
+  other world sizes
+* ``seed.py``: the seeded (not measured) GPU profiles
+* ``exhaustive.py``: ``search="exhaustive"``: measuring the candidates instead of trusting the
+  prediction
+* ``timeline.py``: predicted schedules and host clocks drawn as PNG
 
 Each template's own latency model is ``templates/<name>/model.py`` (``MODEL``, optionally
 ``CONFIGS`` and ``PEER_ONLY``); the predictor finds it through the template registry
