@@ -48,9 +48,10 @@ def main() -> None:
 
     from overlap_compile import predictor
     from overlap_compile.predictor.profile import save_profile
-    from overlap_compile.predictor.profile_cmd import (Bench, Progress, build_profile, gemm_steps, gpu_facts,
-                                                       load_shape_sets, measure_gemms)
     from overlap_compile.predictor.seed import GPU_KERNELS
+    from overlap_compile.profiling.bench import Bench, Progress
+    from overlap_compile.profiling.build import build_profile, gpu_facts, load_shape_sets
+    from overlap_compile.profiling.gemms import gemm_steps, measure_gemms
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="h200", help="profile (name or path) whose group measurements are borrowed")

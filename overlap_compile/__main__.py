@@ -6,7 +6,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "overlap_compile.demo.run", "profile": "overlap_compile.predictor.profile_cmd"}
+    commands = {"demo": "overlap_compile.demo.run", "profile": "overlap_compile.profiling.command"}
     if not argv or argv[0] not in commands:
         print("usage: python -m overlap_compile {demo,profile} [options]\n"
               "  demo     run the main job on whatever this machine has (GPUs, else CPU processes over gloo)\n"

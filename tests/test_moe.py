@@ -114,18 +114,19 @@ def test_moe_fused_reference_pieces_equal_one_shot():
 
 def test_moe_fused_latency_model():
     """One piece is the section as written (the baseline); more pieces hide expert time behind the
-    dispatch pieces still in flight, by the recurrence in models.moe_fused (checked by hand)."""
+    dispatch pieces still in flight, by the recurrence in moe_model.moe_fused (checked by hand)."""
     from overlap_compile import predictor
     from overlap_compile.predictor import models
     from overlap_compile.predictor.models import Ctx, Site
+    from overlap_compile.templates.moe_fused import model as moe_model
 
     prof = predictor.load_profile("h200")
     site = Site("moe", ((4 * 2 * 2560, 1536, 2048), (4 * 2 * 2560, 1536, 2048), (4 * 2 * 2560, 2048, 1536)), 4, "bfloat16")
     ctx = Ctx(mode="cuda_graph")
     base = models.baseline(site, prof, ctx)
-    one = models.moe_fused(site, {"pieces": 1}, prof, ctx)
+    one = moe_model.moe_fused(site, {"pieces": 1}, prof, ctx)
     assert one.total_ms == pytest.approx(base.total_ms)
-    two = models.moe_fused(site, {"pieces": 2}, prof, ctx)
+    two = moe_model.moe_fused(site, {"pieces": 2}, prof, ctx)
     g = models.gemm_ms(site, prof) / 2 * prof.contention["gemm_slowdown"]
     nb = site.coll_bytes() / 2
     d0 = models.comm_call_ms(site, prof, nb, ctx, launch=False)
@@ -141,15 +142,16 @@ def test_moe_fused_latency_model():
 
 def test_moe_fused_latency_model_by_source():
     """Per-source pieces: the own tokens' experts start at t=0 with no transfer; each other piece is
-    a pairwise exchange priced at bytes/(W-1) on the all-to-all curve (models.moe_fused)."""
+    a pairwise exchange priced at bytes/(W-1) on the all-to-all curve (moe_model.moe_fused)."""
     from overlap_compile import predictor
     from overlap_compile.predictor import models
     from overlap_compile.predictor.models import Ctx, Site
+    from overlap_compile.templates.moe_fused import model as moe_model
 
     prof = predictor.load_profile("h200")
     site = Site("moe", ((2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 2048, 1536)), 2, "bfloat16")
     ctx = Ctx(mode="cuda_graph")
-    s = models.moe_fused(site, {"split": "source"}, prof, ctx)
+    s = moe_model.moe_fused(site, {"split": "source"}, prof, ctx)
     g = models.gemm_ms(site, prof) / 2 * prof.contention["gemm_slowdown"]
     nb = site.coll_bytes()  # W = 2: the one exchange moves what the whole all-to-all moves off the rank
     d1 = models.comm_call_ms(site, prof, nb, ctx, launch=False, contended=True)

@@ -24,6 +24,9 @@ from overlap_compile.passes.pipeline import run_on_graph
 from overlap_compile.predictor import exhaustive, models, profile as prof_mod
 from overlap_compile.predictor.models import Ctx, Site
 from overlap_compile.predictor.profile import KiB, MiB, ProfileError
+from overlap_compile.templates.p2p_ring import model as ring_model
+from overlap_compile.templates.priority_stream import model as ps_model
+from overlap_compile.templates.signal_reorder import model as sr_model
 
 c10d = torch.ops._c10d_functional
 W = 4
@@ -97,11 +100,11 @@ def test_algorithm1_with_a_signalling_delay():
     [1,1,2] with comm 1.5 ms per wave, delay 1: t_m = 1+1+1.5 = 3.5; max(2+1, 3.5)+1.5 = 5;
     the last group is ready at 4 as before: max(4, 5)+3 = 8 (7 without the delay)."""
     comm = linear_comm(1.5)
-    assert models.algorithm1([1, 1, 2], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(8.0)
-    assert models.algorithm1([4], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(10.0)  # one group: no delay
+    assert sr_model.algorithm1([1, 1, 2], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(8.0)
+    assert sr_model.algorithm1([4], 1.0, comm, ready_delay=1.0)[0] == pytest.approx(10.0)  # one group: no delay
     # compute-bound (comm 0.2 ms per wave): only the last group's comm shows, delay or not
     cheap = linear_comm(0.2)
-    assert models.algorithm1([1, 1, 2], 1.0, cheap, ready_delay=1.0)[0] == pytest.approx(4.4)
+    assert sr_model.algorithm1([1, 1, 2], 1.0, cheap, ready_delay=1.0)[0] == pytest.approx(4.4)
 
 
 def test_signal_points_are_priced_and_offered_only_once_measured(group):
@@ -117,19 +120,19 @@ def test_signal_points_are_priced_and_offered_only_once_measured(group):
     assert base and all("signal_at" not in c for c in base)
     site = predictor.site_of(match, p)
     cfg = dict(base[0], signal_at="next_tile")
-    assert models.signal_reorder(site, cfg, p, Ctx()) is None  # no measured cost: no price
+    assert sr_model.signal_reorder(site, cfg, p, Ctx()) is None  # no measured cost: no price
     raw = copy.deepcopy(p.raw)
     raw["signal_epilogue"] = {"group_end": 0.032, "next_tile": 0.008}
     measured = profile_from_dict(raw, source="test")
     offered = spec.candidates(match, measured)
     assert [c for c in offered if c.get("signal_at") == "next_tile"] == [dict(c, signal_at="next_tile") for c in base]
-    plain = models.signal_reorder(site, base[0], measured, Ctx())
-    later = models.signal_reorder(site, cfg, measured, Ctx())
-    geo = models.sr_geometry(site, base[0], measured)
-    wave = models.sr_wave_ms(geo, measured) * 1.008 / 1.032
-    comm = models.sr_comm_fn(site, geo, measured, Ctx())
-    want, _ = models.algorithm1(base[0]["wave_groups"], wave, comm, ready_delay=wave)
-    assert later.total_ms == pytest.approx(want + models.sr_reorder_ms(site, cfg, measured))
+    plain = sr_model.signal_reorder(site, base[0], measured, Ctx())
+    later = sr_model.signal_reorder(site, cfg, measured, Ctx())
+    geo = sr_model.sr_geometry(site, base[0], measured)
+    wave = sr_model.sr_wave_ms(geo, measured) * 1.008 / 1.032
+    comm = sr_model.sr_comm_fn(site, geo, measured, Ctx())
+    want, _ = sr_model.algorithm1(base[0]["wave_groups"], wave, comm, ready_delay=wave)
+    assert later.total_ms == pytest.approx(want + sr_model.sr_reorder_ms(site, cfg, measured))
     assert plain.total_ms != later.total_ms
     # measured no cheaper than group_end: dominated (it signals a tile later too), not offered
     raw["signal_epilogue"] = {"group_end": 0.032, "next_tile": 0.032}
@@ -145,22 +148,22 @@ def test_algorithm1_hand_computed():
     # 4 waves of 1 ms, comm 1.5 ms per wave of data:
     # [1,1,2]: t_p=1 -> t_m=2.5; t_p=2 -> max(2,2.5)+1.5=4; t_p=4 -> max(4,4)+3=7
     comm = linear_comm(1.5)
-    assert models.algorithm1([1, 1, 2], 1.0, comm)[0] == pytest.approx(7.0)
-    assert models.algorithm1([4], 1.0, comm)[0] == pytest.approx(10.0)  # sequential: 4 + 6
-    assert models.algorithm1([2, 2], 1.0, comm)[0] == pytest.approx(8.0)  # 2+3=5; max(4,5)+3
-    assert models.algorithm1([1, 2, 1], 1.0, comm)[0] == pytest.approx(7.5)  # 2.5; max(3,2.5)+3; max(4,6)+1.5
-    assert models.algorithm1([1, 1, 1, 1], 1.0, comm)[0] == pytest.approx(7.0)
+    assert sr_model.algorithm1([1, 1, 2], 1.0, comm)[0] == pytest.approx(7.0)
+    assert sr_model.algorithm1([4], 1.0, comm)[0] == pytest.approx(10.0)  # sequential: 4 + 6
+    assert sr_model.algorithm1([2, 2], 1.0, comm)[0] == pytest.approx(8.0)  # 2+3=5; max(4,5)+3
+    assert sr_model.algorithm1([1, 2, 1], 1.0, comm)[0] == pytest.approx(7.5)  # 2.5; max(3,2.5)+3; max(4,6)+1.5
+    assert sr_model.algorithm1([1, 1, 1, 1], 1.0, comm)[0] == pytest.approx(7.0)
     # with 0.1 ms per call, [1,1,2] (7.3) beats [1,1,1,1] (7.4): fewer calls win the tie
     comm = linear_comm(1.5, 0.1)
-    assert models.algorithm1([1, 1, 2], 1.0, comm)[0] == pytest.approx(7.3)
-    assert models.algorithm1([1, 1, 1, 1], 1.0, comm)[0] == pytest.approx(7.4)
-    best = models.best_wave_partitions(4, 1.0, comm, first_max=2, last_max=4)
+    assert sr_model.algorithm1([1, 1, 2], 1.0, comm)[0] == pytest.approx(7.3)
+    assert sr_model.algorithm1([1, 1, 1, 1], 1.0, comm)[0] == pytest.approx(7.4)
+    best = sr_model.best_wave_partitions(4, 1.0, comm, first_max=2, last_max=4)
     t, groups = min(best.values())
     assert groups == (1, 1, 2) and t == pytest.approx(7.3)
-    t_any, g_any = models.best_any_count(4, 1.0, comm, 2, 4)
+    t_any, g_any = sr_model.best_any_count(4, 1.0, comm, 2, 4)
     assert g_any == (1, 1, 2) and t_any == pytest.approx(7.3)
     # events: compute lane holds the waves, comm lane one bar per group
-    _, ev = models.algorithm1([1, 1, 2], 1.0, linear_comm(1.5))
+    _, ev = sr_model.algorithm1([1, 1, 2], 1.0, linear_comm(1.5))
     assert [(e.lane, e.start, e.end) for e in ev if e.lane == "comm"] == [("comm", 1.0, 2.5), ("comm", 2.5, 4.0),
                                                                         ("comm", 4.0, 7.0)]
 
@@ -168,7 +171,7 @@ def test_algorithm1_hand_computed():
 def test_algorithm1_compute_bound_hides_all_but_last_group():
     # GEMM-bound (comm 0.2/wave): t = T*wave + comm(last group); the smallest last group wins
     comm = linear_comm(0.2)
-    t, groups = min(models.best_wave_partitions(10, 1.0, comm, 2, 4).values())
+    t, groups = min(sr_model.best_wave_partitions(10, 1.0, comm, 2, 4).values())
     assert t == pytest.approx(10.2) and groups[-1] == 1
 
 
@@ -178,31 +181,31 @@ def test_dynamic_programme_equals_enumeration(first_max, last_max):
         return 0.3 + 0.8 * (b - a) ** 0.8 + (0.0 if last else 0.05) + 0.01 * a
 
     for T in range(1, 10):
-        parts = models.enumerate_partitions(T, first_max, last_max)
+        parts = sr_model.enumerate_partitions(T, first_max, last_max)
         by_count = {}
         for p in parts:
-            v = models.algorithm1(p, 0.7, comm)[0]
+            v = sr_model.algorithm1(p, 0.7, comm)[0]
             by_count[len(p)] = min(by_count.get(len(p), math.inf), v)
-        dp = models.best_wave_partitions(T, 0.7, comm, first_max, last_max)
+        dp = sr_model.best_wave_partitions(T, 0.7, comm, first_max, last_max)
         assert set(dp) == set(by_count)
         for count, (v, g) in dp.items():
             assert v == pytest.approx(by_count[count]) and len(g) == count
-            assert models.algorithm1(g, 0.7, comm)[0] == pytest.approx(v)
-            assert models.valid_partition(g, T, first_max, last_max)
-        anyc = models.best_any_count(T, 0.7, comm, first_max, last_max)
+            assert sr_model.algorithm1(g, 0.7, comm)[0] == pytest.approx(v)
+            assert sr_model.valid_partition(g, T, first_max, last_max)
+        anyc = sr_model.best_any_count(T, 0.7, comm, first_max, last_max)
         assert anyc[0] == pytest.approx(min(by_count.values()))
 
 
 def test_pruning_bounds_enumeration():
-    assert sorted(models.enumerate_partitions(4, 2, 4)) == sorted(
+    assert sorted(sr_model.enumerate_partitions(4, 2, 4)) == sorted(
         [(1, 1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 3), (2, 1, 1), (2, 2)])  # not (4,), (3, 1)
-    assert sorted(models.enumerate_partitions(4, 1, 1)) == [(1, 1, 1, 1), (1, 2, 1)]
-    assert models.enumerate_partitions(3, 1, 1) == [(1, 1, 1)]
-    dp = models.best_wave_partitions(5, 1.0, linear_comm(1.0), 1, 1)
+    assert sorted(sr_model.enumerate_partitions(4, 1, 1)) == [(1, 1, 1, 1), (1, 2, 1)]
+    assert sr_model.enumerate_partitions(3, 1, 1) == [(1, 1, 1)]
+    dp = sr_model.best_wave_partitions(5, 1.0, linear_comm(1.0), 1, 1)
     assert 2 not in dp and dp[3][1] == (1, 3, 1)  # 1 + x + 1 = 5 waves: the only 3-group partition
     # a single group is first and last: allowed only within both bounds
-    assert 1 not in models.best_wave_partitions(3, 1.0, linear_comm(1.0), 2, 4)
-    assert 1 in models.best_wave_partitions(2, 1.0, linear_comm(1.0), 2, 4)
+    assert 1 not in sr_model.best_wave_partitions(3, 1.0, linear_comm(1.0), 2, 4)
+    assert 1 in sr_model.best_wave_partitions(2, 1.0, linear_comm(1.0), 2, 4)
 
 
 def test_worked_partition_on_h200(group):
@@ -214,16 +217,16 @@ def test_worked_partition_on_h200(group):
     site = predictor.site_of(match, p)
     kern = p.gemm.kernel_for(128, 256)
     assert kern.blocks_per_sm(p, 2) == 1
-    assert models.sr_programs(site, p, kern) == (108, 132)
+    assert sr_model.sr_programs(site, p, kern) == (108, 132)
     cfg = {"block_m": 128, "block_n": 256, "group_m": 8, "programs": 108, "wave_groups": [1, 2, 4, 4, 4, 4]}
-    geo = models.sr_geometry(site, cfg, p)
+    geo = sr_model.sr_geometry(site, cfg, p)
     assert (geo.num_exec, geo.waves, geo.full_waves) == (2048, 19, 16)
     assert geo.tiles_in(18, 19) == 104 and geo.tiles_in(0, 1) == 108
     # t_wave = cuBLAS time / 0.95 (kernel) / 16 full-occupancy waves x reserved-SM slowdown
-    wave = models.sr_wave_ms(geo, p)
+    wave = sr_model.sr_wave_ms(geo, p)
     assert wave == pytest.approx(0.76 / 0.95 / 16 * p.contention["gemm_slowdown_reserved"])
-    sched = models.signal_reorder(site, cfg, p, Ctx())
-    comm = models.sr_comm_fn(site, geo, p, Ctx())
+    sched = sr_model.signal_reorder(site, cfg, p, Ctx())
+    comm = sr_model.sr_comm_fn(site, geo, p, Ctx())
     t_p = t_m = 0.0
     w = 0
     for i, g in enumerate(cfg["wave_groups"]):  # Algorithm 1 by hand
@@ -236,7 +239,7 @@ def test_worked_partition_on_h200(group):
     reorder = 2 * 8192 * 8192 * 2 / (p.gemm.mem_gbps * 1e9) * 1e3
     assert sched.total_ms == pytest.approx(t_m + reorder)
     # ... and nothing when the readers read the tile order in place (pointwise / reductions)
-    fused = models.signal_reorder(dataclasses.replace(site, output_fuses=True), cfg, p, Ctx())
+    fused = sr_model.signal_reorder(dataclasses.replace(site, output_fuses=True), cfg, p, Ctx())
     assert fused.total_ms == pytest.approx(t_m)
     last_bytes = (104 + 3 * 108) * 128 * 256 * 2  # the last group: waves 15-18
     assert comm(15, 19, True) == pytest.approx(p.comm_ms("all_reduce", last_bytes, 4) + p.launch("eager"))
@@ -244,9 +247,9 @@ def test_worked_partition_on_h200(group):
     # (132 - 16 SMs, a multiple of 4) -> 9 waves
     _, rs = site_match(group, "gemm_reducescatter", 8192, 4096, 2752)
     rsite = predictor.site_of(rs, p)
-    assert models.sr_programs(rsite, p, kern) == (116, 132)
+    assert sr_model.sr_programs(rsite, p, kern) == (116, 132)
     for c in templates.get_spec("signal_reorder").candidates(rs, p):
-        assert models.sr_geometry(rsite, c, p).num_exec == (2048 // c["block_m"]) * (4096 // c["block_n"]) * 4
+        assert sr_model.sr_geometry(rsite, c, p).num_exec == (2048 // c["block_m"]) * (4096 // c["block_n"]) * 4
         assert c["programs"] % 4 == 0
 
 
@@ -262,7 +265,7 @@ def test_signal_reorder_candidates_respect_bounds(group):
         site = predictor.site_of(match, p)
         for c in cands:
             assert set(c) == {"block_m", "block_n", "group_m", "programs", "wave_groups"}
-            waves = models.sr_geometry(site, c, p).waves
+            waves = sr_model.sr_geometry(site, c, p).waves
             assert sum(c["wave_groups"]) == waves
             assert c["wave_groups"][0] <= first and c["wave_groups"][-1] <= last
     # the configs run through the reference layout (tiling.WaveSchedule validates them)
@@ -289,18 +292,18 @@ def test_priority_stream_one_chunk_is_the_baseline(group):
     p = h200()
     for kind in ("gemm_allreduce", "gemm_reducescatter"):
         site = Site(kind, ((8192, 8192, 4096),), 4, "bfloat16")
-        assert models.priority_stream(site, {"chunks": 1}, p, Ctx()).total_ms == pytest.approx(
+        assert ps_model.priority_stream(site, {"chunks": 1}, p, Ctx()).total_ms == pytest.approx(
             models.baseline(site, p, Ctx()).total_ms)
     site = Site("allgather_gemm", ((8192, 4096, 8192),), 4, "bfloat16")
-    assert models.priority_stream(site, {"chunks": 1}, p, Ctx()).total_ms == pytest.approx(
+    assert ps_model.priority_stream(site, {"chunks": 1}, p, Ctx()).total_ms == pytest.approx(
         models.baseline(site, p, Ctx()).total_ms)
-    assert models.priority_stream(site, {"chunks": 4}, p, Ctx()).total_ms < models.baseline(site, p, Ctx()).total_ms
+    assert ps_model.priority_stream(site, {"chunks": 4}, p, Ctx()).total_ms < models.baseline(site, p, Ctx()).total_ms
 
 
 def test_p2p_ring_has_no_comm_tail_when_transfers_are_short(group):
     p = h200()
     site = Site("gemm_reducescatter", ((8192, 8192, 7168),), 4, "bfloat16")
-    s = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx())
+    s = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx())
     piece = models.slice_ms(site, p, 2048)
     gemms = [e for e in s.events if e.lane == "compute" and e.label.startswith("GEMM")]
     sends = [e for e in s.events if e.lane == "comm"]
@@ -310,13 +313,13 @@ def test_p2p_ring_has_no_comm_tail_when_transfers_are_short(group):
     assert all(piece < e.end - e.start <= piece * slow + 1e-12 for e in gemms[1:])
     assert max(e.end for e in sends) < gemms[-1].end  # GEMM-bound: transfers hidden
     assert s.total_ms == pytest.approx(sum(e.end - e.start for e in gemms) + (add.end - add.start))
-    nccl = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "nccl"}, p, Ctx())
+    nccl = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "nccl"}, p, Ctx())
     nccl_gemms = [e for e in nccl.events if e.lane == "compute" and e.label.startswith("GEMM")]
     # SMs shared with send/recv kernels: the GEMM pieces are slower than beside copy engines
     # (the totals also differ by the two paths' different sums of the partials)
     assert sum(e.end - e.start for e in nccl_gemms) > sum(e.end - e.start for e in gemms)
     ag = Site("allgather_gemm", ((8192, 7168, 8192),), 4, "bfloat16")
-    assert models.p2p_ring(ag, {"slices": 2, "bidirectional": True, "transport": "p2p"}, p, Ctx()).total_ms > 0
+    assert ring_model.p2p_ring(ag, {"slices": 2, "bidirectional": True, "transport": "p2p"}, p, Ctx()).total_ms > 0
 
 
 def _scaled(profile, comm_factor=1.0, name="scaled"):
@@ -348,8 +351,8 @@ def test_more_bandwidth_never_predicts_slower(group):
             if slow:  # (a template may offer nothing for a kind under a GPU profile)
                 assert fast_[0] <= slow[0] + 1e-12, (name, match.signature())
     site = Site("gemm_reducescatter", ((8192, 4096, 2752),), 4, "bfloat16")
-    for model, cfg in [(models.p2p_ring, {"slices": 2, "bidirectional": True, "transport": "p2p"}),
-                       (models.priority_stream, {"chunks": 4})]:
+    for model, cfg in [(ring_model.p2p_ring, {"slices": 2, "bidirectional": True, "transport": "p2p"}),
+                       (ps_model.priority_stream, {"chunks": 4})]:
         assert model(site, cfg, fast, Ctx()).total_ms <= model(site, cfg, p, Ctx()).total_ms
 
 
@@ -653,16 +656,16 @@ def test_draw_timeline(group, tmp_path):
 
 
 def test_profile_command_pure_parts(tmp_path):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import build
 
     sizes = prof_mod.sample_sizes()
     assert len(sizes) == 14 and sizes[0] == 64 * KiB and sizes[-1] == 512 * MiB
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
-    shapes = profile_cmd.gemm_shapes({"gemm_allreduce": [[64, 8, 4], [32, 8, 4]], "moe": [{"S": 1}]})
+    shapes = build.gemm_shapes({"gemm_allreduce": [[64, 8, 4], [32, 8, 4]], "moe": [{"S": 1}]})
     assert shapes == [(64, 8, 4), (32, 8, 4), (16, 8, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4)]
-    assert len(profile_cmd.gemm_shapes()) > 100
-    assert profile_cmd.world_sizes(4) == [2, 4] and profile_cmd.world_sizes(6) == [2, 4, 6]
-    d = profile_cmd.build_profile(
+    assert len(build.gemm_shapes()) > 100
+    assert build.world_sizes(4) == [2, 4] and build.world_sizes(6) == [2, 4, 6]
+    d = build.build_profile(
         name="t", gpu="Test GPU", sm_count=100, smem_per_sm=200 * KiB, regs_per_sm=65536,
         gemm_rows=[{"m": 8192, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 2.0}],
         peak=800.0, mem_gbps=3000.0, kernels=[], nccl_sms={"all_reduce": 20},
@@ -678,7 +681,7 @@ def test_profile_command_pure_parts(tmp_path):
 
 
 def test_profile_command_smoke_on_fake_group(group, tmp_path):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import command as profile_cmd
 
     out = str(tmp_path / "smoke.json")
     assert profile_cmd.main(["--smoke", "--iters", "1", "--out", out, "--name", "smoke"]) == 0
@@ -688,7 +691,7 @@ def test_profile_command_smoke_on_fake_group(group, tmp_path):
 
 
 def test_profile_command_without_cuda_says_how_to_run(capsys, monkeypatch):
-    from overlap_compile.predictor import profile_cmd
+    from overlap_compile.profiling import command as profile_cmd
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_cmd.main([]) == 2
@@ -734,7 +737,7 @@ def test_one_gpu_profile_borrows_only_group_measurements(tmp_path):
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from gemm_profile import BORROWED, one_gpu_profile
-    from overlap_compile.predictor.profile_cmd import build_profile
+    from overlap_compile.profiling.build import build_profile
 
     base = predictor.load_profile("h200").raw
     rows = [{"m": 8192, "n": 8192, "k": 8192, "dtype": "bfloat16", "config": None, "ms": 1.5},

@@ -10,6 +10,10 @@ from overlap_compile import predictor
 from overlap_compile.predictor import models
 from overlap_compile.predictor.models import Ctx, Site
 from overlap_compile.predictor.profile import profile_from_dict
+from overlap_compile.templates.moe_fused import model as moe_model
+from overlap_compile.templates.p2p_ring import model as ring_model
+from overlap_compile.templates.priority_stream import model as ps_model
+from overlap_compile.templates.signal_reorder import model as sr_model
 
 
 def h200(**extra):
@@ -46,12 +50,12 @@ def test_copy_engine_all_to_all_is_gemm_bound_plus_placement_and_handshake():
     the received block copied into place (read + write) and one flag handshake."""
     p = h200(contention={"gemm_slowdown_copy_engine": 1.0}, peer_sync_ms=0.01)
     site = Site("gemm_alltoall", ((16384, 4096, 4096),), 2, "bfloat16")
-    s = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
+    s = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
     half = models.slice_ms(site, p, 8192)
     place = 2 * 8192 * 4096 * 2 / (p.gemm.mem_gbps * 1e9) * 1e3
     assert s.total_ms == pytest.approx(2 * half + place + 0.01)
     slower = h200(contention={"gemm_slowdown_copy_engine": 1.1}, peer_sync_ms=0.01)
-    assert models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, slower,
+    assert ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, slower,
                            Ctx(mode="cuda_graph")).total_ms > s.total_ms
     # without the measured quantity a profile keeps the older behaviour (gemm_slowdown_reserved)
     old = dataclasses.replace(p, raw={k: v for k, v in p.raw.items() if k != "peer_sync_ms"})
@@ -61,7 +65,7 @@ def test_copy_engine_all_to_all_is_gemm_bound_plus_placement_and_handshake():
 def test_copy_engine_all_gather_stages_the_shard_first():
     p = h200(peer_sync_ms=0.02)
     site = Site("allgather_gemm", ((8192, 3584, 4096),), 2, "bfloat16")
-    s = models.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
+    s = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
     stage = s.events[0]
     assert stage.label.startswith("stage") and stage.start == 0.0
     assert stage.end == pytest.approx(models.ag_stage_ms(site, p) + 0.02)
@@ -70,10 +74,10 @@ def test_copy_engine_all_gather_stages_the_shard_first():
 
 def test_reduce_scatter_sum_traffic():
     # W=2: read the own partial and the arrival, write the result (sum_kernel.py, one pass)
-    assert models.rs_accumulate_bytes(2, 2) == 6
+    assert ring_model.rs_accumulate_bytes(2, 2) == 6
     # W=4: the first early arrival widened to fp32 (2 + 4), one more added (8 + 2), then the
     # one pass also reads the fp32 sum (3 * 2 + 4)
-    assert models.rs_accumulate_bytes(4, 2) == 6 + 10 + 10
+    assert ring_model.rs_accumulate_bytes(4, 2) == 6 + 10 + 10
 
 
 def test_host_cost_per_call_and_site_latency():
@@ -85,16 +89,16 @@ def test_host_cost_per_call_and_site_latency():
     assert predictor.op_overhead_ms(p, "priority_stream", "cuda_graph", calls=4) == 0.0
     assert predictor.site_host_ms(p, "eager") == 0.04 and predictor.site_host_ms(p, "cuda_graph") == 0.0
     site = Site("gemm_allreduce", ((8192, 8192, 4096),), 4, "bfloat16")
-    sched = models.priority_stream(site, {"chunks": 4}, p, Ctx(mode="eager"))
+    sched = ps_model.priority_stream(site, {"chunks": 4}, p, Ctx(mode="eager"))
     assert predictor.host_calls(sched) == 4  # one collective call per chunk
 
 
 def test_priority_stream_places_chunked_all_to_all_on_the_comm_stream():
     p = h200()
     site = Site("gemm_alltoall", ((8192, 4096, 2048),), 4, "bfloat16")
-    assert models.ps_place_ms(site, p, 1) == 0.0
-    assert models.ps_place_ms(site, p, 4) == pytest.approx(2 * 8192 * 4096 * 2 / 4 / (p.gemm.mem_gbps * 1e9) * 1e3)
-    assert models.ps_place_ms(Site("gemm_allreduce", ((8192, 4096, 2048),), 4, "bfloat16"), p, 4) == 0.0
+    assert ps_model.ps_place_ms(site, p, 1) == 0.0
+    assert ps_model.ps_place_ms(site, p, 4) == pytest.approx(2 * 8192 * 4096 * 2 / 4 / (p.gemm.mem_gbps * 1e9) * 1e3)
+    assert ps_model.ps_place_ms(Site("gemm_allreduce", ((8192, 4096, 2048),), 4, "bfloat16"), p, 4) == 0.0
 
 
 def test_nccl_call_startup_beyond_the_curve_and_the_launch_gap():
@@ -119,7 +123,7 @@ def test_nccl_call_startup_beyond_the_curve_and_the_launch_gap():
     # signal_reorder: one group issues one call (nothing changes); several groups pay it where
     # the comm lane is the critical path
     cfg = {"block_m": 128, "block_n": 256, "group_m": 8, "programs": 108}
-    grow = [models.signal_reorder(site, c, on, graph).total_ms - models.signal_reorder(site, c, off, graph).total_ms
+    grow = [sr_model.signal_reorder(site, c, on, graph).total_ms - sr_model.signal_reorder(site, c, off, graph).total_ms
             for c in (dict(cfg, wave_groups=[19]), dict(cfg, wave_groups=[2, 2, 3, 3, 3, 3, 3]))]
     assert grow[0] == 0.0 and grow[1] > 0.0
 
@@ -131,14 +135,14 @@ def test_p2p_ring_allreduce_is_its_reduce_scatter_then_the_gather(world):
     p = h200()
     ce = {"slices": 1, "bidirectional": False, "transport": "p2p"}
     ar = Site("gemm_allreduce", ((8192, 8192, 4096),), world, "bfloat16")
-    rs = models.p2p_ring(dataclasses.replace(ar, kind="gemm_reducescatter"), ce, p, Ctx(mode="cuda_graph"))
-    s = models.p2p_ring(ar, ce, p, Ctx(mode="cuda_graph"))
+    rs = ring_model.p2p_ring(dataclasses.replace(ar, kind="gemm_reducescatter"), ce, p, Ctx(mode="cuda_graph"))
+    s = ring_model.p2p_ring(ar, ce, p, Ctx(mode="cuda_graph"))
     stripe = 8192 // world * 8192 * 2
     hop = models.comm_call_ms(ar, p, stripe, Ctx(mode="cuda_graph"), collective="copy_engine", contended=False)
     stage = models.hbm_ms(p, 2 * stripe) + models.peer_sync_ms(p)
     assert s.total_ms == pytest.approx(rs.total_ms + (world - 1) * hop + stage)
     assert s.events[-1].lane == "comm" and s.events[-1].start == pytest.approx(rs.total_ms)
-    assert models.p2p_ring(Site("gemm_allreduce", ((8191, 8192, 4096),), world, "bfloat16"), ce, p, Ctx()) is None
+    assert ring_model.p2p_ring(Site("gemm_allreduce", ((8191, 8192, 4096),), world, "bfloat16"), ce, p, Ctx()) is None
 
 
 def test_signal_reorder_search_stays_fast_with_thousands_of_waves():
@@ -150,14 +154,14 @@ def test_signal_reorder_search_stays_fast_with_thousands_of_waves():
     p = predictor.load_profile("cpu-gloo")
     site = Site("gemm_allreduce", ((8192, 8192, 4096),), 4, "float32")
     start = time.monotonic()
-    configs = models.signal_reorder_configs(site, p, Ctx())
+    configs = sr_model.signal_reorder_configs(site, p, Ctx())
     assert time.monotonic() - start < 10 and configs
     for cfg in configs:
-        geo = models.sr_geometry(site, cfg, p)
+        geo = sr_model.sr_geometry(site, cfg, p)
         assert sum(cfg["wave_groups"]) == geo.waves and min(cfg["wave_groups"]) >= 1, cfg
-    assert any(models.sr_geometry(site, c, p).waves > models.MAX_SEARCHED_WAVES for c in configs)
+    assert any(sr_model.sr_geometry(site, c, p).waves > sr_model.MAX_SEARCHED_WAVES for c in configs)
     # a coarse partition of 1000 waves in units of 8: first/last one unit, the rest in between
-    assert all(sum(g) == 1000 for g in models.coarse_partitions(1000, 1.0, lambda lo, hi, last: 0.1, 2, 4))
+    assert all(sum(g) == 1000 for g in sr_model.coarse_partitions(1000, 1.0, lambda lo, hi, last: 0.1, 2, 4))
 
 
 def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
@@ -169,7 +173,7 @@ def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
     m = E * 2 * C
     site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
     ctx = Ctx(mode="cuda_graph")
-    ce = models.moe_fused(site, {"split": "source", "transport": "p2p"}, p, ctx)
+    ce = moe_model.moe_fused(site, {"split": "source", "transport": "p2p"}, p, ctx)
     piece = site.coll_bytes() / 2
     xfer = models.comm_call_ms(site, p, piece, ctx, collective="copy_engine")
     e_piece = models.slice_ms(site, p, m // 2)
@@ -181,7 +185,7 @@ def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
     assert ce.total_ms == pytest.approx(want)
     labels = [e.label for e in ce.events]
     assert labels.index("pull 1") < labels.index("experts 1") < labels.index("push 1")
-    nccl = models.moe_fused(site, {"split": "source"}, p, ctx)
+    nccl = moe_model.moe_fused(site, {"split": "source"}, p, ctx)
     base = models.baseline(site, p, ctx)
     assert ce.total_ms < base.total_ms < nccl.total_ms
 
@@ -195,9 +199,9 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
     site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
     ctx = Ctx(mode="cuda_graph")
     cfg = {"split": "source", "transport": "p2p", "experts": "fused"}
-    assert models.moe_fused(site, cfg, h200(moe={}), ctx) is None  # not measured
+    assert moe_model.moe_fused(site, cfg, h200(moe={}), ctx) is None  # not measured
     fast, slow = h200(moe={"expert_kernel_vs_bmm": 0.8}), h200(moe={"expert_kernel_vs_bmm": 1.2})
-    t_fast, t_slow = models.moe_fused(site, cfg, fast, ctx), models.moe_fused(site, cfg, slow, ctx)
+    t_fast, t_slow = moe_model.moe_fused(site, cfg, fast, ctx), moe_model.moe_fused(site, cfg, slow, ctx)
     assert t_fast.total_ms < t_slow.total_ms
     labels = [e.label for e in t_fast.events]
     assert labels.index("experts own (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
@@ -215,5 +219,5 @@ def test_a_training_sections_saved_intermediates_are_charged():
     saving = dataclasses.replace(site, saved_bytes=m * (H + 3 * F) * 2)
     ctx = Ctx(mode="cuda_graph")
     for cfg in ({"split": "source"}, {"pieces": 2}, {"split": "source", "transport": "p2p"}):
-        extra = models.moe_fused(saving, cfg, p, ctx).total_ms - models.moe_fused(site, cfg, p, ctx).total_ms
+        extra = moe_model.moe_fused(saving, cfg, p, ctx).total_ms - moe_model.moe_fused(site, cfg, p, ctx).total_ms
         assert extra == pytest.approx(models.hbm_ms(p, 2 * saving.saved_bytes)), cfg

@@ -61,11 +61,11 @@ def test_written_profile_makes_the_predictor_offer_the_measured_options(tmp_path
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from overlap_compile import predictor
-    from overlap_compile.predictor import models
+    from overlap_compile.templates.signal_reorder import model as sr_model
     from overlap_compile.templates.moe_fused.spec import expert_kernel_ratio
 
     prof = predictor.load_profile(str(out))
-    assert models.sr_epilogue(prof) == pytest.approx(PM.signal_epilogue(_gemm_rows()))
+    assert sr_model.sr_epilogue(prof) == pytest.approx(PM.signal_epilogue(_gemm_rows()))
     assert expert_kernel_ratio(prof) == pytest.approx(PM.expert_kernel_ratio(_expert_rows()))
     assert any("signal_epilogue" in n for n in prof.raw["notes"]) and any("expert_kernel_vs_bmm" in n
                                                                           for n in prof.raw["notes"])

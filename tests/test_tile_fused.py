@@ -158,7 +158,8 @@ def test_config_errors_name_the_key():
 
 def test_latency_model():
     from overlap_compile import predictor
-    from overlap_compile.predictor.models import Ctx, Site, tile_fused
+    from overlap_compile.predictor.models import Ctx, Site
+    from overlap_compile.templates.tile_fused.model import tile_fused
 
     p = predictor.load_profile("h200")
     rs = Site("gemm_reducescatter", ((8192, 8192, 4096),), 4, "bfloat16")

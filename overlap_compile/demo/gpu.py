@@ -13,7 +13,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .run import _max_err, _setup
+from .common import max_err, setup_block
 
 GPU_SIZES = {"hidden": 4096, "intermediate": 14336, "heads": 32, "batch": 1, "seq": 8192}
 
@@ -43,7 +43,7 @@ def gpu_worker(settings: list[str], sizes: dict) -> dict:
     from ..backend import overlap_backend
 
     inductor_config.fx_graph_cache = False  # every compile must run the pass, so the Report is complete
-    ref, blk, xr, xc = _setup(sizes, "cuda", torch.bfloat16)
+    ref, blk, xr, xc = setup_block(sizes, "cuda", torch.bfloat16)
     out = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(), "torch": torch.__version__,
            "sizes": sizes, "rows": []}
     eager_y = ref(xr)
@@ -57,7 +57,7 @@ def gpu_worker(settings: list[str], sizes: dict) -> dict:
             compiled = torch.compile(blk, backend=functools.partial(overlap_backend, report=report))
             y = compiled(xc)
             y.to_local().float().sum().backward()  # compiles backward (recorded in the same Report)
-            err = _max_err(y, eager_y) / scale
+            err = max_err(y, eager_y) / scale
             ms = _step_ms(compiled, xc)
         out["rows"].append({"setting": setting, "ms": ms, "speedup": base_ms / ms, "rel_err": err,
                             "rewritten": sum(s.rewritten for s in report.sites), "sites": len(report.sites),

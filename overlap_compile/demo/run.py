@@ -11,35 +11,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .models import LlamaBlock, parallelize_tp_sp
-
-
-def _setup(sizes: dict, device: str, dtype: torch.dtype, seed: int = 0):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh(device, (dist.get_world_size(),))
-    torch.manual_seed(seed)
-    ref = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device=device, dtype=dtype)
-    blk = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device=device, dtype=dtype)
-    blk.load_state_dict(ref.state_dict())
-    parallelize_tp_sp(ref, mesh)
-    parallelize_tp_sp(blk, mesh)
-    x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"], device=device, dtype=dtype)
-    xr = distribute_tensor(x.clone().requires_grad_(), mesh, [Shard(1)])
-    xc = distribute_tensor(x.clone().requires_grad_(), mesh, [Shard(1)])
-    return ref, blk, xr, xc
-
-
-def _max_err(a: Any, b: Any) -> float:
-    a = a.to_local() if hasattr(a, "to_local") else a
-    b = b.to_local() if hasattr(b, "to_local") else b
-    return (a.float() - b.float()).abs().max().item()
+from .common import max_err, setup_block
 
 
 def check_against_eager(setting: str, sizes: dict, device: str = "cpu", dtype: str = "float32") -> dict:
@@ -53,7 +29,7 @@ def check_against_eager(setting: str, sizes: dict, device: str = "cpu", dtype: s
     from ..backend import overlap_backend
     from ..explain import no_compile_caches
 
-    ref, blk, xr, xc = _setup(sizes, device, getattr(torch, dtype))
+    ref, blk, xr, xc = setup_block(sizes, device, getattr(torch, dtype))
     yr = ref(xr)
     yr.to_local().float().sum().backward()
     overrides = {} if setting == "auto" else {"force_template": setting}
@@ -63,8 +39,8 @@ def check_against_eager(setting: str, sizes: dict, device: str = "cpu", dtype: s
         y = torch.compile(blk, backend=functools.partial(overlap_backend, report=report))(xc)
         y.to_local().float().sum().backward()
     seconds = time.perf_counter() - start
-    grads = [_max_err(xc.grad, xr.grad)] + [_max_err(p.grad, q.grad) for p, q in zip(blk.parameters(), ref.parameters())]
-    return {"setting": setting, "report": str(report), "out_err": _max_err(y, yr), "grad_err": max(grads),
+    grads = [max_err(xc.grad, xr.grad)] + [max_err(p.grad, q.grad) for p, q in zip(blk.parameters(), ref.parameters())]
+    return {"setting": setting, "report": str(report), "out_err": max_err(y, yr), "grad_err": max(grads),
             "rewritten": sum(s.rewritten for s in report.sites), "n_sites": len(report.sites), "seconds": seconds,
             "sites": [(s.graph, s.kind, s.template, s.config) for s in report.sites],
             "after": {r.name: r.after for r in report.records}}
@@ -97,7 +73,7 @@ def check_moe_inference(setting: str, sizes: dict) -> dict:
         want = layer(x)
         with oc.config.patch(**overrides), no_compile_caches():
             got = torch.compile(layer, backend=functools.partial(overlap_backend, report=report))(x)
-    return {"setting": setting, "report": str(report), "out_err": _max_err(got, want), "grad_err": 0.0,
+    return {"setting": setting, "report": str(report), "out_err": max_err(got, want), "grad_err": 0.0,
             "rewritten": sum(s.rewritten for s in report.sites), "n_sites": len(report.sites),
             "seconds": time.perf_counter() - start}
 

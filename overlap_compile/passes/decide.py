@@ -4,45 +4,22 @@ For each site the baseline (GEMM then collective, as written) is always a candid
 template allowed by ``options.templates`` that supports the site contributes its candidate
 configurations with predicted times; the fastest wins only if baseline / best >= min_speedup.
 ``force_template`` skips the prediction contest (tests, experiments). Every site left as it is
-gets a reason.
+gets a reason. The predictor prices (``predictor.rank_configs`` hands out its ``Candidate``s);
+this module decides. ``Decision`` and the bar a gain must clear are in decision.py, which
+host_pacing.py (the host-launched graph's second look) shares.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
+from .. import predictor, templates
 from ..config import Options
-from .. import templates
+from ..predictor import Candidate
 from ..templates.base import gpu_profile
+from . import host_pacing
+from .decision import BASELINE, Decision, model_error, required_gain
 from .matches import Match
-
-BASELINE = "baseline"
-
-
-@dataclasses.dataclass
-class Candidate:
-    template: str
-    config: dict | None
-    predicted_ms: float | None
-    note: str = ""  # why a template is not a candidate, or how it was measured
-    host_ms: float = 0.0  # the part of predicted_ms that is host time (host-launched; 0 in CUDA graphs)
-
-
-@dataclasses.dataclass
-class Decision:
-    match: Match
-    template: str
-    config: dict | None
-    reason: str
-    candidates: list[Candidate]
-    # host-launched graphs (passes/host_pacing.py): the site on the simulated clocks, in ms:
-    # host_start/host_end (its host work), gpu_start/gpu_end, lead (GPU work queued ahead)
-    host_clock: dict | None = None
-
-    @property
-    def rewrites(self) -> bool:
-        return self.template != BASELINE
 
 
 def decide(matches: list[Match], options: Options, profile: Any = None, graph: Any = None) -> list[Decision]:
@@ -51,15 +28,11 @@ def decide(matches: list[Match], options: Options, profile: Any = None, graph: A
     before them (passes/host_pacing.py)."""
     decisions = [_decide_one(m, options, profile) for m in matches]
     if graph is not None and profile is not None:
-        from . import host_pacing
-
         decisions = host_pacing.pace(graph, decisions, options, profile)
     return decisions
 
 
 def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
-    from .. import predictor
-
     if match.unsupported:
         return Decision(match, BASELINE, None, match.unsupported, [])
     base_ms = predictor.predict_baseline(match, profile, options) if profile is not None else None
@@ -114,25 +87,6 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         )
     return Decision(match, best.template, best.config,
                     f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
-
-
-def required_gain(options: Options, profile: Any, mode: str | None = None) -> float:
-    """The predicted speedup a rewrite needs in ``mode`` (default: the current launch mode):
-    min_speedup x (1 + the profile's model error there)."""
-    return options.min_speedup * (1.0 + model_error(profile, mode))
-
-
-def model_error(profile: Any, mode: str | None = None) -> float:
-    """The profile's measured mean |error| of template predictions in ``mode`` (default: the
-    current launch mode; ``model_error``, from benchmarks/predictor_replay.py): a predicted gain
-    must clear min_speedup by that much too, or a rewrite the model is merely optimistic about
-    could lose."""
-    if profile is None:
-        return 0.0
-    from ..predictor import launch_mode
-
-    table = getattr(profile, "raw", {}).get("model_error", {})
-    return float(table.get(mode or launch_mode(), 0.0))
 
 
 def _no_gpu_path(name: str, profile: Any) -> str | None:

@@ -43,8 +43,10 @@ from typing import Any
 
 import torch.fx as fx
 
+from .. import predictor
 from ..config import Options
-from .decide import Candidate, Decision, required_gain
+from ..predictor import Candidate
+from .decision import Decision, required_gain
 
 
 @dataclasses.dataclass
@@ -56,8 +58,6 @@ class _Site:
 
 def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: Any) -> list[Decision]:
     """``decisions`` with the sites whose op host time hides behind queued GPU work rewritten."""
-    from .. import predictor
-
     if (predictor.launch_mode() != "eager" or not options.host_pacing or options.force_template is not None
             or options.search != "predict" or not decisions):
         return decisions

@@ -13,13 +13,10 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
+from ..predictor.models import dtype_name
 from ..tiling import RowStripes
 
 KINDS = ("gemm_allreduce", "gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "moe")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 @dataclasses.dataclass

@@ -1,4 +1,26 @@
-"""Latency predictor: hardware profiles, per-template models and the per-site ranking.
+"""Latency predictor: hardware profiles, the physics every latency model shares, and the per-site
+ranking. It prices; the pass (passes/decide.py) decides. It imports nothing from the pass.
+
+* ``__init__.py``: the API below: profiles by name, the baseline's price, the ranking of a
+  template's configurations (``Candidate``), the decision cache
+* ``models.py``: what every latency model is built from (``Site``, ``Ctx``, ``Schedule``, GEMM and
+  collective prices, contention, the two-lane ``pipeline``) and the baseline model
+* ``profile.py``: ``HardwareProfile`` and its JSON format: validation, loading, saving, built-in
+  profiles, the roofline fallback
+* ``gemm_table.py``: a profile's GEMM table: measured rows, interpolated in efficiency, the roofline
+  fallback; the template kernels' occupancy
+* ``curves.py``: a profile's collective curves and the ring traffic factor that carries them to
+  other world sizes
+* ``seed.py``: the seeded (not measured) GPU profiles
+* ``exhaustive.py``: ``search="exhaustive"``: measuring the candidates instead of trusting the
+  prediction
+* ``timeline.py``: predicted schedules and host clocks drawn as PNG
+
+Each template's own latency model is ``templates/<name>/model.py`` (``MODEL``, optionally
+``CONFIGS`` and ``PEER_ONLY``); the predictor finds it through the template registry
+(``templates.get_model``) when it ranks, never at import time. The command that measures a
+machine into a profile (``python -m overlap_compile profile``) sits above the predictor and the
+pass: ``overlap_compile/profiling/``.
 
 API used by passes.decide::
 
@@ -23,9 +45,10 @@ import dataclasses
 import json
 import os
 import threading
+from types import ModuleType
 from typing import Any
 
-from .models import MODELS, Ctx, Schedule, Site, baseline, needs_peer_access
+from .models import Ctx, Schedule, Site, baseline
 from .profile import (
     HardwareProfile,
     ProfileError,
@@ -39,13 +62,24 @@ from .profile import (
 
 __all__ = [
     "load_profile", "predict_baseline", "rank_configs", "clear_cache", "HardwareProfile", "ProfileError",
-    "site_of", "schedule_for", "launch_mode", "loaded_profile", "signal_reorder_candidates", "op_overhead_ms",
-    "site_host_ms", "host_calls",
+    "site_of", "schedule_for", "launch_mode", "loaded_profile", "model_configs", "op_overhead_ms",
+    "site_host_ms", "host_calls", "Candidate", "template_model", "needs_peer_access",
 ]
 
 _lock = threading.RLock()
 _profiles: dict[Any, HardwareProfile] = {}
 _cache: dict[tuple, Any] = {}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way to run a site (a template's configuration, or the baseline) with its predicted ms."""
+
+    template: str
+    config: dict | None
+    predicted_ms: float | None
+    note: str = ""  # why a template is not a candidate, or how it was measured
+    host_ms: float = 0.0  # the part of predicted_ms that is host time (host-launched; 0 in CUDA graphs)
 
 
 # ---- profiles ---------------------------------------------------------------------------------
@@ -230,7 +264,6 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
     transport on a group spanning nodes) or have no model come last with the reason in ``note``.
     """
     from .. import config
-    from ..passes.decide import Candidate
 
     if profile is None:
         return []
@@ -299,30 +332,57 @@ def schedule_for(spec: Any, match: Any, config: dict, profile: HardwareProfile, 
     else the template's own ``spec.predict`` (a bare time, no bars)."""
     ctx = ctx or _ctx(_options(None))
     site = site or site_of(match, profile)
-    model = MODELS.get(spec.name)
+    model = template_model(spec.name)
     if model is not None:
-        sched = model(site, config, profile, ctx)
+        sched = model.MODEL(site, config, profile, ctx)
         if sched is not None:
             return sched
     ms = spec.predict(match, config, profile)
     return None if ms is None else Schedule(float(ms), [], None, f"{spec.name}.predict")
 
 
-def signal_reorder_candidates(match: Any, profile: HardwareProfile | None, options: Any = None) -> list[dict] | None:
-    """signal_reorder's candidate configs (FlashOverlap Algorithm 1 wave-group partitions per
-    kernel config); None without a profile (the spec then offers its default)."""
+def model_configs(template: str, match: Any, profile: HardwareProfile | None, options: Any = None
+                  ) -> list[dict] | None:
+    """The candidate configs ``template``'s latency model searches itself (its model's ``CONFIGS``:
+    signal_reorder's FlashOverlap Algorithm 1 wave-group partitions per kernel config); None
+    without a profile (the spec then offers its default) or without such a search."""
     if profile is None or getattr(match, "unsupported", None):
         return None
-    from .models import signal_reorder_configs
-
+    model = template_model(template)
+    search = getattr(model, "CONFIGS", None)
+    if search is None:
+        return None
     opts = _options(options)
     site = site_of(match, profile)
     ctx = _ctx(opts)
-    key = _key("sr-configs", match, site, profile, opts, ctx)
+    key = _key(f"configs:{template}", match, site, profile, opts, ctx)
     with _lock:
         if key in _cache:
             return copy.deepcopy(_cache[key])
-    configs = signal_reorder_configs(site, profile, ctx)
+    configs = search(site, profile, ctx)
     with _lock:
         _cache[key] = copy.deepcopy(configs)
     return configs
+
+
+# ---- the templates' own models ----------------------------------------------------------------
+
+# Transports that need every rank of the group on one node with peer access (symmetric memory,
+# peer copies). A config is judged by its "transport" key; a template whose model says
+# ``PEER_ONLY`` needs it always (unless the config's transport is "nccl").
+PEER_TRANSPORTS = ("p2p", "symm_mem", "copy_engine")
+
+
+def template_model(name: str) -> ModuleType | None:
+    """``name``'s latency model module (templates/<name>/model.py), found through the template
+    registry when asked for; None for a template without one."""
+    from .. import templates
+
+    return templates.get_model(name)
+
+
+def needs_peer_access(template: str, config: dict | None) -> bool:
+    """Whether ``template`` under ``config`` needs the group's ranks on one node with peer access."""
+    if getattr(template_model(template), "PEER_ONLY", False):
+        return not (config and config.get("transport") == "nccl")
+    return bool(config) and config.get("transport") in PEER_TRANSPORTS

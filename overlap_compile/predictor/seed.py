@@ -19,7 +19,8 @@ import json
 import math
 import os
 
-from .profile import BUILTIN_DIR, FORMAT, KiB, MiB, sample_sizes, save_profile, traffic_factor
+from .curves import traffic_factor
+from .profile import BUILTIN_DIR, FORMAT, KiB, MiB, sample_sizes, save_profile
 
 SEED_SOURCE = "seeded from ANCHORS.md, to be replaced by `python -m overlap_compile profile`"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import MODELS, Ctx, Schedule, Site, baseline, signal_reorder, signal_reorder_configs
+from .models import Ctx, Schedule, Site, baseline
 
 
 def _ctx(mode: str | None) -> Ctx:
@@ -29,7 +29,7 @@ def _ctx(mode: str | None) -> Ctx:
 def schedules_for_report(site_report: Any, profile: Any, mode: str | None = None,
                          candidate: tuple[str, dict] | None = None) -> list[tuple[str, Schedule]]:
     """[(title, schedule)]: the baseline, then the chosen (or given, or best rejected) candidate."""
-    from . import loaded_profile
+    from . import loaded_profile, template_model
 
     prof = loaded_profile(profile) if not hasattr(profile, "gemm") else profile
     site = Site.from_report(site_report)
@@ -45,16 +45,17 @@ def schedules_for_report(site_report: Any, profile: Any, mode: str | None = None
         title = candidate[0]
     else:
         title = None
-        if site.kind in ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall"):
-            configs = signal_reorder_configs(site, prof, ctx)
-            scored = [(signal_reorder(site, c, prof, ctx), c) for c in configs]
+        sr = template_model("signal_reorder")
+        if sr is not None and site.kind in ("gemm_allreduce", "gemm_reducescatter", "gemm_alltoall"):
+            configs = sr.CONFIGS(site, prof, ctx)
+            scored = [(sr.MODEL(site, c, prof, ctx), c) for c in configs]
             scored = [(s, c) for s, c in scored if s is not None]
             if scored:
                 sched, _ = min(scored, key=lambda sc: sc[0].total_ms)
                 out.append(("signal_reorder, best rejected", sched))
     if candidate is not None:
-        model = MODELS.get(candidate[0])
-        sched = model(site, candidate[1], prof, ctx) if model else None
+        model = template_model(candidate[0])
+        sched = model.MODEL(site, candidate[1], prof, ctx) if model else None
         if sched is not None:
             out.append((title, sched))
     return out

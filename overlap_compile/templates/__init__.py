@@ -1,15 +1,28 @@
-"""Registry of overlap templates: name -> TemplateSpec.
+"""Registry of overlap templates: name -> the template's package, one folder per template.
 
-Importing this package registers every template's ops (``torch.ops.overlap_compile.*``); it
-touches neither CUDA nor any process group.
+A template's package holds everything about it; the registry finds each part by the name:
+
+* ``spec.py``: ``SPEC``, what it supports, its configurations, the graph it emits (``get_spec``)
+* ``op.py``: its ops, ``torch.ops.overlap_compile.<name>_*``, registered on import (``get_spec``,
+  ``load_all_ops``)
+* ``model.py``: its latency model, ``MODEL(site, config, profile, ctx) -> Schedule or None``, built
+  from the predictor's shared pieces (predictor/models.py); optionally ``CONFIGS(site, profile,
+  ctx)`` (configurations the model searches itself) and ``PEER_ONLY`` (``get_model``, which the
+  predictor calls when it ranks)
+* ``reference.py``: the decomposed algorithm on any device: the oracle
+* ``kernels*.py``: the GPU implementation
+
+Beside them: ``base.py`` (``TemplateSpec``, the ops' shared definitions) and ``plans.py`` (the
+plans an op is called with). Importing this package touches neither CUDA nor any process group.
 """
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 from .base import TemplateSpec
 
-# name -> module holding ``SPEC`` (and, beside it, ``op`` registering the ops)
+# name -> package holding ``spec`` (``SPEC``), ``op`` (registering the ops) and ``model``
 _REGISTRY: dict[str, str] = {
     "signal_reorder": "overlap_compile.templates.signal_reorder",
     "p2p_ring": "overlap_compile.templates.p2p_ring",
@@ -20,7 +33,8 @@ _REGISTRY: dict[str, str] = {
 
 
 def register(name: str, package: str) -> None:
-    """Add a template package (``spec.py`` with ``SPEC``, ``op.py`` registering its ops)."""
+    """Add a template package (``spec.py`` with ``SPEC``, ``op.py`` registering its ops and,
+    optionally, ``model.py`` with its latency model ``MODEL``)."""
     _REGISTRY[name] = package
 
 
@@ -33,6 +47,20 @@ def get_spec(name: str) -> TemplateSpec:
         raise ValueError(f"unknown template {name!r}; implemented: {sorted(_REGISTRY)}")
     importlib.import_module(_REGISTRY[name] + ".op")
     return importlib.import_module(_REGISTRY[name] + ".spec").SPEC
+
+
+def get_model(name: str) -> ModuleType | None:
+    """The template's latency model module (``model.py``, ``MODEL`` in it); None for a name not
+    registered or a package without one (the predictor then asks ``spec.predict``)."""
+    if name not in _REGISTRY:
+        return None
+    module = _REGISTRY[name] + ".model"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return None
 
 
 def load_all_ops() -> None:

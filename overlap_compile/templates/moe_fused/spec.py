@@ -15,7 +15,7 @@ activation product): the op then also returns those (``MoePlan.saves``, getitem 
 backward reads them from it. Configurations: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only) or ``{"pieces": p}`` (the capacity axis in p slices); see
-reference.py. Latency model: predictor.models.moe_fused. kernels_nccl.py (NCCL on CUDA streams)
+reference.py. Latency model: model.py. kernels_nccl.py (NCCL on CUDA streams)
 passes its GPU tests on 2x H200 but measured 0.82-0.94x of the layer as written (forward,
 capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) has not run
 on GPUs yet. So gpu_implemented stays False: under GPU profiles only force_template picks it.

@@ -15,7 +15,7 @@ returning the gathered matrix and every consumer's output. The op returns rows i
 collective's own order, so the base class's emitters are all it needs: no reorder glue.
 
 The latency model (chunks in a max-plus pipeline, collectives contending with the GEMM) lives in
-overlap_compile.predictor.models.priority_stream.
+model.py, beside this file.
 """
 from __future__ import annotations
 

@@ -1,0 +1,8 @@
+"""signal_reorder (FlashOverlap): one persistent GEMM whose wave groups signal the collective as their
+tiles are done, the received tiles put back in order by graph glue.
+
+spec.py (what it supports, its configurations, the graph it emits), op.py (its ops), model.py (its
+latency model), reference.py (the algorithm on any device: the oracle), kernels.py (the Triton GEMM
+and its signalling epilogue). The registry (templates/__init__.py) finds the spec, ops and model by
+the template's name.
+"""

@@ -82,14 +82,14 @@ class SignalReorderSpec(TemplateSpec):
         return {**config, "rs_layout": "subtile"}
 
     def candidates(self, match: GemmThenCollective, profile: Any) -> list[dict]:
-        """FlashOverlap Algorithm 1 (predictor.models): per kernel config of the profile, programs =
+        """FlashOverlap Algorithm 1 (model.py): per kernel config of the profile, programs =
         (SMs - NCCL SMs) x blocks/SM (a multiple of the stripe count) and the best wave-group
         partition per group count with |G1| <= wave_group_first_max, |GP| <= wave_group_last_max
         (config.current()). Without a profile: the default config."""
-        from ...predictor import signal_reorder_candidates
-        from ...predictor.models import sr_epilogue
+        from ...predictor import model_configs
+        from .model import sr_epilogue
 
-        configs = signal_reorder_candidates(match, profile)
+        configs = model_configs(self.name, match, profile)
         if not configs:
             return [self.default_config(match)]
         configs = [self.with_subtile(match, c) for c in configs]

@@ -18,7 +18,7 @@ collective's order, so the base class's emitters need no reorder glue.
 
 Config: ``block_m``/``block_n``/``group_m`` (the GEMM tile, which is also the unit of every
 signal and push), ``comm_ctas`` (reduce-scatter: CTAs that push and reduce tiles; the GEMM gets
-the other SMs). The latency model is predictor.models.tile_fused.
+the other SMs). The latency model is model.py, beside this file.
 """
 from __future__ import annotations
 

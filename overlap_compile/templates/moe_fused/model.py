@@ -1,0 +1,134 @@
+"""moe_fused's latency model: the expert-parallel section as a piece pipeline, over NCCL or, with
+``"transport": "p2p"``, over the copy engine. The pieces it is built from are the predictor's:
+predictor/models.py.
+"""
+from __future__ import annotations
+
+from ...predictor.models import (Ctx, Event, Schedule, Site, baseline, comm_call_ms, copy_engine_slowdown, gemm_ms,
+                                 hbm_ms, peer_sync_ms, profile_extra, slice_ms, slowed)
+from ...predictor.profile import HardwareProfile
+
+
+def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """The section as a piece pipeline (templates/moe_fused/reference.py, kernels.py). NCCL runs
+    the calls in issue order on one stream: every dispatch piece D_i first, then the combines C_i;
+    the experts E_i of a piece start when D_i has landed (and E_{i-1} is done); C_i starts after
+    E_i and after the previous call on the NCCL stream. Collectives beside expert GEMMs pay
+    ``comm_slowdown``, expert GEMMs beside collectives ``gemm_slowdown``; every call after the
+    first pays the launch cost. Total = end of the last combine (or of the last experts).
+
+    ``{"pieces": p}``: p all-to-alls of 1/p of the bytes each way, experts 1/p of the GEMM time.
+    ``{"split": "source"}``: W pieces; piece 0 is the own tokens (no transfer, its experts start
+    at t=0), piece r a pairwise exchange with one peer. That exchange moves bytes/W off the rank,
+    what an all-to-all of bytes/(W-1) moves, so it is priced on the all-to-all curve at
+    bytes/(W-1) (on a switched fabric a pair gets the per-rank bandwidth)."""
+    if site.kind != "moe":
+        return None
+    if config.get("transport") == "p2p":
+        if config.get("experts") == "fused":
+            ratio = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
+            return moe_fused_copy_engine(site, profile, ctx, ratio) if ratio > 0 else None
+        return moe_fused_copy_engine(site, profile, ctx)
+    W = max(1, site.world)
+    source = config.get("split") == "source"
+    p = W if source else max(1, int(config.get("pieces", 1)))
+    slow_g, slow_c = profile.contention["gemm_slowdown"], profile.contention["comm_slowdown"]
+    e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0)
+    nbytes = site.coll_bytes() / (W - 1) if source and W > 1 else site.coll_bytes() / p
+    moves = [i for i in range(p) if not (source and i == 0)]  # pieces with a transfer
+    calls = 0
+
+    def call(contended: bool) -> float:
+        nonlocal calls
+        calls += 1
+        return comm_call_ms(site, profile, nbytes, ctx, contended=contended, launch=calls > 1)
+
+    events, t_comm, d_end = [], 0.0, {}
+    for i in moves:
+        d = call(contended=i > 0)
+        events.append(Event("comm", f"dispatch {i}", t_comm, t_comm + d))
+        t_comm += d
+        d_end[i] = t_comm
+    t_exp = 0.0
+    for i in range(p):
+        start = max(t_exp, d_end.get(i, 0.0))
+        events.append(Event("compute", f"experts {i}", start, start + e))
+        t_exp = start + e
+        if i in d_end:
+            c_start = max(t_comm, t_exp)
+            c = call(contended=i < p - 1)
+            events.append(Event("comm", f"combine {i}", c_start, c_start + c))
+            t_comm = c_start + c
+    base = baseline(site, profile, ctx)
+    how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
+    return Schedule(max(t_comm, t_exp) + moe_save_ms(site, profile), events, base.bound_ms if base else None,
+                    f"{how} of {nbytes / 2**20:.1f} MiB")
+
+
+def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
+    """A training section's saved intermediates, copied out of each piece into the layout backward
+    reads (reference.Saved): one read and one write of them."""
+    return hbm_ms(profile, 2 * site.saved_bytes)
+
+
+def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None
+                          ) -> Schedule | None:
+    """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
+    pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
+    buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
+    back (the copy curve, one copy at a time), then pushes each result home once its experts are
+    done. The compute stream: the own tokens' first half, each peer piece once pulled, the own
+    second half; expert GEMMs run ``copy_engine_slowdown`` slower while a copy runs beside them.
+    Last, the W-1 returned pieces copied into the output (read + write) after one handshake.
+
+    ``fused_ratio`` (``"experts": "fused"``, expert_kernel.py, its measured time over bmm's): one
+    persistent kernel, the own tokens whole and first (plus their local copy), a peer piece's
+    tiles once it has landed (its per-expert chunks, which let tiles start earlier, are not
+    credited), each piece's result pushed when its tiles are counted; the last push has nothing
+    left to hide behind.
+    Not yet measured on a GPU."""
+    W = max(1, site.world)
+    piece_bytes = site.coll_bytes() / W
+    xfer = comm_call_ms(site, profile, piece_bytes, ctx, collective="copy_engine", contended=False)
+    slow = copy_engine_slowdown(profile)
+    e_piece = slice_ms(site, profile, max(1, site.m // W))
+    sync = peer_sync_ms(profile)
+    stage = hbm_ms(profile, 2 * (W - 1) * piece_bytes) + sync
+    events = [Event("compute", "stage peer slots + handshake", 0.0, stage)]
+    t_copy = stage
+    pulled = []
+    for k in range(1, W):
+        events.append(Event("comm", f"pull {k}", t_copy, t_copy + xfer))
+        t_copy += xfer
+        pulled.append(t_copy)
+
+    def experts(label: str, start: float, alone: float) -> float:
+        busy = max(0.0, t_copy - start)  # copies still running when this piece starts
+        end = start + slowed(alone, busy, slow)
+        events.append(Event("compute", label, start, end))
+        return end
+
+    fused = fused_ratio is not None
+    if fused:
+        e_piece *= fused_ratio
+        own_copy = hbm_ms(profile, 2 * piece_bytes)
+        t = experts("experts own (fused kernel)", stage + own_copy, e_piece)
+    else:
+        t = experts("experts own[0]", stage, e_piece / 2)
+    for k, ready in enumerate(pulled, start=1):
+        t = experts(f"experts {k}", max(t, ready), e_piece)
+        start = max(t, t_copy)
+        events.append(Event("comm", f"push {k}", start, start + xfer))
+        t_copy = start + xfer
+    if not fused:
+        t = experts("experts own[1]", t, e_piece / 2)
+    place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
+    start = max(t, t_copy + sync if W > 1 else t)
+    events.append(Event("compute", "place returned pieces", start, start + place))
+    base = baseline(site, profile, ctx)
+    return Schedule(start + place + moe_save_ms(site, profile), events, base.bound_ms if base else None,
+                    f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
+                    f"experts {e_piece:.4f} ms per piece")
+
+
+MODEL = moe_fused

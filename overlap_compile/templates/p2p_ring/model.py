@@ -1,0 +1,113 @@
+"""p2p_ring's latency model (CommFuse, arXiv 2604.24013). config: slices, bidirectional, transport
+("p2p" | "nccl"). The pieces it is built from are the predictor's: predictor/models.py.
+
+Reduce-scatter / all-to-all: the GEMM is cut into W row chunks (one per destination rank),
+each into ``slices`` pieces; the chunks for the W-1 peers are computed first, each piece sent
+(RS: with the partial sum received from the previous neighbour added) as soon as it is done,
+the chunk that stays local last, so no transfer trails the GEMM (RS adds the last received
+partial: one elementwise pass). All-gather: the local shard's GEMM runs while the shards
+travel the ring; the piece of step i waits for its shard. Transfers are serialised on the
+comm lane: ``t_x = max(t_p, t_x) + xfer`` (RS/A2A) or ``t_p = max(t_p, t_x) + piece`` (AG).
+``xfer`` is the ``copy_engine`` curve (transport "p2p": peer copies, no SMs; GEMM slowdown
+``gemm_slowdown_copy_engine``) or the ``p2p`` curve times ``comm_slowdown`` (transport "nccl":
+send/recv kernels; GEMM slowdown ``gemm_slowdown``) at the piece's bytes (halved when
+bidirectional: two rings in opposite directions on full-duplex links), plus the launch cost.
+A piece is slowed only while a transfer runs beside it (``slowed``); pieces are row slices
+of the GEMM at its rate per tile (``slice_ms``). Copy engine: the all-gather first stages the
+shard (one read + write) and meets its peers (``peer_sync_ms``); the reduce-scatter ends with
+its fp32 sums (``rs_accumulate_bytes``), the all-to-all with placing the received blocks.
+"""
+from __future__ import annotations
+
+from ...predictor.models import (Ctx, Schedule, Site, ag_stage_ms, comm_call_ms, copy_engine_slowdown, gemm_ms,
+                                 hbm_ms, overlap_bound, peer_sync_ms, pipeline, reduce_scatter_then_gather,
+                                 shifted, slice_ms, slowed)
+from ...predictor.profile import HardwareProfile
+
+
+def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    if site.kind == "gemm_allreduce":
+        return p2p_ring_allreduce(site, config, profile, ctx)
+    if site.kind not in ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall"):
+        return None
+    W = site.world
+    s = max(1, int(config.get("slices", 1)))
+    bidir = bool(config.get("bidirectional", False))
+    copy_engine = config.get("transport", "nccl") == "p2p"
+    curve = "copy_engine" if copy_engine else "p2p"
+    # NCCL send/recv kernels take SMs: the GEMM slows by gemm_slowdown and they by comm_slowdown.
+    # Copy engines take no SMs: the GEMM barely slows and the copy runs at its curve.
+    slow = copy_engine_slowdown(profile) if copy_engine else profile.contention["gemm_slowdown"]
+    rows = max(1, site.m // (W * s))
+    piece = slice_ms(site, profile, rows)
+    width = site.k if site.kind == "allgather_gemm" else site.n
+    nbytes = rows * width * site.itemsize / (2 if bidir else 1)
+    xfer = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=not copy_engine)
+    xfer0 = comm_call_ms(site, profile, nbytes, ctx, collective=curve, contended=not copy_engine, launch=False)
+    n_remote = (W - 1) * s
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    sync = peer_sync_ms(profile) if copy_engine else 0.0
+    if site.kind == "allgather_gemm":
+        # local shard first (no transfer), then step i's pieces wait for shard i; a piece runs
+        # beside the transfer of the next one, the last alone
+        comm: list[float | None] = [None] * s + [xfer0] + [xfer] * (n_remote - 1)
+        compute = [slowed(piece, xfer if i + 1 < W * s else 0.0, slow) for i in range(W * s)]
+        head = (ag_stage_ms(site, profile) + sync) if copy_engine else 0.0
+        end, events = pipeline(compute, comm, comm_first=True,
+                               compute_labels=[f"GEMM shard {i // s}.{i % s}" for i in range(W * s)],
+                               comm_labels=[f"recv {i // s}.{i % s}" if i >= s else "" for i in range(W * s)])
+        events = shifted(events, head, "stage shard + peer handshake")
+        first_compute, last_comm = piece, xfer
+        end += head
+    else:
+        # peers' chunks first, each sent once computed; a piece runs beside the previous send
+        comm = [xfer0] + [xfer] * (n_remote - 1) + [None] * s
+        compute = [slowed(piece, xfer if 0 < i <= n_remote else 0.0, slow) for i in range(W * s)]
+        tail = sync + ring_tail_ms(site, profile, rows * s, copy_engine)
+        end, events = pipeline(compute, comm, comm_first=False, tail=tail,
+                               compute_labels=[f"GEMM chunk {i // s}.{i % s}" for i in range(W * s)],
+                               comm_labels=[f"send {i // s}.{i % s}" for i in range(W * s)])
+        first_compute, last_comm = piece, 0.0
+    note = f"{W}x{s} pieces of {rows} rows: GEMM {piece:.4f} ms, {curve} {xfer:.4f} ms each"
+    return Schedule(end, events, overlap_bound(g_base, c_base, first_compute, last_comm), note)
+
+
+def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """All-reduce = the ring reduce-scatter over W row stripes of the output, then the W-1
+    reduced stripes of the peers brought here with nothing left to hide them: W-1 transfers of
+    a stripe, counted one after the other (the copy curve is measured one copy at a time; the
+    copies of several peers share this GPU's links), plus, on the copy engine, the own stripe
+    staged into the symmetric buffer and one handshake. Unfitted, it replays the first 2x H200 runs
+    (ops-...-2026-11-23-p2p_ring-allreduce.json) within 4.2% mean |error|."""
+    W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
+    stripe_bytes = (site.m // W) * site.n * site.itemsize
+    curve = "copy_engine" if copy_engine else "p2p"
+    hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective=curve, contended=False)
+    gather = (W - 1) * hop + ((hbm_ms(profile, 2 * stripe_bytes) + peer_sync_ms(profile)) if copy_engine else 0.0)
+    return reduce_scatter_then_gather(p2p_ring, site, config, profile, ctx, gather,
+                                      f"gather {W - 1} reduced stripes", "the reduced stripes gathered")
+
+
+def rs_accumulate_bytes(world: int, itemsize: int) -> int:
+    """Bytes per output element that p2p_ring's copy-engine reduce-scatter moves summing the
+    partials (kernels.run_reducescatter): arrivals before the own GEMM into an fp32 sum (the
+    first widened: read + write fp32; each further one: read sum, read slot, write sum), then one
+    pass (sum_kernel.py) reading the own partial, the last arrival and the sum, writing the result."""
+    early = 0 if world <= 2 else (itemsize + 4) + (world - 3) * (8 + itemsize)
+    return early + 3 * itemsize + (4 if world > 2 else 0)
+
+
+def ring_tail_ms(site: Site, profile: HardwareProfile, stripe_rows: int, copy_engine: bool) -> float:
+    """What follows the last GEMM piece of a p2p_ring reduce-scatter / all-to-all on the compute
+    stream. Copy engine: the reduce-scatter's fp32 sums (rs_accumulate_bytes), the all-to-all's
+    placement of every received block into the output (read + write). NCCL transport: the sum of
+    the local chunk and the last received partial (three passes)."""
+    elems = stripe_rows * site.n
+    if not copy_engine:
+        return hbm_ms(profile, 3 * elems * site.itemsize) if site.kind == "gemm_reducescatter" else 0.0
+    if site.kind == "gemm_reducescatter":
+        return hbm_ms(profile, elems * rs_accumulate_bytes(site.world, site.itemsize))
+    return hbm_ms(profile, 2 * (site.world - 1) * elems * site.itemsize)
+
+
+MODEL = p2p_ring
