@@ -27,7 +27,7 @@ from typing import Any, Iterator
 # Template names known to the library. Kept here (not imported from the registry) so that
 # validating options never imports template code.
 TEMPLATE_NAMES = ("signal_reorder", "p2p_ring", "priority_stream", "tile_fused", "moe_fused")
-SEARCH_MODES = ("predict", "exhaustive")
+SEARCH_MODES = ("predict", "exhaustive", "measure")
 ENV_PREFIX = "OVERLAP_COMPILE_"
 
 

@@ -31,6 +31,7 @@ class SiteReport:
     output_fuses: bool = False  # the collective's readers fuse a permuted read (Match.output_fuses)
     workspace: dict | None = None  # bytes the rewritten site holds (TemplateSpec.workspace_bytes)
     host_clock: dict | None = None  # host-launched graphs: the site on the simulated clocks (decide.Decision)
+    measured: dict | None = None  # search="measure": measured vs predicted gain (passes.decision.Decision)
 
     @property
     def rewritten(self) -> bool:
@@ -92,6 +93,8 @@ class Report:
                 reason += (f" [workspace {mib.get('persistent', 0):.1f} MiB kept + {mib.get('per_call', 0):.1f} MiB per call"
                            + (f"; as written {mib['section_as_written']:.1f} MiB" if "section_as_written" in mib else "")
                            + "]")
+            if s.measured:
+                reason = f"{_gains(s.measured)}; {reason}"
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, reason])
         errors = [r.error for r in self.records if r.error]
         if not rows:
@@ -167,3 +170,11 @@ _GLOBAL = Report()
 def global_report() -> Report:
     """Everything the pass recorded in this process (``overlap_compile.last_report()``)."""
     return _GLOBAL
+
+
+def _gains(m: dict) -> str:
+    """'measured 1.12x vs predicted 1.25x (p2p_ring)': a site's gains under search="measure"."""
+    if "note" in m:
+        return m["note"]
+    meas = "failed" if m["measured_gain"] is None else f"{m['measured_gain']:.2f}x"
+    return f"measured {meas} vs predicted {m['predicted_gain']:.2f}x ({m['template']})"

@@ -34,3 +34,58 @@ def test_exhaustive_search_over_gloo_completes_and_agrees():
     if template != "baseline":
         mine = min(v for k, v in measured.items() if k.startswith(template))
         assert mine == min(measured.values()) and mine < measured["baseline"], (template, measured)
+
+
+def _measured_gains() -> list:
+    import overlap_compile as oc
+    from torch.distributed._functional_collectives import all_reduce
+
+    group = dist.group.WORLD.group_name
+
+    def f(a, b):
+        return all_reduce(a @ b, "sum", group) + 1
+
+    torch.manual_seed(dist.get_rank())
+    report = oc.explain(f, torch.randn(64, 32), torch.randn(32, 48), search="measure",
+                        templates=("p2p_ring", "priority_stream"))
+    (site,) = report.sites
+    return [site.template, site.measured, str(report)]
+
+
+def test_search_measure_reports_measured_beside_predicted_gain():
+    """search="measure": the decision is the predictor's; the site as written and the rewrite it
+    weighed are timed on both ranks (the same agreed numbers), and the Report shows both gains."""
+    per_rank = run_distributed(_measured_gains, world_size=2, timeout_s=300)
+    assert [r[:2] for r in per_rank] == [per_rank[0][:2]] * 2
+    template, measured, text = per_rank[0]
+    assert measured["baseline_ms"] > 0 and measured["ms"] > 0, measured
+    assert measured["template"] in ("p2p_ring", "priority_stream")
+    if template != "baseline":
+        assert measured["template"] == template
+    assert measured["measured_gain"] == measured["baseline_ms"] / measured["ms"]
+    assert measured["predicted_gain"] > 0
+    assert f"measured {measured['measured_gain']:.2f}x vs predicted {measured['predicted_gain']:.2f}x" in text
+
+
+def test_search_measure_keeps_the_predicted_decision():
+    """With a measuring hook that makes every rewrite slower, the decision is still the predicted
+    one (measure never decides), and each site says so in its measured gain."""
+    from overlap_compile import config, predictor
+    from overlap_compile.passes.decide import decide
+    from overlap_compile.predictor import exhaustive
+    from overlap_compile.testing.fake_group import fake_process_group
+    from overlap_compile.testing.patterns import traced_site
+
+    exhaustive.set_measure(lambda template, match, cfg, options: 1.0 if template == "baseline" else 2.0)
+    try:
+        with fake_process_group(2):
+            sites = [traced_site("gemm_reducescatter", 8192, 4096, 2048, 2)]
+            profile = predictor.load_profile("h200")
+            (predicted,) = decide(sites, config.current(), profile)
+            with config.patch(search="measure"):
+                (measured,) = decide(sites, config.current(), profile)
+    finally:
+        exhaustive.set_measure(None)
+    assert (measured.template, measured.config) == (predicted.template, predicted.config)
+    assert measured.measured["measured_gain"] == 0.5 and measured.measured["baseline_ms"] == 1.0
+    assert predicted.measured is None

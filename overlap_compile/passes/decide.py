@@ -29,7 +29,35 @@ def decide(matches: list[Match], options: Options, profile: Any = None, graph: A
     decisions = [_decide_one(m, options, profile) for m in matches]
     if graph is not None and profile is not None:
         decisions = host_pacing.pace(graph, decisions, options, profile)
+    if options.search == "measure" and profile is not None:
+        for d in decisions:
+            d.measured = _measure(d, options)
     return decisions
+
+
+def _measure(d: Decision, options: Options) -> dict | None:
+    """``search="measure"``: the decision stands as predicted; the site as written and the rewrite
+    it weighed (chosen, else the best predicted) are timed once on the group, so the Report shows
+    predicted and measured gain side by side, and where the predictor is wrong."""
+    if d.match.unsupported:
+        return None
+    base = next((c for c in d.candidates if c.template == BASELINE), None)
+    timed = [c for c in d.candidates if c.template != BASELINE and c.predicted_ms is not None]
+    weighed = ([c for c in timed if c.template == d.template and c.config == d.config] or
+               sorted(timed, key=lambda c: c.predicted_ms))[:1]
+    if base is None or base.predicted_ms is None or not weighed:
+        return None
+    (cand,) = weighed
+    from ..predictor import exhaustive
+
+    got = exhaustive.measure_items([(BASELINE, None), (cand.template, cand.config)], d.match, options)
+    if isinstance(got, str):
+        return {"note": got}
+    base_ms, ms = got
+    ok = base_ms < exhaustive.FAILED_MS and ms < exhaustive.FAILED_MS
+    return {"baseline_ms": base_ms, "template": cand.template, "config": cand.config, "ms": ms,
+            "predicted_gain": base.predicted_ms / cand.predicted_ms,
+            "measured_gain": base_ms / ms if ok else None}
 
 
 def _decide_one(match: Match, options: Options, profile: Any) -> Decision:

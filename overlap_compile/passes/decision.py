@@ -23,6 +23,10 @@ class Decision:
     # host-launched graphs (passes/host_pacing.py): the site on the simulated clocks, in ms:
     # host_start/host_end (its host work), gpu_start/gpu_end, lead (GPU work queued ahead)
     host_clock: dict | None = None
+    # search="measure": the site as written and the rewrite the decision weighed (the chosen one,
+    # else the best predicted), each measured once on the group: baseline_ms, template, config,
+    # ms, predicted_gain, measured_gain (or "note": why it was not measured)
+    measured: dict | None = None
 
     @property
     def rewrites(self) -> bool:

@@ -66,7 +66,7 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
         world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
         comm_bytes=m.comm_bytes() if not m.unsupported else 0, host_clock=d.host_clock,
         output_fuses=bool(getattr(m, "output_fuses", False)),
-        workspace=_workspace(d),
+        workspace=_workspace(d), measured=d.measured,
     )
 
 

@@ -231,6 +231,12 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
     return box["value"]
 
 
+def measure_items(items: list[tuple[str, dict | None]], match: Any, options: Any) -> list[float] | str:
+    """Measured ms of each (template, config) of ``match`` ("baseline": the site as written),
+    agreed across the group (``FAILED_MS`` where it failed on some rank), or why not measured."""
+    return _measure_all(items, match, options)
+
+
 def measure_baseline(match: Any, options: Any) -> float | str:
     res = _measure_all([("baseline", None)], match, options)
     return res if isinstance(res, str) else res[0]
