@@ -56,29 +56,33 @@ def traced_site(kind: str, m: int, n: int, k: int, world: int, dtype: torch.dtyp
 
 def site_op(kind: str, template: str, a: torch.Tensor, b: torch.Tensor, group: str, world: int,
             config: dict | None = None):
-    """``fn()``: the template's op called directly on the plan of this site (row stripes along dim
-    0; ``config``, else the template's default), with no graph around it and no decision: also at
-    W=1, where the pass keeps every site as written, so an op's own path runs on one GPU. Returns
-    the op's output (allgather_gemm: ``[gathered, gathered @ b]``)."""
+    """``fn()``: the template's op called directly on the plan of this site (``site_plan``), with
+    no graph around it and no decision: also at W=1, where the pass keeps every site as written,
+    so an op's own path runs on one GPU. Returns the op's output (allgather_gemm:
+    ``[gathered, gathered @ b]``)."""
     from .. import templates
-    from ..templates.plans import AllGatherGemmPlan, GemmCollectivePlan
 
     templates.load_all_ops()
+    rows = a.shape[0] * world if kind == "allgather_gemm" else a.shape[0]
+    plan = site_plan(kind, template, rows, b.shape[1], a.shape[1], world, config)
     ops = torch.ops.overlap_compile
     if kind == "allgather_gemm":
-        m = a.shape[0] * world
-        plan = AllGatherGemmPlan(template, m, a.shape[1], (b.shape[1],), world, 1, m // world, (False,),
-                                 config if config is not None else _default_config(template, kind, m, world))
         op = getattr(ops, f"{template}_allgather_gemm").default
-        text = plan.to_json()
-        return lambda: op(a, [b], [None], group, text)
-    m = a.shape[0]
-    plan = GemmCollectivePlan(template, kind, m, b.shape[1], a.shape[1], world, None if kind == "gemm_alltoall" else "sum",
-                              1, m if kind == "gemm_allreduce" else m // world, False,
-                              config if config is not None else _default_config(template, kind, m, world))
+        return lambda: op(a, [b], [None], group, plan)
     op = getattr(ops, f"{template}_gemm_collective").default
-    text = plan.to_json()
-    return lambda: op(a, b, None, group, text)
+    return lambda: op(a, b, None, group, plan)
+
+
+def site_plan(kind: str, template: str, m: int, n: int, k: int, world: int, config: dict | None = None) -> str:
+    """The JSON plan of an M x N x K site of ``kind`` (row stripes along dim 0, no bias) under
+    ``template``'s ``config`` (default: one that fits any site, ``_default_config``)."""
+    from ..templates.plans import AllGatherGemmPlan, GemmCollectivePlan
+
+    cfg = config if config is not None else _default_config(template, kind, m, world)
+    if kind == "allgather_gemm":
+        return AllGatherGemmPlan(template, m, k, (n,), world, 1, m // world, (False,), cfg).to_json()
+    return GemmCollectivePlan(template, kind, m, n, k, world, None if kind == "gemm_alltoall" else "sum", 1,
+                              m if kind == "gemm_allreduce" else m // world, False, cfg).to_json()
 
 
 def _default_config(template: str, kind: str, m: int, world: int) -> dict:
