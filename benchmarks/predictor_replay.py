@@ -219,6 +219,87 @@ def print_best_chosen(ratios: dict[tuple, list[float]]) -> None:
               f"{sum(x < 0.98 for x in v):>5}")
 
 
+# ---- per-template bars: evaluated, not adopted (README, session 8) --------------------------------
+
+GAIN_QUANTILE = 0.8
+SHRINK_ROWS = 8  # a template/kind with n measured sites counts n / (n + 8) of its own quantile
+
+
+def gain_overpromise(sites: dict) -> dict[tuple, list[float]]:
+    """(mode, template, kind) -> predicted gain / measured gain - 1 per measured site and config
+    (> 0: the predictor promised more than the rewrite gave)."""
+    out: dict[tuple, list[float]] = {}
+    for (kind, _shape, _world, mode), cands in sites.items():
+        base = next((c for c in cands if c[0] == "sequential"), None)
+        if base is None:
+            continue
+        mb, pb = cands[base]
+        for c, (mt, pt) in cands.items():
+            if c[0] != "sequential":
+                out.setdefault((mode, c[0], kind), []).append((pb / pt) / (mb / mt) - 1)
+    return out
+
+
+def _quantile(v: list[float], p: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, max(0, int(round(p * (len(v) - 1)))))]
+
+
+def template_bars(sites: dict, min_speedup: float) -> dict[tuple, float]:
+    """(mode, template, kind) -> the gain a rewrite would need: min_speedup x (1 + the shrunk
+    GAIN_QUANTILE of its over-promise); (mode, "all", "all") for templates/kinds not measured."""
+    over = gain_overpromise(sites)
+    bars = {}
+    for mode in ("eager", "cuda_graph"):
+        pooled = [e for (m, _, _), v in over.items() if m == mode for e in v]
+        q_mode = max(0.0, _quantile(pooled, GAIN_QUANTILE)) if pooled else 0.0
+        bars[(mode, "all", "all")] = min_speedup * (1 + q_mode)
+        for (m, t, k), v in over.items():
+            if m == mode:
+                q = (len(v) * _quantile(v, GAIN_QUANTILE) + SHRINK_ROWS * q_mode) / (len(v) + SHRINK_ROWS)
+                bars[(mode, t, k)] = min_speedup * (1 + max(0.0, q))
+    return bars
+
+
+def decide_per_template(cands: dict[tuple, tuple[float, float]], bars: dict[tuple, float], mode: str,
+                        kind: str) -> tuple:
+    """The fastest predicted rewrite among those clearing their own template's bar, else the baseline."""
+    base = next(c for c in cands if c[0] == "sequential")
+    ok = [c for c in cands if c[0] != "sequential" and cands[base][1] / cands[c][1]
+          >= bars.get((mode, c[0], kind), bars[(mode, "all", "all")])]
+    return min(ok, key=lambda c: cands[c][1]) if ok else base
+
+
+def compare_bars(preds: list[tuple[dict, float]], needed: dict[str, float], min_speedup: float) -> None:
+    """decide()'s bar against per-template bars, fitted on one world size and tested on the other:
+    best/chosen per site, sites under 0.98, rewrites, losses (a rewrite measured slower)."""
+    sites = _by_site(preds)
+    print(f"{'fit':>4} {'test':>4} {'mode':>10} {'rule':>13} {'sites':>5} {'best/chosen':>11} {'<0.98':>5} "
+          f"{'rewritten':>9} {'losses':>6}")
+    worlds = sorted({k[2] for k in sites})
+    for fit in worlds:
+        for test in worlds:
+            if fit == test:
+                continue
+            bars = template_bars({k: v for k, v in sites.items() if k[2] == fit}, min_speedup)
+            held = {k: v for k, v in sites.items() if k[2] == test and any(c[0] == "sequential" for c in v)}
+            for mode in ("cuda_graph", "eager"):
+                for name, rule in (("model_error", lambda c, m, k: decide_rule(c, needed[m])),
+                                   ("per-template", lambda c, m, k: decide_per_template(c, bars, m, k))):
+                    ratios, rewritten, losses = [], 0, 0
+                    for (kind, _s, _w, m), cands in held.items():
+                        if m != mode:
+                            continue
+                        base = next(c for c in cands if c[0] == "sequential")
+                        chosen = rule(cands, m, kind)
+                        ratios.append(_ratio(cands, chosen))
+                        rewritten += chosen != base
+                        losses += chosen != base and cands[chosen][0] > cands[base][0]
+                    if ratios:
+                        print(f"{fit:>4} {test:>4} {mode:>10} {name:>13} {len(ratios):>5} {statistics.mean(ratios):11.3f} "
+                              f"{sum(r < 0.98 for r in ratios):>5} {rewritten:>9} {losses:>6}")
+
+
 def needed_gain(profile) -> dict[str, float]:
     from overlap_compile import config
     from overlap_compile.passes.decide import required_gain
@@ -233,6 +314,8 @@ def main() -> None:
     ap.add_argument("results", nargs="*", help="result JSON files (default: every committed H200 run)")
     ap.add_argument("--profile", default="h200")
     ap.add_argument("--rows", action="store_true", help="also print every row's prediction")
+    ap.add_argument("--compare-bars", action="store_true",
+                    help="also compare decide()'s bar with per-template bars, held out by world size")
     args = ap.parse_args()
     profile = predictor.load_profile(args.profile)
     rows = load_rows(args.results or committed_results())
@@ -247,6 +330,11 @@ def main() -> None:
     print_errors(errs)
     print("\nbest/chosen: fastest measured / measured of the predicted-best (per site)")
     print_best_chosen(best_chosen(preds, needed_gain(profile)))
+    if args.compare_bars:
+        from overlap_compile import config
+
+        print("\nbars: decide()'s min_speedup x (1 + model_error) vs per-template bars (fit on one world size)")
+        compare_bars(preds, needed_gain(profile), config.current().min_speedup)
 
 
 if __name__ == "__main__":

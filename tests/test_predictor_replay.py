@@ -44,3 +44,19 @@ def test_signed_errors_are_grouped_per_mode_method_and_kind():
     g = pr.error_groups(errs)
     assert g[("cuda_graph", "all", "all")] == [0.1, -0.2]
     assert g[("cuda_graph", "p2p_ring", "gemm_alltoall")] == [-0.2]
+
+
+def test_per_template_bars_follow_each_templates_overpromise():
+    """A template whose predicted gains overshoot what was measured gets a higher bar than one that
+    keeps its promises; a site's decision takes the fastest rewrite clearing its own bar."""
+    import predictor_replay as R
+
+    seq = ("sequential", "")
+    sites = {}
+    for i in range(10):  # honest: predicted gain 1.2, measured 1.2; boastful: predicted 1.25, measured 1.0
+        sites[("gemm_reducescatter", (i,), 2, "cuda_graph")] = {
+            seq: (1.0, 1.0), ("honest", "{}"): (1 / 1.2, 1 / 1.2), ("boastful", "{}"): (1.0, 1 / 1.25)}
+    bars = R.template_bars(sites, 1.03)
+    assert bars[("cuda_graph", "honest", "gemm_reducescatter")] < bars[("cuda_graph", "boastful", "gemm_reducescatter")]
+    cands = sites[("gemm_reducescatter", (0,), 2, "cuda_graph")]
+    assert R.decide_per_template(cands, bars, "cuda_graph", "gemm_reducescatter")[0] == "honest"
