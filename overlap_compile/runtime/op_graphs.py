@@ -74,7 +74,9 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
     if graph is not None:
         if check_errors is not None:
             check_errors()
-        _graphs.move_to_end(key)
+        with _lock:
+            if key in _graphs:
+                _graphs.move_to_end(key)
         graph.replay()
         stats["replayed"] += 1
         return

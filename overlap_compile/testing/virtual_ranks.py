@@ -1,0 +1,208 @@
+"""W virtual ranks on ONE GPU: the cross-rank protocols of the peer-memory templates under real
+concurrency, on a machine with one GPU (tests only).
+
+    with virtual_ranks(2, torch.device("cuda", 0)) as group:
+        results = group.run(lambda rank: ...)      # one host thread per rank, each on its own streams
+
+Each virtual rank is a host thread. Symmetric buffers become W ordinary buffers on the GPU with one
+address table (what ``runtime.symm`` hands out: ``symm_buffer`` / ``tensor_and_ptrs``), so a
+rank's pushes, pulls and flag writes reach its "peers" exactly as they reach other GPUs' memory
+through the table on a real group. Every stream the templates keep one of per device (comm and
+copy streams, op_graphs' capture stream and pool) is kept per rank instead, as separate processes
+would; the process group is a stand-in answering ``rank()`` / ``size()``; the cross-rank plan
+agreement and the first-call host barrier are skipped (there is no NCCL group to run them on).
+
+What this shows: flags pair the right data, no call reads a slot before it is complete or after
+a later call overwrote it, captured and replayed calls interleave correctly with a peer's calls.
+What it cannot show: ordering across an NVLink fabric (every "peer" here shares one L2).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class VirtualGroup:
+    """What the kernels ask of a process group (this thread's rank, the size), and the runner."""
+
+    # calls a rank's host may queue ahead before it waits for its stream: on one GPU every rank
+    # shares one launch queue, and a rank far ahead could fill it with work that waits on a peer
+    # whose next launch then cannot enter (separate GPUs have separate queues)
+    PACE = 4
+
+    def __init__(self, world: int, device: torch.device) -> None:
+        self.world, self.device = world, device
+        self.local = threading.local()
+        self.failed = threading.Event()  # a rank failed: the others stop instead of waiting out bounds
+
+    def pace(self, call: int) -> bool:
+        """After call ``call`` of this rank: every PACE calls, wait for this rank's stream.
+        False once another rank has failed (stop calling)."""
+        if (call + 1) % self.PACE == 0:
+            torch.cuda.current_stream(self.device).synchronize()
+        return not self.failed.is_set()
+
+    def rank(self) -> int:
+        return self.local.rank
+
+    def size(self) -> int:
+        return self.world
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``fn(rank)`` on one thread per rank, each on a compute stream of its own; the results
+        in rank order (an exception on any rank is raised here)."""
+        results: list[Any] = [None] * self.world
+        errors: list[BaseException] = []
+
+        def worker(r: int) -> None:
+            try:
+                self.local.rank = r
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                    results[r] = fn(r)
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as e:  # handed to the caller's thread
+                errors.append(e)
+                self.failed.set()
+
+        threads = [threading.Thread(target=worker, args=(r,), name=f"virtual-rank-{r}") for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        torch.cuda.synchronize(self.device)
+        if errors:
+            raise errors[0]
+        return results
+
+
+@dataclasses.dataclass
+class VirtualBuffer:
+    """runtime.symm.SymmBuffer's face over W plain buffers of one GPU."""
+
+    buffers: list[torch.Tensor]
+    ptrs: torch.Tensor
+    group: VirtualGroup
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.buffers[self.rank]
+
+    @property
+    def buffer_ptrs_dev(self) -> torch.Tensor:
+        return self.ptrs
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self.buffers[rank]
+
+
+def _package_modules(prefix: str = "overlap_compile") -> list[Any]:
+    return [m for n, m in list(sys.modules.items())
+            if m is not None and (n == prefix or n.startswith(prefix + "."))]
+
+
+def patch_everywhere(stack: contextlib.ExitStack, where: str, name: str, value: Any) -> None:
+    """Replace the object named ``name`` in the modules under ``where`` (a package or module
+    name) by ``value`` in every ``overlap_compile`` module holding it (``from x import name`` and
+    ``alias = x.name`` copies included), restored when ``stack`` closes."""
+    defining = [m for m in _package_modules(where) if name in vars(m)]
+    if not defining:
+        raise AttributeError(f"virtual_ranks: no module under {where} defines {name!r}")
+    originals = {id(vars(m)[name]) for m in defining}
+    for mod in _package_modules():
+        for key, held in list(vars(mod).items()):
+            if id(held) in originals and callable(held):
+                setattr(mod, key, value)
+                stack.callback(setattr, mod, key, held)
+
+
+@contextlib.contextmanager
+def virtual_ranks(world: int, device: torch.device):
+    from .. import templates
+    from ..runtime import agreement, op_graphs, peer_flags, symm  # noqa: F401  (imported: patched below)
+    from ..templates.p2p_ring import kernels as _p2p  # noqa: F401
+    from ..templates.tile_fused import kernels as _tile  # noqa: F401
+
+    templates.load_all_ops()
+    group = VirtualGroup(world, device)
+    lock = threading.Lock()
+    buffers: dict[tuple, VirtualBuffer] = {}
+    flags: dict[tuple, torch.Tensor] = {}
+    _, greatest = torch.cuda.Stream.priority_range()
+    per_rank: dict[tuple, Any] = {}
+
+    def mine(what: str, make: Callable[[], Any]) -> Any:
+        key = (what, group.rank())
+        with lock:
+            if key not in per_rank:
+                per_rank[key] = make()
+            return per_rank[key]
+
+    def symm_buffer(group_name, key, shape, dtype, dev, zero=False):
+        k = (key, tuple(shape), dtype)
+        with lock:
+            if k not in buffers:
+                ts = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(world)]
+                table = torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
+                buffers[k] = VirtualBuffer(ts, table, group)
+        return buffers[k]
+
+    def tensor_and_ptrs(group_name, key, shape, dtype, dev, zero=False):
+        buf = symm_buffer(group_name, key, shape, dtype, dev, zero)
+        return buf.local, buf.ptrs
+
+    def zeros_cached(key, n, dev):
+        return mine(("zeros", key), lambda: torch.zeros(n, dtype=torch.int32, device=dev))
+
+    def high_priority_stream(dev):
+        return mine(("stream", "comm"), lambda: torch.cuda.Stream(dev, priority=greatest))
+
+    with contextlib.ExitStack() as stack:
+        torch.cuda.synchronize(device)
+        rt, tf = "overlap_compile.runtime", "overlap_compile.templates.tile_fused"
+        for where, name, value in (
+            (f"{rt}.comm", "resolve_group", lambda name: group),
+            (f"{rt}.comm", "rank_and_size", lambda name: (group.rank(), world)),
+            (f"{rt}.symm", "symm_buffer", symm_buffer),
+            (f"{rt}.symm", "tensor_and_ptrs", tensor_and_ptrs),
+            (f"{rt}.symm", "usable", lambda group_name, dev: None),
+            (f"{rt}.symm", "available", lambda group_name, dev: True),
+            (f"{rt}.agreement", "check_plan_agreement", lambda *a, **kw: None),
+            (f"{rt}.peer_flags", "copy_stream", high_priority_stream),
+            (tf, "_comm_stream", high_priority_stream),
+            (tf, "_zeros_cached", zeros_cached),
+            (tf, "_first_call", lambda key, pg, dev, body: None),
+            (f"{rt}.op_graphs", "_side_stream", lambda dev: mine(("stream", "capture"), lambda: torch.cuda.Stream(dev))),
+            (f"{rt}.op_graphs", "_pool", lambda dev: mine(("pool",), torch.cuda.graph_pool_handle)),
+        ):
+            patch_everywhere(stack, where, name, value)
+        yield group
+
+
+def warm_up_tile_fused(group: VirtualGroup, calls: list[Callable[[], Any]]) -> None:
+    """Compile and load every tile_fused kernel (Triton warm-up, nothing launched), rank by rank,
+    before any rank's kernels spin (the first-call warm-up tile_fused does on a real group)."""
+    mods = [m for n, m in list(sys.modules.items())
+            if m is not None and n.startswith("overlap_compile.templates.tile_fused.") and "_warming" in vars(m)]
+    for r, call in enumerate(calls):
+        group.local.rank = r
+        for m in mods:
+            m._warming = True
+        try:
+            call()
+        finally:
+            for m in mods:
+                m._warming = False
