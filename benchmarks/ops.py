@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)  # timing.py, also when imported as benchmarks.ops
 
 from overlap_compile import templates  # noqa: E402
-from timing import Budget, graphed, time_ms  # noqa: E402,F401  (signal_reorder_breakdown imports them from here too)
+from timing import Budget, graphed, time_ms  # noqa: E402
 from overlap_compile.testing.patterns import KINDS, collective, gemm_then_collective as sequential_fn  # noqa: E402
 
 DEFAULT_SHAPES = os.path.join(HERE, "shapes.json")  # copy of shared/shapes.json
