@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks (ops, predictor, e2e, moe, occupancy_sweep).
+"""Timing shared by the benchmarks (ops, predictor, e2e, moe, diagnostics/occupancy_sweep).
 
 ``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median

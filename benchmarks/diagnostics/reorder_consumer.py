@@ -1,7 +1,7 @@
 """Cost of signal_reorder's post-communication reorder when Inductor fuses it into the consumer.
 
-    python benchmarks/reorder_consumer.py --out $OUT          # one GPU, gemm_allreduce shapes, bf16
-    python benchmarks/reorder_consumer.py --dry-run           # CPU, tiny shapes: correctness only
+    python benchmarks/diagnostics/reorder_consumer.py --out $OUT          # one GPU, gemm_allreduce shapes, bf16
+    python benchmarks/diagnostics/reorder_consumer.py --dry-run           # CPU, tiny shapes: correctness only
 
 After an all-reduce in tile order the graph holds ``untile(buf)`` (view/permute/clone/cat/slice
 from overlap_compile.tiling, exactly what the rewrite emits) followed by the model's next ops.
@@ -27,11 +27,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 from overlap_compile.tiling import TileGrid, untile  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shapes.json
 BLOCK = (128, 256, 8)  # BM, BN, group_m of signal_reorder's default Hopper kernel
 
 
@@ -84,7 +84,7 @@ def tiles_of(y: torch.Tensor, grid: TileGrid) -> torch.Tensor:
 def shapes(dry: bool) -> list[tuple[int, int]]:
     if dry:
         return [(300, 520), (256, 512)]
-    with open(os.path.join(HERE, "shapes.json")) as f:
+    with open(os.path.join(BENCHMARKS, "shapes.json")) as f:
         sets = json.load(f)
     out = []
     for m, n, _k in sets["gemm_allreduce"]:

@@ -3,8 +3,8 @@ site, the op with ``--chunks`` chunks, its GEMM on cuBLAS or on the persistent T
 (tile, pipeline stages, persistent programs), the communication stream at the highest priority
 or at the default one. Each row is timed beside the sequential baseline and the same GEMM alone.
 
-    python benchmarks/occupancy_sweep.py --world 2 --out DIR            # GPUs (NCCL)
-    python benchmarks/occupancy_sweep.py --dry-run --out DIR            # CPU plumbing check (gloo)
+    python benchmarks/diagnostics/occupancy_sweep.py --world 2 --out DIR            # GPUs (NCCL)
+    python benchmarks/diagnostics/occupancy_sweep.py --dry-run --out DIR            # CPU plumbing check (gloo)
 
 Fewer stages -> less shared memory per GEMM block -> NCCL's blocks can sit on the same SMs;
 fewer programs -> whole SMs left to NCCL. Both slow the GEMM alone and can speed the overlap up:
@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 from benchmarks.timing import graphed, time_ms  # noqa: E402
 from overlap_compile.testing.patterns import gemm_then_collective  # noqa: E402
