@@ -44,7 +44,7 @@ A failing variant is recorded with its error, never fatal. Configurations run mo
 then compile mode, then variant, in the order asked; ``--time-budget`` stops starting those that
 would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
-<out>/e2e-<device>-w<world>-torch<v>-<date>.json, with a markdown table and PNGs (benchmarks/plot.py)
+<out>/e2e-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py), with a markdown table and PNGs (benchmarks/plot.py)
 beside; rank 0 also appends each row to <out>/e2e-partial-<run>.jsonl as it lands. Exit status 1
 when a loss or the model check disagrees.
 """
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
-from timing import Budget, time_ms  # noqa: E402
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import Budget, time_ms  # noqa: E402
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
@@ -525,7 +525,7 @@ def one_line(r: dict) -> str:
 def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
     """Speedups over the default variant of the same configuration, the share of the gap to the
     nocomm bound closed, and the loss check (not for nocomm: without communication its numbers differ)."""
-    from plot import gap_closed
+    from benchmarks.plot import gap_closed
 
     key = lambda r: (r["model"], r["shape"], r["compile_mode"], r["ckpt"])  # noqa: E731
     measured = [r for r in rows if "ms" in r]
@@ -597,15 +597,13 @@ def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
 
 
 def write(rows: list[dict], out: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    dev = rows[0]["device"].replace(" ", "_")
-    stem = os.path.join(out, f"e2e-{dev}-w{rows[0]['world_size']}-torch{rows[0]['torch'].split('+')[0]}-{rows[0]['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
+    first = rows[0]
+    path = write_rows(rows, out, "e2e", first["device"], first["world_size"], first["torch"], first["date"])
+    stem = os.path.splitext(path)[0]
     with open(stem + ".md", "w") as f:
         f.write(markdown(rows))
     try:  # the common plotter: train step (ms) and prefill speedups over inductor
-        import plot
+        from benchmarks import plot
 
         for metric, suffix in (("ms", "-train"), ("prefill_ms", "-prefill")):
             for p in plot.plot(rows, out, os.path.basename(stem) + suffix, metric=metric):

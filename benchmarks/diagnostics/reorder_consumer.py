@@ -14,7 +14,8 @@ compiled by torch.compile (Inductor) and timed:
 The overhead is reorder / plain - 1 (target <= 10%, issue #4). Inputs are random (never zero),
 the result of both is compared in the same run, times are triton.testing.do_bench medians
 host-launched ("eager") and do_bench_cudagraph ("cuda_graph"). JSON rows follow the benchmark
-schema; a table is printed last.
+schema and go to <out>/reorder-consumer-<device>-w1-torch<v>-<date>.json
+(benchmarks/results_io.py); a table is printed last.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
+from benchmarks.results_io import write_rows  # noqa: E402
 from overlap_compile.tiling import TileGrid, untile  # noqa: E402
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shapes.json
@@ -169,10 +171,7 @@ def main() -> None:
     if bad:
         print("reorder result differs from plain on", bad)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"reorder-consumer-{dev.replace(' ', '_')}-torch{torch.__version__.split('+')[0]}-{date}.json")
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+        path = write_rows(rows, args.out, "reorder-consumer", dev, 1, date=date)
         print("wrote", path)
     if bad:
         raise SystemExit(1)
