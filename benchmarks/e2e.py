@@ -44,16 +44,19 @@ A failing variant is recorded with its error, never fatal. Configurations run mo
 then compile mode, then variant, in the order asked; ``--time-budget`` stops starting those that
 would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
-<out>/e2e-<device>-w<world>-torch<v>-<date>.json, with a markdown table and PNGs (benchmarks/plot.py)
+<out>/e2e-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py), with a markdown table and PNGs (benchmarks/plot.py)
 beside; rank 0 also appends each row to <out>/e2e-partial-<run>.jsonl as it lands. Exit status 1
 when a loss or the model check disagrees.
+
+Files: this one holds the shapes, the (model, shape) plan, the sweep every rank runs and the
+command line; benchmarks/e2e_run.py runs and times one configuration; benchmarks/e2e_report.py
+compares the rows, prints and writes them.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
-import functools
 import gc
 import json
 import os
@@ -65,10 +68,12 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
-from timing import Budget, time_ms  # noqa: E402
+from benchmarks.e2e_report import (  # noqa: E402,F401  (compare, markdown, verdict: also e2e.* for the tests)
+    compare, markdown, one_line, read_partial, run_file, verdict, write)
+from benchmarks.e2e_run import failure_kind, fresh_kernel_caches, run_config, second_compile_hits  # noqa: E402
+from benchmarks.timing import Budget  # noqa: E402
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
@@ -137,236 +142,6 @@ def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
         own = [pinned_key[m]] if m in pinned_key else [k for k in keys if family_of(named[k]) == FAMILY[m]]
         pairs += [(renamed.get((m, k), m), k) for k in own]
     return [(m, named[k]) for m, k in dict.fromkeys(pairs)]
-
-
-# ---- one configuration ---------------------------------------------------------------------------
-
-
-class Checkpointed(torch.nn.Module):
-    """Activation checkpointing around the whole block (non-reentrant, as torchtitan does)."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.inner, x, use_reentrant=False)
-
-
-@contextlib.contextmanager
-def variant_context(variant: str):
-    """What the variant changes around torch.compile; yields the nocomm pass (its counts) or None."""
-    if variant == "async_tp":
-        from benchmarks.async_tp import async_tp
-
-        with async_tp():
-            yield None
-    elif variant == "nocomm":
-        from benchmarks.nocomm import nocomm
-
-        with nocomm() as p:
-            yield p
-    else:
-        yield None
-
-
-def compiled(model, variant: str, compile_mode: str, force: str | None, report):
-    mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
-    if variant == "overlap":
-        import overlap_compile as oc
-        from overlap_compile.backend import overlap_backend
-
-        backend = functools.partial(overlap_backend, report=report, mode=mode_kw.get("mode"))
-        overrides = {"force_template": force} if force else {}
-        with oc.config.patch(**overrides):
-            # the options are read when Dynamo hands over each graph: keep them for every call
-            fn = torch.compile(model, backend=backend)
-        return fn, overrides
-    return torch.compile(model, **mode_kw), {}
-
-
-class CompileWatch:
-    """Dynamo / Inductor counters over one configuration: graph breaks, graphs compiled (and how
-    many of them during the timed steps, i.e. recompiles), CUDA-graph skips."""
-
-    def __init__(self) -> None:
-        from torch._dynamo.utils import counters
-
-        self.counters = counters
-        self.breaks0 = dict(counters["graph_break"])
-        self.graphs0 = self.graphs()
-        self.skips0 = counters["inductor"]["cudagraph_skips"]
-        self.mark = self.graphs0
-
-    def graphs(self) -> int:
-        return self.counters["stats"]["unique_graphs"]
-
-    def start_timed(self) -> None:
-        self.mark = self.graphs()
-
-    def compiled_since_mark(self) -> int:
-        return self.graphs() - self.mark
-
-    def summary(self, recompiles_timed: int) -> dict:
-        breaks = {k[:300]: v - self.breaks0.get(k, 0) for k, v in self.counters["graph_break"].items()
-                  if v - self.breaks0.get(k, 0) > 0}
-        skips = self.counters["inductor"]["cudagraph_skips"] - self.skips0
-        modes = ([f"graph_break x{sum(breaks.values())}"] if breaks else []) + \
-                ([f"recompile during timed steps x{recompiles_timed}"] if recompiles_timed else []) + \
-                ([f"cudagraph skipped x{skips}"] if skips else [])
-        return {"graph_breaks": breaks, "dynamo_graphs": self.graphs() - self.graphs0,
-                "recompiles_timed": recompiles_timed, "cudagraph_skips": skips, "failure_modes": modes}
-
-
-def failure_kind(e: BaseException) -> str:
-    """The failure modes worth telling apart in the results."""
-    text = f"{type(e).__name__}: {e}".lower()
-    if "outofmemory" in text or "out of memory" in text:
-        return "oom"
-    if "graph" in text and "captur" in text:
-        return "cuda_graph_capture"
-    if "unsupported" in type(e).__name__.lower() or "graph break" in text:
-        return "graph_break"
-    if "recompil" in text or "cache_size_limit" in text or "recompile_limit" in text:
-        return "recompile"
-    return "error"
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def mean_over_ranks(v: torch.Tensor) -> float:
-    t = v.detach().double().reshape(1).to("cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, phases: list[str],
-               steps: int, iters: int, force: str | None, device: str, dtype) -> dict:
-    import overlap_compile as oc
-    from benchmarks.models import build
-
-    row: dict = {}
-    built = build(model_name, shape, device, dtype, seed=0)
-    model = Checkpointed(built.model) if ckpt else built.model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    report = oc.Report()
-    watch = CompileWatch()
-    # CUDA-graph trees reuse output memory across replays: a new step must be announced
-    step_begin = torch.compiler.cudagraph_mark_step_begin if compile_mode == "reduce-overhead" else (lambda: None)
-    recompiles = 0
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    with variant_context(variant) as nocomm_pass:
-        fn, overrides = compiled(model, variant, compile_mode, force, report)
-
-        def train_step() -> torch.Tensor:
-            step_begin()
-            with oc.config.patch(**overrides):
-                y = fn(built.x)
-                loss = built.to_local(y).float().pow(2).mean()
-                loss.backward()
-            built.finalize_grads()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        def prefill():
-            step_begin()
-            with torch.no_grad(), oc.config.patch(**overrides):
-                return fn(built.x)
-
-        if "train" in phases:
-            t0 = time.perf_counter()
-            losses = [train_step()]
-            sync()
-            first_s = time.perf_counter() - t0
-            losses += [train_step() for _ in range(steps - 1)]
-            row["losses"] = [mean_over_ranks(v) for v in losses]
-            watch.start_timed()
-            row["train_ms"] = time_ms(train_step, iters, warmup=2)
-            recompiles += watch.compiled_since_mark()
-            row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
-            row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
-        if "prefill" in phases:
-            t0 = time.perf_counter()
-            prefill()
-            sync()
-            first_s = time.perf_counter() - t0
-            watch.start_timed()
-            row["prefill_ms"] = time_ms(prefill, iters, warmup=2)
-            recompiles += watch.compiled_since_mark()
-            row["prefill_compile_s"] = max(0.0, first_s - row["prefill_ms"] / 1e3)
-            row["prefill_tokens_per_s"] = built.tokens / (row["prefill_ms"] / 1e3)
-    row.update(watch.summary(recompiles))
-    if nocomm_pass is not None:
-        row["nocomm_replaced"] = dict(nocomm_pass.replaced)
-    if torch.cuda.is_available():
-        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if variant == "overlap":
-        # with OVERLAP_COMPILE_SEARCH=measure, each site also carries its measured and predicted gain
-        row["sites"] = [{"graph": s.graph, "kind": s.kind, "template": s.template, "rewritten": s.rewritten,
-                         "reason": s.reason, "gemms": s.gemms, "predicted_ms": s.predicted_ms,
-                         "measured": s.measured} for s in report.sites]
-        row["rewritten"] = sum(s.rewritten for s in report.sites)
-        row["pass_s"] = report.pass_seconds
-        compile_s = row.get("compile_s", 0.0) + row.get("prefill_compile_s", 0.0)
-        row["pass_share_of_compile"] = report.pass_seconds / compile_s if compile_s > 0 else None
-    return row
-
-
-def second_compile_hits(model_name, shape, compile_mode, force, device, dtype) -> int:
-    """Compile the overlap variant twice (dynamo reset between) with the FX graph cache on: hits
-    on the second compile, counted by Inductor."""
-    import overlap_compile as oc
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor_config
-
-    from benchmarks.models import build
-
-    def once():
-        torch._dynamo.reset()
-        built = build(model_name, shape, device, dtype, seed=0)
-        fn, overrides = compiled(built.model, "overlap", compile_mode, force, oc.Report())
-        with oc.config.patch(**overrides):
-            built.to_local(fn(built.x)).float().sum().backward()
-
-    with inductor_config.patch({"fx_graph_cache": True}):
-        once()
-        before = counters["inductor"]["fxgraph_cache_hit"]
-        once()
-        return counters["inductor"]["fxgraph_cache_hit"] - before
-
-
-@contextlib.contextmanager
-def fresh_kernel_caches():
-    """Empty Inductor / Triton on-disk kernel caches for one configuration: otherwise the variant
-    compiled first pays for kernels the later ones reuse, and compile times don't compare."""
-    import tempfile
-
-    try:  # in-process module cache, keyed by kernel source
-        from torch._inductor.codecache import PyCodeCache
-
-        PyCodeCache.cache_clear()
-    except (ImportError, AttributeError):
-        pass
-    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    old = {k: os.environ.get(k) for k in keys}
-    with tempfile.TemporaryDirectory(prefix="e2e-cache-") as tmp:
-        for k in keys:
-            os.environ[k] = os.path.join(tmp, k.lower())
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 # ---- the sweep on every rank -------------------------------------------------------------------------
@@ -499,143 +274,6 @@ def worker(args_dict: dict) -> list[dict]:
                         os.remove(inflight)
     return rows
 
-
-# ---- output ---------------------------------------------------------------------------------------
-
-
-def one_line(r: dict) -> str:
-    if "check" in r:
-        res = f"max rel {r['max_rel']:.2e} (tol {r['tol']:g})" if "max_rel" in r else "ERROR " + r.get("error", "")[:160]
-        return f"{'check':>15} {r['shape'][:34]:>34}  {r['check']}: {res} -> {'OK' if r.get('correct') else 'FAIL'}"
-    head = (f"{r.get('model', '-'):>15} {r.get('shape', '-')[:40]:>40} {r.get('compile_mode', '-'):>15} "
-            f"{r.get('variant', '-'):>9}")
-    if "error" in r:
-        return head + f"  ERROR [{r.get('failure', 'error')}] " + r["error"].splitlines()[0][:160]
-    if "skipped" in r:
-        return head + "  skipped: " + r["skipped"]
-    fmt = lambda k, f: format(r[k], f) if k in r else "-"  # noqa: E731
-    extra = f"  rewritten {r['rewritten']}/{len(r['sites'])}, pass {r['pass_s']:.2f} s" if "sites" in r else ""
-    extra += f"  collectives replaced {sum(r['nocomm_replaced'].values())}" if "nocomm_replaced" in r else ""
-    modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
-    loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
-    return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "
-            f"compile {fmt('compile_s', '6.1f')} s  loss[-1] {loss}{extra}{modes}")
-
-
-def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
-    """Speedups over the default variant of the same configuration, the share of the gap to the
-    nocomm bound closed, and the loss check (not for nocomm: without communication its numbers differ)."""
-    from plot import gap_closed
-
-    key = lambda r: (r["model"], r["shape"], r["compile_mode"], r["ckpt"])  # noqa: E731
-    measured = [r for r in rows if "ms" in r]
-    default = {key(r): r for r in measured if r["variant"] == "default"}
-    bound = {key(r): r for r in measured if r["variant"] == "nocomm"}
-    for r in measured:
-        d = default.get(key(r))
-        if d is None or r is d:
-            continue
-        b = bound.get(key(r))
-        for k in ("train_ms", "prefill_ms"):
-            if k in r and k in d:
-                r[k.replace("_ms", "_speedup")] = d[k] / r[k]
-                if b is not None and k in b and r is not b:
-                    r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
-        if d.get("compile_s") and "compile_s" in r:
-            r["compile_overhead"] = r["compile_s"] / d["compile_s"] - 1
-        if r.get("losses") and d.get("losses") and r["variant"] != "nocomm":
-            rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], d["losses"]))
-            r["loss_max_rel_diff"] = rel
-            r["loss_matches_default"] = r["correct"] = rel <= loss_rtol
-            r["loss_rtol"] = loss_rtol
-    return rows
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = ["| model | shape | compile mode | variant | train ms | x default | tokens/s | prefill ms | x default | "
-             "gap closed train/prefill | compile s | pass s | FX cache hits | loss = default | sites rewritten | failure modes |",
-             "|" + "---|" * 16]
-    for r in rows:
-        if "check" in r:
-            continue
-        head = f"| {r.get('model', '-')} | {r.get('shape', '-')} | {r.get('compile_mode', '-')} | {r.get('variant', '-')} |"
-        if "ms" not in r:
-            what = f"ERROR [{r.get('failure')}] {r['error']}" if "error" in r else f"skipped: {r.get('skipped', '')}"
-            lines.append(head + f" {what.splitlines()[0][:100]} |||||||||||")
-            continue
-        f = lambda k, spec: format(r[k], spec) if r.get(k) is not None else "-"  # noqa: E731
-        sites = f"{r['rewritten']}/{len(r['sites'])}" if "sites" in r else "-"
-        gap = f"{f('train_gap_closed', '.0%')} / {f('prefill_gap_closed', '.0%')}"
-        lines.append(head + f" {f('train_ms', '.3f')} | {f('train_speedup', '.3f')} | {f('tokens_per_s', '.3g')} | "
-                     f"{f('prefill_ms', '.3f')} | {f('prefill_speedup', '.3f')} | {gap} | {f('compile_s', '.1f')} | "
-                     f"{f('pass_s', '.2f')} | {r.get('fxgraph_cache_hit', '-')} | {r.get('loss_matches_default', '-')} | {sites} | "
-                     f"{', '.join(r.get('failure_modes', [])) or '-'} |")
-    return "\n".join(lines) + "\n"
-
-
-def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
-    """The run's self-check: the model check and every loss comparison must hold."""
-    notes, ok = [], True
-    for r in rows:
-        if "check" in r:
-            ok &= bool(r.get("correct"))
-            notes.append(one_line(r).strip())
-    compared = [r for r in rows if "loss_matches_default" in r]
-    bad = [r for r in compared if not r["loss_matches_default"]]
-    ok &= not bad
-    notes.append(f"losses: {len(compared) - len(bad)}/{len(compared)} variants match the default's (rtol {rtol})")
-    notes += [f"  MISMATCH {r['model']} {r['shape']} {r['compile_mode']} {r['variant']}: max rel diff "
-              f"{r['loss_max_rel_diff']:.2e}" for r in bad]
-    errors = [r for r in rows if "error" in r and "check" not in r]
-    skipped = [r for r in rows if "skipped" in r]
-    modes = [r for r in rows if r.get("failure_modes")]
-    notes.append(f"errors: {len(errors)}, skipped: {len(skipped)} ({sum('time budget' in r['skipped'] for r in skipped)} "
-                 f"for the time budget), runs with failure modes: {len(modes)}")
-    notes += [f"  ERROR {r.get('model', '-')} {r.get('shape', '')} {r.get('compile_mode', '')} {r.get('variant', '')}: "
-              f"[{r.get('failure')}] {r['error'].splitlines()[0][:120]}" for r in errors]
-    return ok, notes
-
-
-def write(rows: list[dict], out: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    dev = rows[0]["device"].replace(" ", "_")
-    stem = os.path.join(out, f"e2e-{dev}-w{rows[0]['world_size']}-torch{rows[0]['torch'].split('+')[0]}-{rows[0]['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(rows))
-    try:  # the common plotter: train step (ms) and prefill speedups over inductor
-        import plot
-
-        for metric, suffix in (("ms", "-train"), ("prefill_ms", "-prefill")):
-            for p in plot.plot(rows, out, os.path.basename(stem) + suffix, metric=metric):
-                print("wrote", p)
-        for p in plot.plot_e2e(rows, out, os.path.basename(stem)):  # absolute times with the nocomm bound
-            print("wrote", p)
-    except ImportError as e:
-        print(f"no plots ({e})")
-    return stem
-
-
-def run_file(out: str, run_id: str, what: str) -> str:
-    """Rank 0's running record: 'partial' (each finished row, JSON lines), 'inflight' (the
-    configuration being measured, removed when it ends)."""
-    return os.path.join(out, f"e2e-{what}-{run_id}." + ("jsonl" if what == "partial" else "json"))
-
-
-def read_partial(out: str, run_id: str) -> tuple[list[dict], dict | None]:
-    """The rows rank 0 wrote before the run was stopped, and the configuration it was inside."""
-    path = run_file(out, run_id, "partial")
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    inflight = run_file(out, run_id, "inflight")
-    cfg = None
-    if os.path.exists(inflight):
-        with open(inflight) as f:
-            cfg = json.load(f)
-    return rows, cfg
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

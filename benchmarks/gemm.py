@@ -16,7 +16,8 @@ captured in one CUDA graph (kernel time, what the tuning and the table use); "ea
 host-launched calls (Triton's Python launch cost shows on the smallest shapes). Each Triton
 result is checked against torch.mm in the same run (``correct``).
 
-Rows follow DESIGN.md's schema and go to <out>/gemm-<device>-w1-<date>.json; the tuned configs
+Rows follow DESIGN.md's schema and go to <out>/gemm-<device>-w1-torch<v>-<date>.json
+(benchmarks/results_io.py); the tuned configs
 go to <out>/gemm-configs-<device>-<date>.json (kernels.py's JSON cache format; point
 OVERLAP_COMPILE_GEMM_CACHE at it to reuse them). A table with the ratios is printed last.
 """
@@ -33,8 +34,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import graphed  # noqa: E402
 from overlap_compile.templates.plans import GemmCollectivePlan  # noqa: E402
 from overlap_compile.tiling import TileGrid, cdiv, even_wave_groups  # noqa: E402
 
@@ -175,19 +178,11 @@ def main() -> None:
         return do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
 
     def capture(fn, calls: int = 10):
-        """``calls`` calls of fn captured in one CUDA graph; returns a timer of one call (ms)."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
+        """``calls`` calls of fn captured in one CUDA graph (timing.graphed, 2 warm-up calls);
+        returns a timer of one call (ms)."""
+        replay = graphed(fn, calls=calls, warmup=2)
         torch.cuda.synchronize()
-        return lambda: do_bench(g.replay, warmup=25, rep=args.rep, return_mode="median") / calls
+        return lambda: do_bench(replay, warmup=25, rep=args.rep, return_mode="median") / calls
 
     def bench_graph(fn) -> float:
         """Kernel time without launch gaps (graph replay)."""
@@ -315,10 +310,7 @@ def main() -> None:
     if args.op:
         op_rows(args, shapes, rows, table_op, capture, bench, row, sms)
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gemm-{tag}-w1-{date}{'-flat' if args.flat else ''}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
+    path = write_rows(rows, args.out, "gemm", device, 1, date=date, suffix="-flat" if args.flat else "")
     K._save_cache()
     print(f"\nwrote {path} and {K.cache_path()}")
     print(f"\n{'M x N x K':>20} {'set':>20} {'cuBLAS':>8} {'Triton':>8} {'cuB/Tri':>8} {'signal':>8} {'epi%':>6} "

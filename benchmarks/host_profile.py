@@ -6,26 +6,26 @@ Per (kind, template) on a small site (GPU work of microseconds, so the host is w
 the wall time per call of N back-to-back calls of the rewritten graph (host-bound), beside the
 sequential pattern's. What a host-launched model pays per rewritten site beyond the GEMM and
 collective it replaced; the numbers the predictor's ``op_overhead_ms`` summarises. Where the time
-goes (the cost of each CUDA runtime call an op makes) is benchmarks/op_host_probe.py's job: a
-cProfile here put most of it in torch's custom-op frame, an artefact of calls through the C++
-dispatcher (2x H200, 2026-11-23).
+goes (the cost of each CUDA runtime call an op makes) was measured piece by piece on one GPU
+(benchmarks/results/op_host_probe-NVIDIA_H200-w1-torch2.11.0-2026-11-23.txt): a cProfile here put
+most of it in torch's custom-op frame, an artefact of calls through the C++ dispatcher (2x H200,
+2026-11-23).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
-from ops import rewritten  # noqa: E402
+from benchmarks.ops import rewritten  # noqa: E402
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import host_ms_per_call  # noqa: E402
 from overlap_compile.testing.patterns import gemm_then_collective, site_op  # noqa: E402
 
 SHAPE = (1024, 1024, 1024)  # M, N, K: GPU time of tens of microseconds
@@ -34,19 +34,6 @@ SHAPE = (1024, 1024, 1024)  # M, N, K: GPU time of tens of microseconds
 LLAMA8B_SITES = {"gemm_reducescatter": [(8192, 4096, 2048), (8192, 4096, 7168)],
                  "allgather_gemm": [(8192, 3072, 4096), (8192, 14336, 4096)],
                  "gemm_allreduce": [(8192, 4096, 7168)], "gemm_alltoall": [(8192, 4096, 2048)]}
-
-
-def host_ms_per_call(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / calls  # the loop's own time: host-side only
-    torch.cuda.synchronize()
-    return host
 
 
 def sites(kinds: list[str], shapes: str) -> list[tuple[str, tuple[int, int, int]]]:
@@ -98,11 +85,7 @@ def worker(kinds, templates_to_run, calls, out_dir, shapes="small", graph_modes=
                 print(f"{kind:>20} {str([m, n, k]):>20} {name + tag:>26} host {ms * 1e3:8.1f} us/call "
                       f"({op_graphs.stats['replayed']} replays)", flush=True)
     if rank == 0 and out_dir:
-        path = os.path.join(out_dir, f"host_profile-{torch.cuda.get_device_name().replace(' ', '_')}-w{world}-"
-                                     f"{datetime.date.today().isoformat()}.json")
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-        print("wrote", path)
+        print("wrote", write_rows(rows, out_dir, "host_profile", torch.cuda.get_device_name(), world))
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ Per shape (S tokens per rank, hidden H, expert FFN I, E experts, top-k), host-la
 
 The output of each variant is checked against the sequential one in the same run. Median ms
 (benchmarks/timing.py: CUDA events, ranks synchronised), tokens/s, rows to
-<out>/moe-<device>-w<world>-<date>.json and a table.
+<out>/moe-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py) and a table.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
-from timing import time_ms  # noqa: E402
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import time_ms  # noqa: E402
 
 DRY_SHAPES = [{"name": "tiny-8", "S": 64, "H": 32, "I": 48, "E": 8, "topk": 2},
               {"name": "tiny-16", "S": 64, "H": 32, "I": 48, "E": 16, "topk": 2}]
@@ -152,11 +152,7 @@ def main() -> None:
 
     rows = run_distributed(worker, world_size=a.world, args=(shapes, dry, a.iters, a.out),
                            backend="gloo" if dry else "nccl", timeout_s=3600)[0]
-    os.makedirs(a.out, exist_ok=True)
-    dev = rows[0]["device"].replace(" ", "_")
-    path = os.path.join(a.out, f"moe-{dev}-w{rows[0]['world_size']}-torch{torch.__version__.split('+')[0]}-{rows[0]['date']}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
+    path = write_rows(rows, a.out, "moe", rows[0]["device"], rows[0]["world_size"], date=rows[0]["date"])
     print(f"{'shape':>14} {'phase':>8} {'variant':>11} {'ms':>9} {'x seq':>6} {'rel err':>8}  sites rewritten")
     for r in rows:
         if "error" in r:

@@ -11,7 +11,8 @@ tile config, with every source marked arrived (``fused``) and with the arrival w
 the flags set before each call (``fused_waits``: what the copy-engine path will run). Both
 host-launched ("eager") and in a CUDA graph (10 calls). Every kernel result is checked against
 bmm in the same run (``correct``: relative max error <= 2e-2, a few bf16 ulps of the stored
-activation). Rows go to <out>/moe_experts-<device>-<date>.json; a table with the ratios last.
+activation). Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
+table with the ratios last.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
+from benchmarks.results_io import write_rows  # noqa: E402
 from overlap_compile.templates.moe_fused import expert_kernel as EK  # noqa: E402
 from overlap_compile.templates.moe_fused import reference  # noqa: E402
 
@@ -130,10 +132,7 @@ def main() -> None:
               flush=True)
         del x, ws, out
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"moe_experts-{device.replace(' ', '_')}-torch{torch.__version__.split('+')[0]}-{date}.json")
-    with open(path, "w") as fh:
-        json.dump(rows, fh, indent=1)
+    path = write_rows(rows, args.out, "moe_experts", device, 1, date=date)
     print(f"\nwrote {path}\n{'shape':>16} {'W':>2} {'E':>3} {'C':>6} {'bmm ms':>8} {'fused':>8} {'x':>6} {'+waits':>8} {'x':>6}")
     for case, tb, best in table:
         cells = []

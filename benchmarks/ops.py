@@ -24,7 +24,8 @@ shape of each, then the second ...); ``--time-budget`` skips those that would no
 
 Sites are built the way the compiler builds them: the pattern is traced with make_fx, found by
 passes.find, and planned by the template's spec, so the benchmark runs the exact plan a compiled
-model would. A method that fails is recorded with its error (ms NaN), the run goes on.
+model would. A method that fails is recorded with its error (ms NaN), the run goes on. Rows follow
+DESIGN.md's schema and go to <out>/ops-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py).
 """
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)  # timing.py, also when imported as benchmarks.ops
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import Budget, graphed, time_ms  # noqa: E402
 from overlap_compile import templates  # noqa: E402
-from timing import Budget, graphed, time_ms  # noqa: E402,F401  (signal_reorder_breakdown imports them from here too)
 from overlap_compile.testing.patterns import KINDS, collective, gemm_then_collective as sequential_fn  # noqa: E402
 
 DEFAULT_SHAPES = os.path.join(HERE, "shapes.json")  # copy of shared/shapes.json
@@ -253,12 +254,8 @@ def worker(kinds, shapes, templates_to_run, out_dir, cuda=None, time_budget=0.0,
     world = dist.get_world_size()
     rows = bench(kinds, shapes, world, templates_to_run, cuda, time_budget, start)
     if dist.get_rank() == 0 and out_dir:
-        dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "_")
-        path = os.path.join(out_dir, f"ops-{dev}-w{world}-{datetime.date.today().isoformat()}.json")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-        print("wrote", path)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print("wrote", write_rows(rows, out_dir, "ops", device, world))
     return rows
 
 

@@ -16,6 +16,10 @@ End-to-end rows (benchmarks/e2e.py) also get one bar chart per (model, compile m
 step time of inductor, async_tp, overlap and nocomm (the comm-free bound) per shape, each bar
 between the two labelled with the share of the gap to the bound it closes,
 (inductor - method) / (inductor - nocomm); ``--markdown`` prints the same as a table.
+
+Two benchmarks' own charts are drawn here too, called by them as they write their rows:
+``plot_occupancy`` (diagnostics/occupancy_sweep.py: speedup against the GEMM's programs) and
+``plot_error_cdf`` (predictor.py: the CDF of the prediction error).
 """
 from __future__ import annotations
 
@@ -217,6 +221,62 @@ def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms
         paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-{kind}-{mode}-by-experts-{i}.png")))
     return paths
 
+
+def plot_occupancy(rows: list[dict], path: str) -> None:
+    """diagnostics/occupancy_sweep.py's rows: speedup over sequential against the persistent GEMM's
+    programs, one line per (tile, stages, priority), cuBLAS chunks as horizontal lines."""
+    plt = _pyplot()
+    seq = next(r["ms"] for r in rows if r["method"] == "sequential")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines: dict = {}
+    for r in rows:
+        c = r.get("config") or {}
+        if r["method"] != "priority_stream" or c.get("block_m") is None:
+            continue
+        key = (f"{c['block_m']}x{c['block_n']} {c['stages']} stages", c["priority"])
+        lines.setdefault(key, []).append((c["programs"], seq / r["ms"]))
+    for (tile, prio), pts in sorted(lines.items(), key=str):
+        pts.sort()
+        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ls="-" if prio == "highest" else "--",
+                label=f"{tile}, priority {prio}")
+    for r in rows:
+        c = r.get("config") or {}
+        if r["method"] == "priority_stream" and c.get("block_m") is None:
+            ax.axhline(seq / r["ms"], color="k" if c["priority"] == "highest" else "gray", lw=1,
+                       ls="-" if c["priority"] == "highest" else "--", label=f"cuBLAS chunks, priority {c['priority']}")
+    ax.axhline(1.0, color="r", lw=0.8, ls=":")
+    ax.set_xlabel("persistent GEMM programs (SMs held)")
+    ax.set_ylabel("speedup over sequential (CUDA graph)")
+    ax.set_title(f"{rows[0]['kind']} {rows[0]['shape']} - {rows[0]['device']} x{rows[0]['world_size']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_error_cdf(rows: list[dict], path: str, title: str) -> str:
+    """predictor.py's rows: the CDF of |predicted / measured - 1| per launch mode ("auto" rows
+    left out), a dashed line at 5%. Raises ImportError without matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for mode in ("eager", "cuda_graph"):
+        e = sorted(abs(r["error"]) * 100 for r in rows
+                   if r.get("error") is not None and r["mode"] == mode and r["method"] != "auto")
+        if e:
+            ax.step(e, [(i + 1) / len(e) for i in range(len(e))], where="post", label=f"{mode} (n={len(e)})")
+    ax.axvline(5, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("|predicted / measured - 1| (%)")
+    ax.set_ylabel("fraction of configurations")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 def markdown(rows: list[dict], metric: str = "ms") -> str:
     lines = []

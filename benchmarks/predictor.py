@@ -18,10 +18,11 @@ with make_fx, found by passes.find), then:
 
 Rows follow DESIGN.md's schema (benchmark "predictor") with extra keys ``error`` (predicted /
 measured - 1), ``rank_predicted`` and ``site``; they go to
-``<out>/predictor-<device>-w<world>-<date>.json``, with a CDF plot of |error|
-(``...-cdf.png``) and a table (``...-table.txt``) giving, per shape and mode: mean |error|, the
-measured time of the predicted-best configuration over the measured-best one, and whether the
-predictor kept the baseline whenever every rewrite measured slower.
+``<out>/predictor-<device>-w<world>-torch<v>-<date>.json`` (benchmarks/results_io.py), with a CDF
+plot of |error| (``...-cdf.png``, benchmarks/plot.py) and a table (``...-table.txt``) giving, per
+shape and mode: mean |error|, the measured time of the predicted-best configuration over the
+measured-best one, and whether the predictor kept the baseline whenever every rewrite measured
+slower.
 """
 from __future__ import annotations
 
@@ -53,13 +54,11 @@ def load_shapes(path: str | None) -> dict:
     raise SystemExit(f"no shapes.json found (tried {path or SHAPE_FILES}); pass --shapes")
 
 
+from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.timing import graphed, time_ms  # noqa: E402
 from overlap_compile.testing.patterns import gemm_then_collective as sequential_fn  # noqa: E402
-from timing import graphed  # noqa: E402
-from timing import time_ms as _time_ms  # noqa: E402
 
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    return _time_ms(fn, iters, warmup)
+WARMUP = 3  # calls before each timing
 
 
 def inputs_for(kind: str, m: int, n: int, k: int, world: int, rank: int):
@@ -165,7 +164,7 @@ def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, onl
                 base_sched = predictor.models.baseline(site, profile, ctx)
                 try:
                     seq_call = lambda: seq(a, b)  # noqa: E731
-                    seq_ms = time_ms(seq_call if mode == "eager" else graphed(seq_call), iters)
+                    seq_ms = time_ms(seq_call if mode == "eager" else graphed(seq_call), iters, WARMUP)
                 except Exception as e:
                     seq_ms = float("nan")
                     if rank == 0:
@@ -180,7 +179,7 @@ def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, onl
                     try:
                         fn = rewritten_fn(kind, group, world, a, b, template, cfg, opts.signal_timeout_ms)
                         err = rel_err(fn(), ref)
-                        ms = time_ms(fn if mode == "eager" else graphed(fn), iters)
+                        ms = time_ms(fn if mode == "eager" else graphed(fn), iters, WARMUP)
                     except Exception as e:  # reported, never hidden
                         ms, err = float("nan"), float("nan")
                         if rank == 0:
@@ -191,7 +190,7 @@ def bench(kinds, shapes, profile_name: str, iters: int, max_candidates: int, onl
                                  "error": (pred / ms - 1) if pred is not None and ms == ms else None,
                                  "rank_predicted": rank_pred, "correct": bool(err < 2e-2), "rel_err": err})
                 try:
-                    ams = time_ms(auto if mode == "eager" else graphed(auto), iters)
+                    ams = time_ms(auto if mode == "eager" else graphed(auto), iters, WARMUP)
                     aerr = rel_err(auto(), ref)
                 except Exception as e:
                     ams, aerr = float("nan"), float("nan")
@@ -265,10 +264,7 @@ def summary_table(rows: list[dict]) -> str:
 
 def write_outputs(rows: list[dict], out_dir: str, dev: str, world: int) -> list[str]:
     date = datetime.date.today().isoformat()
-    stem = os.path.join(out_dir, f"predictor-{dev.replace(' ', '_')}-w{world}-{date}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+    stem = os.path.splitext(write_rows(rows, out_dir, "predictor", dev, world, date=date, default=str))[0]
     summ = summarize(rows)
     errs = [abs(r["error"]) for r in rows if r.get("error") is not None and r["method"] != "auto"]
     lines = [f"predictor calibration on {dev}, world {world}, {date}: {len(errs)} predictions",
@@ -303,26 +299,9 @@ def write_outputs(rows: list[dict], out_dir: str, dev: str, world: int) -> list[
     print("\n".join(lines))
     paths = [stem + ".json", stem + "-table.txt"]
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from benchmarks.plot import plot_error_cdf
 
-        fig = Figure(figsize=(6, 4))
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-        for mode in ("eager", "cuda_graph"):
-            e = sorted(abs(r["error"]) * 100 for r in rows
-                       if r.get("error") is not None and r["mode"] == mode and r["method"] != "auto")
-            if e:
-                ax.step(e, [(i + 1) / len(e) for i in range(len(e))], where="post", label=f"{mode} (n={len(e)})")
-        ax.axvline(5, color="gray", linestyle="--", linewidth=1)
-        ax.set_xlabel("|predicted / measured - 1| (%)")
-        ax.set_ylabel("fraction of configurations")
-        ax.set_title(f"predictor error, {dev}, W={world}", fontsize=9)
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(stem + "-cdf.png", dpi=110)
-        paths.append(stem + "-cdf.png")
+        paths.append(plot_error_cdf(rows, stem + "-cdf.png", f"predictor error, {dev}, W={world}"))
     except ImportError:
         print("matplotlib not installed: no CDF plot")
     return paths

@@ -25,7 +25,7 @@ if has profile; then
   if [ -f "$R/profile-w$W.json" ]; then
     # contention fitted to the measured template runs (the command's cuBLAS-beside-all_reduce
     # figure is recorded in the notes)
-    timeout 120 python3 benchmarks/calibrate_contention.py benchmarks/results/predictor-NVIDIA_H200-w4-torch2.11.0-2026-11-22-measuredprofile.json \
+    timeout 120 python3 benchmarks/fitting/calibrate_contention.py benchmarks/results/predictor-NVIDIA_H200-w4-torch2.11.0-2026-11-22-measuredprofile.json \
       --profile "$R/profile-w$W.json" --write "$R/h200.json" 2>&1 | grep -E "best|wrote|Error" | tail -3
     [ -f "$R/h200.json" ] && PROFILE=$R/h200.json
   fi
@@ -59,7 +59,7 @@ if has moe; then
 fi
 if has sweep; then
   step "occupancy sweep (world $W)"
-  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/occupancy_sweep.py --world "$W" --out "$R" ${SWEEP_ARGS:-} > "$R/sweep.log" 2>&1
+  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/diagnostics/occupancy_sweep.py --world "$W" --out "$R" ${SWEEP_ARGS:-} > "$R/sweep.log" 2>&1
   grep -v Warn "$R/sweep.log" | tail -30
 fi
 if has e2e; then

@@ -6,8 +6,8 @@
 #   steps:  signal   gemm.py --signal-at group_end,next_tile,none on the AR/RS/A2A shapes
 #           experts  moe_experts.py (the persistent expert kernel vs bmm), EXPERTS_ARGS
 #           tests    GPU tests that need one GPU (TESTS, default: expert kernel + signal layout)
-#           reorder  reorder_consumer.py (the un-reorder in an RMSNorm consumer), REORDER_ARGS
-#           profile  profile_measures.py: the signal and experts results into PROFILE_BASE (h200)
+#           reorder  diagnostics/reorder_consumer.py (the un-reorder in an RMSNorm consumer), REORDER_ARGS
+#           profile  fitting/profile_measures.py: the signal and experts results into PROFILE_BASE (h200)
 set -u
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -37,14 +37,14 @@ if has tests; then
 fi
 if has reorder; then
   step "reorder consumer"
-  timeout ${REORDER_TIMEOUT:-200} python3 benchmarks/reorder_consumer.py --out "$R" ${REORDER_ARGS:-} > "$R/reorder.log" 2>&1
+  timeout ${REORDER_TIMEOUT:-200} python3 benchmarks/diagnostics/reorder_consumer.py --out "$R" ${REORDER_ARGS:-} > "$R/reorder.log" 2>&1
   grep -v Warn "$R/reorder.log" | tail -12
 fi
 if has profile; then
   step "profile update"
   GEMM_JSON=$(ls "$R"/gemm-*-w1-*.json 2>/dev/null | head -1)
   EXPERTS_JSON=$(ls "$R"/moe_experts-*.json 2>/dev/null | head -1)
-  timeout 120 python3 benchmarks/profile_measures.py --profile "${PROFILE_BASE:-h200}" \
+  timeout 120 python3 benchmarks/fitting/profile_measures.py --profile "${PROFILE_BASE:-h200}" \
     ${GEMM_JSON:+--gemm "$GEMM_JSON"} ${EXPERTS_JSON:+--experts "$EXPERTS_JSON"} --out "$R/profile-measured.json" 2>&1 | tail -3
 fi
 step "pack"

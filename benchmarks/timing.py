@@ -1,11 +1,14 @@
-"""Timing shared by the multi-GPU benchmarks (ops, predictor, e2e, signal_reorder_breakdown).
+"""Timing shared by the benchmarks (ops, predictor, e2e, moe, gemm, host_profile,
+diagnostics/occupancy_sweep): one place for medians, CUDA events, CUDA-graph capture and host time.
 
 ``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
 is the result (all ranks return the same number). Without a process group (one-GPU benchmarks):
 this process's median. ``graphed(fn)``: fn captured in a CUDA graph
-(after warm-up on a side stream), returned as its replay. ``Budget``: rank 0's clock decides for
-every rank whether the next configuration still fits a time budget.
+(after warm-up on a side stream), returned as its replay; ``calls`` captures that many calls in one
+graph (gemm.py times kernels that way, without launch gaps). ``host_ms_per_call(fn, calls)``: the
+host's own time per call of back-to-back calls (host_profile.py). ``Budget``: rank 0's clock decides
+for every rank whether the next configuration still fits a time budget.
 """
 from __future__ import annotations
 
@@ -46,19 +49,39 @@ def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
     return med.item()
 
 
-def graphed(fn):
+def graphed(fn, calls: int = 1, warmup: int = 3):
+    """``calls`` calls of fn captured in one CUDA graph, after ``warmup`` calls on a side stream;
+    returns the graph's replay."""
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a GPU")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(calls):
+            fn()
     return g.replay
+
+
+def host_ms_per_call(fn, calls: int) -> float:
+    """Wall time per call of ``calls`` back-to-back calls, on the host only: the loop is timed
+    before the GPU catches up (5 warm-up calls, then a synchronisation and, under a process group,
+    a barrier). For calls whose GPU work is small, this is what the host spends per call."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls  # the loop's own time: host-side only
+    torch.cuda.synchronize()
+    return host
 
 
 class Budget:

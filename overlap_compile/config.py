@@ -153,7 +153,8 @@ except Exception:  # pragma: no cover - an interpreter without the private mappi
 def _env_values() -> tuple:
     """The raw values of the OVERLAP_COMPILE_* variables (None where unset). Ops read the options
     on every call, host time a host-launched model pays per site: on a GPU machine 15
-    ``os.environ.get`` calls and building Options took ~23 us (benchmarks/op_host_probe.py), so
+    ``os.environ.get`` calls and building Options took ~23 us
+    (benchmarks/results/op_host_probe-NVIDIA_H200-w1-torch2.11.0-2026-11-23.txt), so
     this reads the environment's own mapping with pre-encoded keys where CPython has one, and
     Options are built once per distinct set of values (``_options_from``)."""
     data = getattr(os.environ, "_data", None)

@@ -11,7 +11,6 @@ Triton's interpreter had accepted; ``test_expert_kernel`` would have caught it.
 from __future__ import annotations
 
 import os
-import sys
 import types
 
 import pytest
@@ -20,8 +19,6 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from tests.sm90_build import building  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="builds real kernels; the interpreter is on")
@@ -84,7 +81,7 @@ def test_signal_reorder_plain_gemm(warp_specialize):
     ("gemm_alltoall", "none", torch.float16, False, True),
 ])
 def test_signal_reorder_signalling_gemm(kind, signal_at, dtype, bias, kmajor):
-    from gemm import signal_plan
+    from benchmarks.gemm import signal_plan
 
     from overlap_compile.templates.signal_reorder import kernels as K
 

@@ -1,4 +1,4 @@
-"""benchmarks/occupancy_sweep.py: its configurations are valid priority_stream configs (cuBLAS
+"""benchmarks/diagnostics/occupancy_sweep.py: its configurations are valid priority_stream configs (cuBLAS
 first, then every tile / stages / programs point) and a CPU dry run over gloo produces correct,
 schema-shaped rows for both stream priorities."""
 import json
@@ -11,7 +11,7 @@ from overlap_compile.templates.priority_stream import reference
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.occupancy_sweep import PRIORITIES, PROGRAM_FRACTIONS, TILES, sweep_configs  # noqa: E402
+from benchmarks.diagnostics.occupancy_sweep import PRIORITIES, PROGRAM_FRACTIONS, TILES, sweep_configs  # noqa: E402
 
 
 def test_sweep_configs_are_valid_and_complete():
@@ -22,7 +22,8 @@ def test_sweep_configs_are_valid_and_complete():
 
 
 def test_dry_run_rows(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/occupancy_sweep.py", "--dry-run", "--out", str(tmp_path)],
+    script = "benchmarks/diagnostics/occupancy_sweep.py"
+    proc = subprocess.run([sys.executable, script, "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]

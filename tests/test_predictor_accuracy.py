@@ -3,7 +3,6 @@ import glob
 import json
 import os
 import statistics
-import sys
 
 import pytest
 
@@ -18,8 +17,7 @@ def test_builtin_h200_against_committed_measurements():
     paths = sorted(glob.glob(os.path.join(here, "results", "predictor-NVIDIA_H200-w*-measuredprofile.json")))
     if not paths:
         pytest.skip("no committed predictor measurements")
-    sys.path.insert(0, here)
-    from predictor_replay import replay
+    from benchmarks.fitting.predictor_replay import replay
 
     rows = [r for p in paths for r in json.load(open(p))
             if r["mode"] == "cuda_graph" and r["method"] in ("sequential", "signal_reorder", "priority_stream")

@@ -1,10 +1,5 @@
-"""CPU tests of benchmarks/predictor_replay.py's row selection and best/chosen metric."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-import predictor_replay as pr  # noqa: E402
+"""CPU tests of benchmarks/fitting/predictor_replay.py's row selection and best/chosen metric."""
+from benchmarks.fitting import predictor_replay as pr
 
 
 def _row(method, ms, config=None, mode="cuda_graph", **kw):

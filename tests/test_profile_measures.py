@@ -1,4 +1,4 @@
-"""benchmarks/profile_measures.py: one-GPU measurements (gemm.py --signal-at, moe_experts.py) into a
+"""benchmarks/fitting/profile_measures.py: one-GPU measurements (gemm.py --signal-at, moe_experts.py) into a
 profile, on synthetic rows in the benchmarks' schemas; the profile it writes makes the predictor
 offer the measured options."""
 import json
@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmarks.fitting import profile_measures as PM
 
-import profile_measures as PM  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _gemm_rows():
@@ -56,7 +55,8 @@ def test_written_profile_makes_the_predictor_offer_the_measured_options(tmp_path
     gemm.write_text(json.dumps(_gemm_rows()))
     experts.write_text(json.dumps(_expert_rows()))
     out = tmp_path / "h200-measured.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_measures.py"), "--profile", "h200",
+    script = os.path.join(ROOT, "benchmarks", "fitting", "profile_measures.py")
+    proc = subprocess.run([sys.executable, script, "--profile", "h200",
                            "--gemm", str(gemm), "--experts", str(experts), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

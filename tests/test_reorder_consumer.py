@@ -1,4 +1,4 @@
-"""benchmarks/reorder_consumer.py on CPU (--dry-run): the compiled reorder + residual + RMSNorm
+"""benchmarks/diagnostics/reorder_consumer.py on CPU (--dry-run): the compiled reorder + residual + RMSNorm
 equals the plain consumer for every shape and tile layout asked for, edge tiles included."""
 import json
 import os
@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_dry_run_over_shapes_and_layouts(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "reorder_consumer.py"), "--dry-run",
+    script = os.path.join(ROOT, "benchmarks", "diagnostics", "reorder_consumer.py")
+    proc = subprocess.run([sys.executable, script, "--dry-run",
                            "--shapes", "200x96,256x128", "--blocks", "64x32x4,32x64x1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,8 +6,9 @@ persistent GEMM with its signalling epilogue writes exactly reference.py's send-
 counts every tile once on its group's counter; the plain GEMM equals a @ b; the bounded wait
 consumes a full counter and reports a short one. Small tiles (16x16/32) keep it fast.
 
-The kernels module is loaded as a private copy with TRITON_INTERPRET=1 set only while its
-@triton.jit decorators run, so the interpreter setting leaks into no other test.
+The kernels module (and gemm_kernel.py, where the GEMM's @triton.jit functions live) is loaded as
+a private copy with TRITON_INTERPRET=1 set only while its @triton.jit decorators run, so the
+interpreter setting leaks into no other test.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from overlap_compile.templates.signal_reorder import reference  # noqa: E402
 from overlap_compile.tiling import RowStripes, TileGrid, WaveSchedule, cdiv, even_wave_groups, tile_coords  # noqa: E402
 
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "overlap_compile/templates/signal_reorder/kernels.py"
+GEMM_KERNEL = KERNELS.parent / "gemm_kernel.py"
+PACKAGE = "overlap_compile.templates.signal_reorder"
 
 
 class _interpreting:
@@ -43,14 +46,30 @@ class _interpreting:
             os.environ["TRITON_INTERPRET"] = self.old
 
 
+def _private_copy(path: pathlib.Path, name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def K():
     with _interpreting():
-        spec = importlib.util.spec_from_file_location(
-            "overlap_compile.templates.signal_reorder._kernels_interpreted", KERNELS)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)
+        gemm_kernel = _private_copy(GEMM_KERNEL, f"{PACKAGE}._gemm_kernel_interpreted")
+        # kernels.py takes the GEMM from .gemm_kernel: hand it the interpreted copy while it loads,
+        # then put back whatever the real name held (the package's own module stays uninterpreted)
+        real = f"{PACKAGE}.gemm_kernel"
+        saved = sys.modules.get(real)
+        sys.modules[real] = gemm_kernel
+        try:
+            mod = _private_copy(KERNELS, f"{PACKAGE}._kernels_interpreted")
+        finally:
+            if saved is None:
+                del sys.modules[real]
+            else:
+                sys.modules[real] = saved
     if not getattr(mod, "_HAVE_TRITON", False):
         pytest.skip("Triton could not be imported by the kernels module")
     if type(mod._gemm_kernel).__name__ != "InterpretedFunction":

@@ -193,7 +193,7 @@ def test_first_call_warm_up_loads_kernels():
     any of them spins (CUDA lazy loading deadlocks a spinning kernel with one loaded at first
     launch: tests/gpu/test_kernel_loading.py). Checked on the launcher with a stand-in kernel."""
     pytest.importorskip("triton")
-    from overlap_compile.templates.tile_fused import kernels as K
+    from overlap_compile.templates.tile_fused import launch as L  # the launchers and their _warming flag
 
     loaded = []
 
@@ -205,12 +205,12 @@ def test_first_call_warm_up_loads_kernels():
         def warmup(self, *args, **kwargs):
             return Compiled()
 
-    K._warming = True
+    L._warming = True
     try:
-        K._launch_small("test-stand-in", Kernel(), (1,), 0, num_warps=1)
+        L._launch_small("test-stand-in", Kernel(), (1,), 0, num_warps=1)
     finally:
-        K._warming = False
-        K._use_asm.pop("test-stand-in", None)
+        L._warming = False
+        L._use_asm.pop("test-stand-in", None)
     assert loaded == [True]
 
 

@@ -51,7 +51,7 @@ def measure_gemms(bench: "Bench", device: str, *, sets: dict, dtype: Any, progre
     table is timed ``passes`` times and each row keeps its fastest pass: a single pass had rows
     4-7x off (1x H100, 2026-11-23: 71 TFLOP/s on a 2048x2048x1536 cuBLAS GEMM) from slow
     stretches lasting several samples. Local work only: one GPU is enough
-    (benchmarks/gemm_profile.py), and a rank failing here cannot desynchronise the others."""
+    (benchmarks/fitting/gemm_profile.py), and a rank failing here cannot desynchronise the others."""
     import torch
 
     dname = str(dtype).replace("torch.", "")

@@ -1,6 +1,6 @@
 """Put one-GPU kernel measurements into a hardware profile, where the predictor reads them.
 
-    python benchmarks/profile_measures.py --profile h200 --gemm gemm-...json --experts moe_experts-...json \
+    python benchmarks/fitting/profile_measures.py --profile h200 --gemm gemm-...json --experts moe_experts-...json \
         --out h200.json
 
 * ``--gemm`` (benchmarks/gemm.py --signal-at ...): the signalling epilogue's cost per signalling
@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 
 def geomean(xs: list[float]) -> float:

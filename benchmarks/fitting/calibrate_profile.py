@@ -1,6 +1,6 @@
 """Fold measured benchmark rows into a hardware profile (JSON in, JSON out).
 
-    python benchmarks/calibrate_profile.py --profile overlap_compile/predictor/profiles/h200.json \
+    python benchmarks/fitting/calibrate_profile.py --profile overlap_compile/predictor/profiles/h200.json \
         --ops benchmarks/results/ops-*.json --comm-slowdown 1.4 --gemm-slowdown-reserved 1.0 --out same.json
 
 From each shape's "sequential" CUDA-graph row: the cuBLAS GEMM time goes into the GEMM table and
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 COLLECTIVE = {"gemm_allreduce": "all_reduce", "gemm_reducescatter": "reduce_scatter", "gemm_alltoall": "all_to_all"}
 
@@ -67,7 +67,8 @@ def main() -> None:
         raw["contention"]["gemm_slowdown_reserved"] = args.gemm_slowdown_reserved
     raw.setdefault("notes", []).append(
         f"{datetime.date.today().isoformat()}: calibrated with {', '.join(os.path.basename(p) for p in args.ops)} "
-        f"(GEMM table, collective knots at the measured world size, contention fitted by benchmarks/calibrate_contention.py)")
+        f"(GEMM table, collective knots at the measured world size, contention fitted by "
+        f"benchmarks/fitting/calibrate_contention.py)")
     profile_from_dict(raw, source=args.out)  # validate before writing
     save_profile(raw, args.out)
     print(f"wrote {args.out}: {len(seen)} GEMM shapes, contention {raw['contention']}")

@@ -1,6 +1,6 @@
 """A hardware profile from one GPU: this GPU's measured GEMM table, the rest borrowed.
 
-    python benchmarks/gemm_profile.py --base h200 --name h100 --out h100.json
+    python benchmarks/fitting/gemm_profile.py --base h200 --name h100 --out h100.json
 
 ``python -m overlap_compile profile`` needs 2+ GPUs (collective and peer-copy curves). Where
 only one GPU of a kind can be had, this measures what one GPU can: the cuBLAS and Triton GEMM
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 BORROWED = ("collectives", "nccl_sms", "launch_ms", "contention", "topology", "op_overhead_ms", "model_error",
             "peer_sync_ms")
@@ -82,7 +82,7 @@ def main() -> None:
     facts = gpu_facts(device)
     gpu = facts["gpu"]
     name = args.name or gpu.lower().replace("nvidia ", "").split()[0]
-    command = "python benchmarks/gemm_profile.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/fitting/gemm_profile.py " + " ".join(sys.argv[1:])
     base = predictor.load_profile(args.base).raw
     measured = build_profile(
         name=name, **facts, gemm_rows=rows, kernels=kernels, curves={},

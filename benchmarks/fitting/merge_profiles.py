@@ -1,6 +1,6 @@
 """Merge profiles measured at different world sizes into one built-in profile.
 
-    python benchmarks/merge_profiles.py measured-w2.json --add old-h200.json --gpus-per-node 8 --out h200.json
+    python benchmarks/fitting/merge_profiles.py measured-w2.json --add old-h200.json --gpus-per-node 8 --out h200.json
 
 The first file is the base (GEMM table, contention, launch and op overheads, notes). Each
 ``--add`` file contributes the collective curves of world sizes the base lacks, recorded in the
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 
 def merge(base: dict, others: list[dict], gpus_per_node: int | None) -> dict:

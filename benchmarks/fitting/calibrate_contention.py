@@ -1,6 +1,6 @@
 """Fit the profile's contention factors to measured signal_reorder runs (breakdown JSON).
 
-    python benchmarks/calibrate_contention.py benchmarks/results/breakdown-*.json --profile h200
+    python benchmarks/fitting/calibrate_contention.py benchmarks/results/breakdown-*.json --profile h200
 
 Builds each measured site the way the compiler does (make_fx + find on a fake process group),
 predicts the measured configuration with candidate (gemm_slowdown_reserved, comm_slowdown)
@@ -16,8 +16,7 @@ import os
 import sys
 
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 
 def main() -> None:
@@ -38,7 +37,7 @@ def main() -> None:
     base = predictor.load_profile(args.profile)
     # sites are traced once per world size (rows of several world sizes fit jointly: contention
     # is a property of the GPU, not of the group)
-    from predictor_replay import predict_row, traced_sites
+    from benchmarks.fitting.predictor_replay import predict_row, traced_sites
 
     sites = traced_sites(rows)
     best = None
@@ -68,7 +67,7 @@ def main() -> None:
         raw["contention"].update(gemm_slowdown=gs, gemm_slowdown_reserved=gr, comm_slowdown=cs)
         sources = ", ".join(os.path.basename(p) for p in args.results)
         raw["notes"] = list(raw.get("notes", [])) + [
-            f"contention fitted by benchmarks/calibrate_contention.py to {len(rows)} measured template runs "
+            f"contention fitted by benchmarks/fitting/calibrate_contention.py to {len(rows)} measured template runs "
             f"({sources}): mean |error| {score:.1%}; the profile command's own cuBLAS-beside-all_reduce "
             f"measurement was {measured}"]
         save_profile(raw, args.write)

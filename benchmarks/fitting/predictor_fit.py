@@ -1,7 +1,7 @@
 """Fit the profile's measured physical quantities that the closed forms need to committed runs
 (CPU replay), and check them on rows held out of the fit.
 
-    python benchmarks/predictor_fit.py [--holdout world|shape] [--write PROFILE.json]
+    python benchmarks/fitting/predictor_fit.py [--holdout world|shape] [--write PROFILE.json]
 
 Quantities (all stored in the profile JSON, each with a note of what it was fitted to):
 
@@ -32,10 +32,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
-from predictor_replay import committed_results, load_rows, mean_abs, predictions, replay, traced_sites  # noqa: E402
+from benchmarks.fitting.predictor_replay import (  # noqa: E402
+    committed_results, load_rows, mean_abs, predictions, replay, traced_sites)
 
 COPY_ENGINE_SLOWDOWNS = [1.0 + i / 100 for i in range(0, 21)]
 PEER_SYNC_MS = [i / 1000 for i in range(0, 41, 2)]

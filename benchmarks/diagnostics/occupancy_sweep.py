@@ -3,30 +3,32 @@ site, the op with ``--chunks`` chunks, its GEMM on cuBLAS or on the persistent T
 (tile, pipeline stages, persistent programs), the communication stream at the highest priority
 or at the default one. Each row is timed beside the sequential baseline and the same GEMM alone.
 
-    python benchmarks/occupancy_sweep.py --world 2 --out DIR            # GPUs (NCCL)
-    python benchmarks/occupancy_sweep.py --dry-run --out DIR            # CPU plumbing check (gloo)
+    python benchmarks/diagnostics/occupancy_sweep.py --world 2 --out DIR            # GPUs (NCCL)
+    python benchmarks/diagnostics/occupancy_sweep.py --dry-run --out DIR            # CPU plumbing check (gloo)
 
 Fewer stages -> less shared memory per GEMM block -> NCCL's blocks can sit on the same SMs;
 fewer programs -> whole SMs left to NCCL. Both slow the GEMM alone and can speed the overlap up:
 the sweep shows where the two meet on this machine. Rows follow DESIGN.md's schema
 (``method`` priority_stream, ``config`` the template config plus ``priority``) and go to
-<out>/occupancy-<device>-w<W>-<date>.json with a PNG (time vs programs, one line per tile/stages
-and priority) and a printed table with ratios over sequential.
+<out>/occupancy-<device>-w<W>-torch<v>-<date>.json (benchmarks/results_io.py) with a PNG (speedup vs
+programs, one line per tile/stages and priority: benchmarks/plot.py's plot_occupancy) and a printed
+table with ratios over sequential.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import itertools
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
+from benchmarks.plot import plot_occupancy  # noqa: E402
+from benchmarks.results_io import write_rows  # noqa: E402
 from benchmarks.timing import graphed, time_ms  # noqa: E402
 from overlap_compile.testing.patterns import gemm_then_collective  # noqa: E402
 
@@ -109,40 +111,6 @@ def _row_text(r: dict, seq_ms: float) -> str:
             f"GEMM alone {r['gemm_ms']:7.3f} ms  err {r['rel_err']:.1e}")
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seq = next(r["ms"] for r in rows if r["method"] == "sequential")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    lines: dict = {}
-    for r in rows:
-        c = r.get("config") or {}
-        if r["method"] != "priority_stream" or c.get("block_m") is None:
-            continue
-        key = (f"{c['block_m']}x{c['block_n']} {c['stages']} stages", c["priority"])
-        lines.setdefault(key, []).append((c["programs"], seq / r["ms"]))
-    for (tile, prio), pts in sorted(lines.items(), key=str):
-        pts.sort()
-        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ls="-" if prio == "highest" else "--",
-                label=f"{tile}, priority {prio}")
-    for r in rows:
-        c = r.get("config") or {}
-        if r["method"] == "priority_stream" and c.get("block_m") is None:
-            ax.axhline(seq / r["ms"], color="k" if c["priority"] == "highest" else "gray", lw=1,
-                       ls="-" if c["priority"] == "highest" else "--", label=f"cuBLAS chunks, priority {c['priority']}")
-    ax.axhline(1.0, color="r", lw=0.8, ls=":")
-    ax.set_xlabel("persistent GEMM programs (SMs held)")
-    ax.set_ylabel("speedup over sequential (CUDA graph)")
-    ax.set_title(f"{rows[0]['kind']} {rows[0]['shape']} - {rows[0]['device']} x{rows[0]['world_size']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=max(torch.cuda.device_count(), 2))
@@ -160,14 +128,10 @@ def main() -> None:
     args = {"kind": a.kind, "shape": shape, "chunks": a.chunks, "dry_run": a.dry_run}
     rows = run_distributed(worker, world_size=a.world, args=(args,), backend="gloo" if a.dry_run else "nccl",
                            timeout_s=900)[0]
-    os.makedirs(a.out, exist_ok=True)
-    dev = rows[0]["device"].replace(" ", "_")
-    stem = os.path.join(a.out, f"occupancy-{dev}-w{a.world}-{datetime.date.today().isoformat()}")
-    with open(stem + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
+    path = write_rows(rows, a.out, "occupancy", rows[0]["device"], a.world)
     if not a.dry_run:
-        plot(rows, stem + ".png")
-    print("wrote", stem + ".json")
+        plot_occupancy(rows, os.path.splitext(path)[0] + ".png")
+    print("wrote", path)
 
 
 if __name__ == "__main__":

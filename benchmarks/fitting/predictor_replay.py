@@ -1,7 +1,7 @@
 """Replay measured runs against a profile on CPU: how far off is the predictor, per mode, kind and
 method, and would it have picked the fastest measured configuration -- without a GPU.
 
-    python benchmarks/predictor_replay.py [benchmarks/results/predictor-*.json ...] --profile h200
+    python benchmarks/fitting/predictor_replay.py [benchmarks/results/predictor-*.json ...] --profile h200
 
 Reads rows of ``benchmarks/predictor.py`` / ``benchmarks/ops.py`` (method ``sequential`` or a
 template name with its ``config``, ``mode`` eager / cuda_graph, measured ``ms``; without files:
@@ -27,9 +27,9 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")  # benchmarks/results
 # The first run of each template's GPU kernels: rows measured before it ran the Python reference
 # (torch.distributed send/recv from Python, 0.04-0.12x of sequential), which no model describes.
 GPU_PATH_SINCE = {"p2p_ring": "2026-11-23"}

@@ -1,7 +1,7 @@
 """Cost of signal_reorder's post-communication reorder when Inductor fuses it into the consumer.
 
-    python benchmarks/reorder_consumer.py --out $OUT          # one GPU, gemm_allreduce shapes, bf16
-    python benchmarks/reorder_consumer.py --dry-run           # CPU, tiny shapes: correctness only
+    python benchmarks/diagnostics/reorder_consumer.py --out $OUT          # one GPU, gemm_allreduce shapes, bf16
+    python benchmarks/diagnostics/reorder_consumer.py --dry-run           # CPU, tiny shapes: correctness only
 
 After an all-reduce in tile order the graph holds ``untile(buf)`` (view/permute/clone/cat/slice
 from overlap_compile.tiling, exactly what the rewrite emits) followed by the model's next ops.
@@ -14,7 +14,8 @@ compiled by torch.compile (Inductor) and timed:
 The overhead is reorder / plain - 1 (target <= 10%, issue #4). Inputs are random (never zero),
 the result of both is compared in the same run, times are triton.testing.do_bench medians
 host-launched ("eager") and do_bench_cudagraph ("cuda_graph"). JSON rows follow the benchmark
-schema; a table is printed last.
+schema and go to <out>/reorder-consumer-<device>-w1-torch<v>-<date>.json
+(benchmarks/results_io.py); a table is printed last.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
+from benchmarks.results_io import write_rows  # noqa: E402
 from overlap_compile.tiling import TileGrid, untile  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shapes.json
 BLOCK = (128, 256, 8)  # BM, BN, group_m of signal_reorder's default Hopper kernel
 
 
@@ -84,7 +86,7 @@ def tiles_of(y: torch.Tensor, grid: TileGrid) -> torch.Tensor:
 def shapes(dry: bool) -> list[tuple[int, int]]:
     if dry:
         return [(300, 520), (256, 512)]
-    with open(os.path.join(HERE, "shapes.json")) as f:
+    with open(os.path.join(BENCHMARKS, "shapes.json")) as f:
         sets = json.load(f)
     out = []
     for m, n, _k in sets["gemm_allreduce"]:
@@ -169,10 +171,7 @@ def main() -> None:
     if bad:
         print("reorder result differs from plain on", bad)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"reorder-consumer-{dev.replace(' ', '_')}-torch{torch.__version__.split('+')[0]}-{date}.json")
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+        path = write_rows(rows, args.out, "reorder-consumer", dev, 1, date=date)
         print("wrote", path)
     if bad:
         raise SystemExit(1)

@@ -1,0 +1,244 @@
+"""One configuration of the end-to-end benchmark (benchmarks/e2e.py): a model compiled under one
+variant (default, overlap, async_tp, nocomm) and compile mode, its training steps and prefill
+run and timed (benchmarks/timing.py), and what the compiler did along the way (graph breaks,
+recompiles, CUDA-graph skips, the overlap pass's report). e2e.py runs these over its sweep on
+every rank; e2e_report.py turns the rows into comparisons, tables and files.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.timing import time_ms
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing around the whole block (non-reentrant, as torchtitan does)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@contextlib.contextmanager
+def variant_context(variant: str):
+    """What the variant changes around torch.compile; yields the nocomm pass (its counts) or None."""
+    if variant == "async_tp":
+        from benchmarks.async_tp import async_tp
+
+        with async_tp():
+            yield None
+    elif variant == "nocomm":
+        from benchmarks.nocomm import nocomm
+
+        with nocomm() as p:
+            yield p
+    else:
+        yield None
+
+
+def compiled(model, variant: str, compile_mode: str, force: str | None, report):
+    mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
+    if variant == "overlap":
+        import overlap_compile as oc
+        from overlap_compile.backend import overlap_backend
+
+        backend = functools.partial(overlap_backend, report=report, mode=mode_kw.get("mode"))
+        overrides = {"force_template": force} if force else {}
+        with oc.config.patch(**overrides):
+            # the options are read when Dynamo hands over each graph: keep them for every call
+            fn = torch.compile(model, backend=backend)
+        return fn, overrides
+    return torch.compile(model, **mode_kw), {}
+
+
+class CompileWatch:
+    """Dynamo / Inductor counters over one configuration: graph breaks, graphs compiled (and how
+    many of them during the timed steps, i.e. recompiles), CUDA-graph skips."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.utils import counters
+
+        self.counters = counters
+        self.breaks0 = dict(counters["graph_break"])
+        self.graphs0 = self.graphs()
+        self.skips0 = counters["inductor"]["cudagraph_skips"]
+        self.mark = self.graphs0
+
+    def graphs(self) -> int:
+        return self.counters["stats"]["unique_graphs"]
+
+    def start_timed(self) -> None:
+        self.mark = self.graphs()
+
+    def compiled_since_mark(self) -> int:
+        return self.graphs() - self.mark
+
+    def summary(self, recompiles_timed: int) -> dict:
+        breaks = {k[:300]: v - self.breaks0.get(k, 0) for k, v in self.counters["graph_break"].items()
+                  if v - self.breaks0.get(k, 0) > 0}
+        skips = self.counters["inductor"]["cudagraph_skips"] - self.skips0
+        modes = ([f"graph_break x{sum(breaks.values())}"] if breaks else []) + \
+                ([f"recompile during timed steps x{recompiles_timed}"] if recompiles_timed else []) + \
+                ([f"cudagraph skipped x{skips}"] if skips else [])
+        return {"graph_breaks": breaks, "dynamo_graphs": self.graphs() - self.graphs0,
+                "recompiles_timed": recompiles_timed, "cudagraph_skips": skips, "failure_modes": modes}
+
+
+def failure_kind(e: BaseException) -> str:
+    """The failure modes worth telling apart in the results."""
+    text = f"{type(e).__name__}: {e}".lower()
+    if "outofmemory" in text or "out of memory" in text:
+        return "oom"
+    if "graph" in text and "captur" in text:
+        return "cuda_graph_capture"
+    if "unsupported" in type(e).__name__.lower() or "graph break" in text:
+        return "graph_break"
+    if "recompil" in text or "cache_size_limit" in text or "recompile_limit" in text:
+        return "recompile"
+    return "error"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mean_over_ranks(v: torch.Tensor) -> float:
+    t = v.detach().double().reshape(1).to("cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, phases: list[str],
+               steps: int, iters: int, force: str | None, device: str, dtype) -> dict:
+    import overlap_compile as oc
+    from benchmarks.models import build
+
+    row: dict = {}
+    built = build(model_name, shape, device, dtype, seed=0)
+    model = Checkpointed(built.model) if ckpt else built.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    report = oc.Report()
+    watch = CompileWatch()
+    # CUDA-graph trees reuse output memory across replays: a new step must be announced
+    step_begin = torch.compiler.cudagraph_mark_step_begin if compile_mode == "reduce-overhead" else (lambda: None)
+    recompiles = 0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with variant_context(variant) as nocomm_pass:
+        fn, overrides = compiled(model, variant, compile_mode, force, report)
+
+        def train_step() -> torch.Tensor:
+            step_begin()
+            with oc.config.patch(**overrides):
+                y = fn(built.x)
+                loss = built.to_local(y).float().pow(2).mean()
+                loss.backward()
+            built.finalize_grads()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        def prefill():
+            step_begin()
+            with torch.no_grad(), oc.config.patch(**overrides):
+                return fn(built.x)
+
+        if "train" in phases:
+            t0 = time.perf_counter()
+            losses = [train_step()]
+            sync()
+            first_s = time.perf_counter() - t0
+            losses += [train_step() for _ in range(steps - 1)]
+            row["losses"] = [mean_over_ranks(v) for v in losses]
+            watch.start_timed()
+            row["train_ms"] = time_ms(train_step, iters, warmup=2)
+            recompiles += watch.compiled_since_mark()
+            row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
+            row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
+        if "prefill" in phases:
+            t0 = time.perf_counter()
+            prefill()
+            sync()
+            first_s = time.perf_counter() - t0
+            watch.start_timed()
+            row["prefill_ms"] = time_ms(prefill, iters, warmup=2)
+            recompiles += watch.compiled_since_mark()
+            row["prefill_compile_s"] = max(0.0, first_s - row["prefill_ms"] / 1e3)
+            row["prefill_tokens_per_s"] = built.tokens / (row["prefill_ms"] / 1e3)
+    row.update(watch.summary(recompiles))
+    if nocomm_pass is not None:
+        row["nocomm_replaced"] = dict(nocomm_pass.replaced)
+    if torch.cuda.is_available():
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if variant == "overlap":
+        # with OVERLAP_COMPILE_SEARCH=measure, each site also carries its measured and predicted gain
+        row["sites"] = [{"graph": s.graph, "kind": s.kind, "template": s.template, "rewritten": s.rewritten,
+                         "reason": s.reason, "gemms": s.gemms, "predicted_ms": s.predicted_ms,
+                         "measured": s.measured} for s in report.sites]
+        row["rewritten"] = sum(s.rewritten for s in report.sites)
+        row["pass_s"] = report.pass_seconds
+        compile_s = row.get("compile_s", 0.0) + row.get("prefill_compile_s", 0.0)
+        row["pass_share_of_compile"] = report.pass_seconds / compile_s if compile_s > 0 else None
+    return row
+
+
+def second_compile_hits(model_name, shape, compile_mode, force, device, dtype) -> int:
+    """Compile the overlap variant twice (dynamo reset between) with the FX graph cache on: hits
+    on the second compile, counted by Inductor."""
+    import overlap_compile as oc
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from benchmarks.models import build
+
+    def once():
+        torch._dynamo.reset()
+        built = build(model_name, shape, device, dtype, seed=0)
+        fn, overrides = compiled(built.model, "overlap", compile_mode, force, oc.Report())
+        with oc.config.patch(**overrides):
+            built.to_local(fn(built.x)).float().sum().backward()
+
+    with inductor_config.patch({"fx_graph_cache": True}):
+        once()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        once()
+        return counters["inductor"]["fxgraph_cache_hit"] - before
+
+
+@contextlib.contextmanager
+def fresh_kernel_caches():
+    """Empty Inductor / Triton on-disk kernel caches for one configuration: otherwise the variant
+    compiled first pays for kernels the later ones reuse, and compile times don't compare."""
+    import tempfile
+
+    try:  # in-process module cache, keyed by kernel source
+        from torch._inductor.codecache import PyCodeCache
+
+        PyCodeCache.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    old = {k: os.environ.get(k) for k in keys}
+    with tempfile.TemporaryDirectory(prefix="e2e-cache-") as tmp:
+        for k in keys:
+            os.environ[k] = os.path.join(tmp, k.lower())
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
