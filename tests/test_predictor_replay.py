@@ -44,7 +44,7 @@ def test_signed_errors_are_grouped_per_mode_method_and_kind():
 def test_per_template_bars_follow_each_templates_overpromise():
     """A template whose predicted gains overshoot what was measured gets a higher bar than one that
     keeps its promises; a site's decision takes the fastest rewrite clearing its own bar."""
-    import predictor_replay as R
+    R = pr
 
     seq = ("sequential", "")
     sites = {}

@@ -2,7 +2,7 @@
 protocol? Runs its race with the call-start barrier removed (a fast rank may then push its next
 call's tiles into a slot its peer is still reading) and prints the wrong calls and wait failures.
 
-    python benchmarks/tile_fused_mutation_check.py
+    python benchmarks/diagnostics/tile_fused_mutation_check.py
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 import test_tile_fused_virtual_ranks as V  # noqa: E402
 from overlap_compile.testing.virtual_ranks import patch_everywhere  # noqa: E402
