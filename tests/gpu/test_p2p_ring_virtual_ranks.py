@@ -4,6 +4,11 @@ captured into CUDA graphs and replayed by runtime.op_graphs while its peer runs 
 its own schedule. Every call's output is compared with the sum / gather over ranks, the inputs
 changing from call to call. What it cannot show: ordering across an NVLink fabric (every "peer"
 shares one L2); tests/gpu/test_p2p_ring.py checks that on 2 GPUs.
+
+Status (1x H200, 2026-11-24): 8 of 8 passed in two runs of these files alone; in one run of the
+whole GPU suite the op_graphs all-gather case hit a bounded-wait timeout (rank 0's READY flag, ring
+step 1) with no wrong result. Whether that is the one-GPU emulation (both ranks share one context
+and launch queue) or a real hazard is open until the 2-GPU runs.
 """
 from __future__ import annotations
 
@@ -45,6 +50,11 @@ def load_kernels(kind: str, m: int, n: int, k: int, world: int) -> None:
         race(kind, m, n, k, world, 2, True, timeout_ms=1000)
     except PeerWaitTimeoutError:
         pass
+
+
+def loaded_race(kind: str, m: int, n: int, k: int, world: int, calls: int, op_graphs_on: bool) -> dict:
+    load_kernels(kind, m, n, k, world)
+    return race(kind, m, n, k, world, calls, op_graphs_on)
 
 
 def race(kind: str, m: int, n: int, k: int, world: int, calls: int, op_graphs_on: bool,
@@ -103,8 +113,12 @@ def race(kind: str, m: int, n: int, k: int, world: int, calls: int, op_graphs_on
 @pytest.mark.parametrize("kind", ["gemm_reducescatter", "gemm_allreduce", "gemm_alltoall", "allgather_gemm"])
 @pytest.mark.parametrize("op_graphs_on", [True, False])
 def test_every_call_right_with_two_virtual_ranks(kind, op_graphs_on):
-    load_kernels(kind, 2048, 1536, 1024, 2)
-    r = race(kind, 2048, 1536, 1024, 2, 200, op_graphs_on)
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    # a process of its own: a fresh CUDA context (nothing loaded, no record of an earlier test's
+    # failed wait, no memory kept by earlier tests' graphs)
+    (r,) = run_distributed(loaded_race, world_size=1, args=(kind, 2048, 1536, 1024, 2, 200, op_graphs_on),
+                           timeout_s=400)
     print(kind, "op_graphs" if op_graphs_on else "launched", r)
     assert r["wrong"] == 0, r
     if op_graphs_on:  # both ranks' calls replayed from their graphs once addresses settled

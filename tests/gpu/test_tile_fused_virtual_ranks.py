@@ -8,6 +8,10 @@ flag protocol pairs the right tiles and slots, no call reads a slot before it is
 the next call overwrote it, and the result is right on every call with the inputs changing from
 call to call. What it cannot show: ordering across an NVLink fabric (every "peer" here shares one
 L2), which the 2-GPU race loops of tests/gpu/test_tile_fused.py check.
+
+Status (1x H200, 2026-11-24): 8 of 8 passed in each of three runs of this file alone; in one run of
+the whole GPU suite the all-reduce 4096^2 bf16 case hit a bounded-wait timeout (a peer tile's
+"done" flag) with no wrong result. Emulation artefact or real hazard: open until the 2-GPU runs.
 """
 from __future__ import annotations
 
@@ -70,6 +74,9 @@ def test_every_call_right_with_two_virtual_ranks(kind, m, n, k, dtype):
 
     if not K.available():
         pytest.skip("tile_fused kernels unavailable (Triton / sm_80+)")
-    r = race(kind, m, n, k, 2, 300, dtype)
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    # a process of its own: a fresh CUDA context and none of earlier tests' memory
+    (r,) = run_distributed(race, world_size=1, args=(kind, m, n, k, 2, 300, dtype), timeout_s=400)
     print(kind, (m, n, k), dtype, r)
     assert r["wrong"] == 0, r
