@@ -69,10 +69,15 @@ def _integration_checks() -> dict:
     out["enable_graphs"] = sorted(r.name for r in report.records)
     out["enable_rewritten"] = [s.template for s in report.sites]
 
-    # a user's pass stays installed and runs for forward and backward
+    # a user's pass stays installed and runs for forward and backward. Compiled with the caches
+    # off: both ranks share one cache directory, and a rank finding the other's compiled backward
+    # there would (rightly) run no post-grad pass at all, so the count would depend on timing.
     torch._dynamo.reset()
     user = CountingPass()
-    with inductor_config.patch(post_grad_custom_post_pass=user), oc.config.patch(force_template="signal_reorder"):
+    from torch._functorch import config as functorch_config
+
+    with inductor_config.patch(post_grad_custom_post_pass=user, fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False), oc.config.patch(force_template="signal_reorder"):
         w1.grad = None
         y = torch.compile(_megatron_mlp, backend="overlap")(x, w1, w2, group)
         y.sum().backward()
