@@ -41,7 +41,7 @@ def required_gain(options: Options, profile: Any, mode: str | None = None) -> fl
 
 def model_error(profile: Any, mode: str | None = None) -> float:
     """The profile's measured mean |error| of template predictions in ``mode`` (default: the
-    current launch mode; ``model_error``, from benchmarks/predictor_replay.py): a predicted gain
+    current launch mode; ``model_error``, from benchmarks/fitting/predictor_replay.py): a predicted gain
     must clear min_speedup by that much too, or a rewrite the model is merely optimistic about
     could lose."""
     if profile is None:

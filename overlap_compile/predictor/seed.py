@@ -10,7 +10,7 @@ bandwidth and clocks under the same power; an estimate). Both are to be replaced
 ``cpu-gloo``: plausible numbers for CPU processes over gloo (tests, the CPU demo).
 
 Since 2026-11-22 the built-in ``h200.json`` is this seed *plus* measurements folded in by
-``benchmarks/calibrate_profile.py`` (see its ``notes``): re-seeding overwrites them, so re-run the
+``benchmarks/fitting/calibrate_profile.py`` (see its ``notes``): re-seeding overwrites them, so re-run the
 calibration afterwards.
 """
 from __future__ import annotations
