@@ -80,33 +80,26 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
         graph.replay()
         stats["replayed"] += 1
         return
-    if static_key in _failed:
-        call()
-        stats["eager"] += 1
-        return
-    seen = _seen.get(key, 0) + 1
-    if len(_seen) >= MAX_SEEN:
-        _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
-    _seen[key] = seen
-    if seen < CAPTURE_ON_SIGHT:
-        call()
-        stats["eager"] += 1
-        return
-    graph = _capture(static_key, device, call)
-    if graph is None:
-        call()
-        stats["eager"] += 1
-        return
-    with _lock:
-        _seen.pop(key, None)
-        _graphs[key] = graph
-        _live[device.index] += 1
-        while len(_graphs) > MAX_GRAPHS:
-            _drop(*_graphs.popitem(last=False))
-    if check_errors is not None:
-        check_errors()
-    graph.replay()
-    stats["captured"] += 1
+    if static_key not in _failed:
+        seen = _seen.get(key, 0) + 1
+        if len(_seen) >= MAX_SEEN:
+            _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
+        _seen[key] = seen
+        graph = _capture(static_key, device, call) if seen >= CAPTURE_ON_SIGHT else None
+        if graph is not None:
+            with _lock:
+                _seen.pop(key, None)
+                _graphs[key] = graph
+                _live[device.index] += 1
+                while len(_graphs) > MAX_GRAPHS:
+                    _drop(*_graphs.popitem(last=False))
+            if check_errors is not None:
+                check_errors()
+            graph.replay()
+            stats["captured"] += 1
+            return
+    call()  # as written: a first sighting, a failed capture, or a site whose capture failed before
+    stats["eager"] += 1
 
 
 def _drop(key: tuple, graph: torch.cuda.CUDAGraph) -> None:

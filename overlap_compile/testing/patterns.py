@@ -78,14 +78,14 @@ def site_plan(kind: str, template: str, m: int, n: int, k: int, world: int, conf
     ``template``'s ``config`` (default: one that fits any site, ``_default_config``)."""
     from ..templates.plans import AllGatherGemmPlan, GemmCollectivePlan
 
-    cfg = config if config is not None else _default_config(template, kind, m, world)
+    cfg = config if config is not None else _default_config(template)
     if kind == "allgather_gemm":
         return AllGatherGemmPlan(template, m, k, (n,), world, 1, m // world, (False,), cfg).to_json()
     return GemmCollectivePlan(template, kind, m, n, k, world, None if kind == "gemm_alltoall" else "sum", 1,
                               m if kind == "gemm_allreduce" else m // world, False, cfg).to_json()
 
 
-def _default_config(template: str, kind: str, m: int, world: int) -> dict:
+def _default_config(template: str) -> dict:
     """A configuration of ``template`` that fits any site (what site_op runs unless told)."""
     from .. import templates
 

@@ -177,7 +177,6 @@ def race_cases(cases: list[dict], calls: int) -> list[dict]:
         tol = RACE_TOL[dtype]
         sets = []
         for v in range(RACE_VARIANTS):
-            torch.manual_seed(100 * v + rank)
             st, plan, args = _make(c["kind"], c["m"], c["n"], c["k"], c.get("outer", 1), world, dev, dtype,
                                    c.get("bias", False), c.get("comm_ctas", 8), c.get("bm", 128), c.get("bn", 128),
                                    c.get("n2"))
