@@ -1,6 +1,8 @@
 """The expert-parallel MoE layer (overlap_compile.demo.moe) on gloo against its one-process
 reference, eager and compiled; skewed routing and capacity overflow included. And what the
 overlap pass sees in it (forward and backward)."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,3 +162,27 @@ def test_moe_fused_latency_model_by_source():
     assert s.total_ms == pytest.approx(max(d1, e1_end) + c1)
     assert [ev.label for ev in s.events if ev.lane == "comm"] == ["dispatch 1", "combine 1"]
     assert [ev.start for ev in s.events if ev.label == "experts 0"] == [0.0]
+
+
+def test_moe_fused_latency_model_routed_payload():
+    """``"payload": "routed"``: the by-source pipeline on the expected share of the slots (the
+    transfers and the expert GEMMs scale with it) after the sizes scan, their exchange and a host
+    round trip; with the slots full it costs that setup more than the capacity pipeline, with the
+    default fill (0.8) it costs less on a large section."""
+    from overlap_compile import predictor
+    from overlap_compile.predictor import models
+    from overlap_compile.predictor.models import Ctx, Site
+    from overlap_compile.templates.moe_fused import model as moe_model
+
+    prof = predictor.load_profile("h200")
+    site = Site("moe", ((2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 1536, 2048), (2 * 4 * 2560, 2048, 1536)), 2, "bfloat16")
+    ctx = Ctx(mode="host")
+    capacity = moe_model.moe_fused(site, {"split": "source"}, prof, ctx)
+    routed = moe_model.moe_fused(site, {"split": "source", "payload": "routed"}, prof, ctx)
+    setup = moe_model.routed_setup_ms(site, prof, ctx)
+    assert routed.events[0].label.startswith("routed sizes") and routed.events[0].end == pytest.approx(setup)
+    assert min(ev.start for ev in routed.events[1:]) == pytest.approx(setup)
+    assert routed.total_ms < capacity.total_ms
+    full = dataclasses.replace(prof, raw={**prof.raw, "moe": {**prof.raw.get("moe", {}), "routed_fill": 1.0}})
+    assert moe_model.moe_fused(site, {"split": "source", "payload": "routed"}, full, ctx).total_ms == \
+        pytest.approx(capacity.total_ms)  # fill 1.0: priced as the capacity pipeline (no setup event)

@@ -70,9 +70,12 @@ def _rewritten_vs_written(configs: list) -> list:
     return results
 
 
+ROUTED = {"split": "source", "payload": "routed"}
+
+
 @pytest.mark.parametrize("world,configs", [
-    (2, [{"split": "source"}, {"pieces": 3}, {"split": "source", "transport": "p2p"}]),
-    (4, [{"split": "source"}])])
+    (2, [{"split": "source"}, {"pieces": 3}, {"split": "source", "transport": "p2p"}, ROUTED]),
+    (4, [{"split": "source"}, ROUTED])])
 def test_rewritten_layer_equals_layer_as_written(world, configs):
     for per_rank in run_distributed(_rewritten_vs_written, world_size=world, args=(configs,), timeout_s=300):
         assert len(per_rank) == 3 * len(configs)
@@ -329,7 +332,8 @@ def _training_vs_written(configs: list) -> list:
 
 
 @pytest.mark.parametrize("world,configs", [
-    (2, [{"split": "source"}, {"pieces": 3}, {"split": "source", "transport": "p2p"}]), (4, [{"split": "source"}])])
+    (2, [{"split": "source"}, {"pieces": 3}, {"split": "source", "transport": "p2p"}, ROUTED]),
+    (4, [{"split": "source"}, ROUTED])])
 def test_training_step_through_moe_fused_equals_the_layer_as_written(world, configs):
     """The forward section is replaced by moe_fused, which also returns the experts' input, both
     up-projections and the activation product; backward (left as written) reads those: the loss

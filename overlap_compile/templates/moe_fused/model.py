@@ -33,8 +33,9 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
     slow_g, slow_c = profile.contention["gemm_slowdown"], profile.contention["comm_slowdown"]
-    e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0)
-    nbytes = site.coll_bytes() / (W - 1) if source and W > 1 else site.coll_bytes() / p
+    fill = routed_fill(profile) if config.get("payload") == "routed" else 1.0
+    e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0) * fill
+    nbytes = (site.coll_bytes() / (W - 1) if source and W > 1 else site.coll_bytes() / p) * fill
     moves = [i for i in range(p) if not (source and i == 0)]  # pieces with a transfer
     calls = 0
 
@@ -44,12 +45,15 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
         return comm_call_ms(site, profile, nbytes, ctx, contended=contended, launch=calls > 1)
 
     events, t_comm, d_end = [], 0.0, {}
+    if fill < 1.0:  # routed payload: sizes scan, their exchange and one host round trip first
+        t_comm = routed_setup_ms(site, profile, ctx)
+        events.append(Event("compute", "routed sizes + host synchronisation", 0.0, t_comm))
+    t_exp = t_comm
     for i in moves:
         d = call(contended=i > 0)
         events.append(Event("comm", f"dispatch {i}", t_comm, t_comm + d))
         t_comm += d
         d_end[i] = t_comm
-    t_exp = 0.0
     for i in range(p):
         start = max(t_exp, d_end.get(i, 0.0))
         events.append(Event("compute", f"experts {i}", start, start + e))
@@ -61,8 +65,30 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
             t_comm = c_start + c
     base = baseline(site, profile, ctx)
     how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
+    if fill < 1.0:
+        how += f", routed rows only (assumed {fill:.0%} of the slots)"
     return Schedule(max(t_comm, t_exp) + moe_save_ms(site, profile), events, base.bound_ms if base else None,
                     f"{how} of {nbytes / 2**20:.1f} MiB")
+
+
+def routed_fill(profile: HardwareProfile) -> float:
+    """The share of the dispatch slots a ``"payload": "routed"`` section expects to hold tokens
+    (``moe.routed_fill`` in the profile): routing is data, unknown at compile time; the default
+    0.8 is uniform routing at capacity factor 1.25 (1 / 1.25), what demo.moe and
+    benchmarks/moe.py use. Skewed routing fills less and gains more."""
+    return min(1.0, max(0.05, profile_extra(profile, "routed_fill", 0.8, "moe")))
+
+
+def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
+    """Before the first routed piece (templates/moe_fused/routed.py): the sizes scan (one read of
+    the dispatch buffer), their all-to-all (W * E_local int32) and one host round trip
+    (``moe.host_sync_ms``, default 0.03), plus packing and unpacking every routed row (a read and
+    a write each way)."""
+    fill = routed_fill(profile)
+    scan = hbm_ms(profile, site.coll_bytes())
+    sizes = comm_call_ms(site, profile, 4096.0, ctx, contended=False)  # W * E_local int32: latency-bound
+    pack = hbm_ms(profile, 4 * fill * site.coll_bytes())
+    return scan + sizes + profile_extra(profile, "host_sync_ms", 0.03, "moe") + pack
 
 
 def moe_save_ms(site: Site, profile: HardwareProfile) -> float:

@@ -2,7 +2,9 @@
 ``[W * E_local * C, H]`` (what the section's combine all-to-all returned), then the intermediates
 ``plan.saves`` names (training graphs: what backward reads), each ``[E_local, W * C, H|F]``].
 
-Dispatch (``path``): CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
+Dispatch (``path``): a ``"payload": "routed"`` plan runs routed.py (only the routed rows travel
+and meet the experts) on any device, but under CUDA-graph capture (it reads sizes on the host);
+CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
 kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels_nccl.py
 (pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
 piece pipeline with asynchronous functional collectives."""
@@ -31,7 +33,9 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
     check_plan_agreement(group_name, plan, "moe_fused")
     buf = buf.contiguous()  # the pieces are views of its rows
     where = path(group_name, buf.device, p)
-    if where == "p2p":
+    if where == "routed":
+        from . import routed as impl
+    elif where == "p2p":
         from . import kernels as impl
     elif where == "nccl":
         from . import kernels_nccl as impl
@@ -42,8 +46,11 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
 
 
 def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
-    """Which implementation a call runs: "p2p" (kernels.py, copy engine), "nccl"
-    (kernels_nccl.py, CUDA streams) or "reference" (CPU, or no usable GPU path)."""
+    """Which implementation a call runs: "routed" (routed.py, only the routed rows: any device, not
+    under CUDA-graph capture), "p2p" (kernels.py, copy engine), "nccl" (kernels_nccl.py, CUDA
+    streams) or "reference" (CPU, or no usable GPU path)."""
+    if plan.config.get("payload") == "routed" and not _capturing(device):
+        return "routed"  # under CUDA-graph capture (no host synchronisation): the capacity pipeline
     if device.type != "cuda":
         return "reference"
     from . import kernels, kernels_nccl
@@ -53,6 +60,10 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
     if kernels_nccl.usable(group_name, device):
         return "nccl"
     return "reference"
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @moe_fused.register_fake

@@ -50,7 +50,8 @@ class MoeFusedSpec(TemplateSpec):
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
         if copy_engine and expert_kernel_ratio(profile) is not None and not getattr(match, "saved_nodes", None):
             copy_engine.append({"split": "source", "transport": "p2p", "experts": "fused"})
-        return copy_engine + [{"split": "source"}] + [{"pieces": p} for p in (2, 4) if p <= cap]
+        routed = [{"split": "source", "payload": "routed"}]
+        return copy_engine + [{"split": "source"}] + routed + [{"pieces": p} for p in (2, 4) if p <= cap]
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
         check_config(config)
@@ -104,10 +105,20 @@ TRANSPORTS = ("nccl", "p2p")
 EXPERTS = ("bmm", "fused")
 
 
+PAYLOADS = ("capacity", "routed")  # every slot travels / only the routed rows (routed.py)
+
+
 def check_config(config: dict) -> None:
     pieces = config.get("pieces")
-    by_source = (config.get("split") == "source" and set(config) <= {"split", "transport", "experts", "tiles"}
+    by_source = (config.get("split") == "source"
+                 and set(config) <= {"split", "transport", "experts", "tiles", "payload"}
                  and config.get("transport", "nccl") in TRANSPORTS)
+    if by_source and "payload" in config:
+        if config["payload"] not in PAYLOADS or (config["payload"] == "routed" and
+                                                 ("transport" in config or "experts" in config)):
+            raise ValueError(f"moe_fused: 'payload' must be one of {list(PAYLOADS)}; 'routed' goes with "
+                             f"{{'split': 'source'}} alone (its pieces travel over NCCL / the functional "
+                             f"collectives, its experts are grouped GEMMs); got {config!r}")
     if by_source and ("experts" in config or "tiles" in config):
         # the persistent expert kernel (expert_kernel.py) runs on the copy-engine path only
         if config.get("transport") != "p2p" or config.get("experts") not in EXPERTS:
@@ -127,4 +138,5 @@ def check_config(config: dict) -> None:
     by_capacity = set(config) == {"pieces"} and isinstance(pieces, int) and not isinstance(pieces, bool) and pieces >= 1
     if not (by_source or by_capacity):
         raise ValueError(f"moe_fused: config must be {{'split': 'source'}} (optionally with 'transport' one of "
-                         f"{list(TRANSPORTS)}) or {{'pieces': int >= 1}}, got {config!r}")
+                         f"{list(TRANSPORTS)} or 'payload' one of {list(PAYLOADS)}) or {{'pieces': int >= 1}}, "
+                         f"got {config!r}")
