@@ -26,6 +26,40 @@ def test_sizes_are_one_past_the_last_nonzero_row():
     assert got.tolist() == [[4, 0, 6], [4, 5, 6]]
 
 
+SIZES_UNDER_INTERPRETER = r"""
+import torch
+from overlap_compile.templates.moe_fused import routed_sizes as RS
+torch.manual_seed(0)
+for g, c, h in [(3, 37, 40), (5, 16, 300), (2, 1, 7), (4, 33, 256)]:
+    x = torch.randn(g, c, h)
+    fills = torch.randint(0, c + 1, (g,))
+    for i in range(g):
+        x[i, int(fills[i]):] = 0
+    if c > 3:
+        x[0, 1] = 0                               # a zero row below a non-zero one
+        x[g - 1] = 0
+        x[g - 1, c // 2, h - 1] = float("nan")    # NaN alone in its group
+    want, got = RS.sizes_torch(x), RS.sizes_kernel(x)
+    assert torch.equal(want, got), (g, c, h, want.tolist(), got.tolist())
+    assert want.tolist()[-1] == (c // 2 + 1 if c > 3 else want.tolist()[-1])
+print("ok")
+"""
+
+
+def test_sizes_kernel_under_the_interpreter():
+    """The top-down scan (routed_sizes._last_row_kernel) equals the torch ops on odd shapes: row
+    blocks past the top, column blocks past H, one row, an all-zero group but a NaN."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SIZES_UNDER_INTERPRETER], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("sizes", [[3, 0, 2], [0, 0, 0], [1], [0, 4, 0, 1]])
 def test_packed_rows_lists_each_group_in_order(sizes):
     starts = [7 * g + 2 for g in range(len(sizes))]
@@ -34,23 +68,54 @@ def test_packed_rows_lists_each_group_in_order(sizes):
     assert got.tolist() == want
 
 
-@pytest.mark.parametrize("k,m,dtype", [(16, 8, torch.float32),   # aligned: torch._grouped_mm
-                                       (10, 6, torch.float32),   # 40-byte rows: one mm per expert
+@pytest.mark.parametrize("h,f,dtype", [(16, 8, torch.float32),   # 16-byte rows: torch._grouped_mm can run
+                                       (10, 6, torch.float32),   # 40-byte rows: one mm per expert only
                                        (16, 24, torch.bfloat16)])
-def test_grouped_mm_equals_one_mm_per_expert(k, m, dtype):
+@pytest.mark.parametrize("grouped_from", [1, 99])  # the grouped GEMM where it runs / one mm per expert
+@pytest.mark.parametrize("layout", ["slots", "packed"])
+def test_swiglu_rows_equals_the_experts_on_every_slot(h, f, dtype, grouped_from, layout, monkeypatch):
+    from overlap_compile.templates.moe_fused import reference
+
+    monkeypatch.setattr(routed, "GROUPED_FROM_EXPERTS", grouped_from)
     torch.manual_seed(0)
-    sizes = [3, 0, 5, 1]
-    x, w = torch.randn(sum(sizes), k).to(dtype), torch.randn(len(sizes), k, m).to(dtype)
+    sizes, cap = [3, 0, 5, 1], 6
+    e = len(sizes)
+    slots = torch.randn(e, cap, h).to(dtype)
+    for j, n in enumerate(sizes):
+        slots[j, n:] = 0
+    ws = [(torch.randn(e, h, f) / 3).to(dtype), (torch.randn(e, h, f) / 3).to(dtype), (torch.randn(e, f, h) / 3).to(dtype)]
+    keep_full = {r: torch.full((e, cap, h if r == "tokens" else f), 7.0, dtype=dtype) for r in routed_roles()}
+    want = reference.experts(slots, *ws, keep=None)
+    gate = torch.bmm(slots, ws[0])
+    up = torch.bmm(slots, ws[1])
+    inter = {"tokens": slots, "gate": gate, "up": up, "act": torch.nn.functional.silu(gate) * up}
     offsets = torch.cumsum(torch.tensor(sizes), 0, dtype=torch.int32)
-    got = routed.grouped_mm(x, w, sizes, offsets)
-    bounds = [0, *offsets.tolist()]
-    want = torch.cat([x[lo:hi].float() @ w[e].float() for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
-    assert routed._grouped_mm_runs(x, w) == (k * x.element_size() % 16 == 0 and m * x.element_size() % 16 == 0)
+    if layout == "slots":
+        x, out = routed.Rows.slots(slots.view(-1, h), sizes, cap), routed.Rows.slots(torch.full((e * cap, h), 5.0, dtype=dtype), sizes, cap)
+    else:
+        x = routed.Rows(torch.cat([slots[j, :n] for j, n in enumerate(sizes)]), sizes)
+        out = routed.Rows(torch.full((sum(sizes), h), 5.0, dtype=dtype), sizes)
+    keep = {r: [t[j, :n] for j, n in enumerate(sizes) if n] for r, t in keep_full.items()}
+    routed.swiglu_rows(x, *ws, out, keep, offsets)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(got.float(), want, rtol=tol, atol=tol)
+    got = out.views()
+    for view, (j, n) in zip(got, [(j, n) for j, n in enumerate(sizes) if n]):
+        assert torch.allclose(view.float(), want[j, :n].float(), rtol=tol, atol=tol)
+    for r, t in keep_full.items():  # the routed rows kept, nothing else touched
+        for j, n in enumerate(sizes):
+            assert torch.allclose(t[j, :n].float(), inter[r][j, :n].float(), rtol=tol, atol=tol), r
+            assert bool((t[j, n:] == 7.0).all()), r
+    if layout == "slots":  # rows past the routed ones are not written (run() zeroes them)
+        assert all(bool((out.t[j * cap + n:(j + 1) * cap] == 5.0).all()) for j, n in enumerate(sizes))
 
 
-def _routed_vs_capacity() -> list:
+def routed_roles():
+    from overlap_compile.templates.plans import MOE_SAVE_ROLES
+
+    return MOE_SAVE_ROLES
+
+
+def _routed_vs_capacity(grouped_from: int) -> list:
     from overlap_compile.templates.moe_fused import reference
     from overlap_compile.templates.plans import MoePlan
 
@@ -66,14 +131,15 @@ def _routed_vs_capacity() -> list:
     for d in range(w):
         for j in range(e):
             buf[d, j, int(fill[d, j]):] = 0
+    routed.GROUPED_FROM_EXPERTS = grouped_from
     rows_seen = []
-    swiglu = routed.grouped_swiglu
+    swiglu = routed.swiglu_rows
 
-    def counting(x, sizes, *a):
-        rows_seen.append(x.shape[0])
-        return swiglu(x, sizes, *a)
+    def counting(x, *a):
+        rows_seen.append(sum(x.sizes))
+        return swiglu(x, *a)
 
-    routed.grouped_swiglu = counting
+    routed.swiglu_rows = counting
     try:
         results = []
         for saves in ((), ("tokens", "gate", "up", "act")):
@@ -92,11 +158,13 @@ def _routed_vs_capacity() -> list:
         routed_to_me = sum(int(a[rank].sum()) for a in arrivals)
         return [results, routed_to_me, w * e * c]
     finally:
-        routed.grouped_swiglu = swiglu
+        routed.swiglu_rows = swiglu
 
 
-def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding():
-    for results, routed_to_me, slots in run_distributed(_routed_vs_capacity, world_size=3, timeout_s=120):
+@pytest.mark.parametrize("grouped_from", [1, 99])  # torch._grouped_mm / one mm per expert
+def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding(grouped_from):
+    for results, routed_to_me, slots in run_distributed(_routed_vs_capacity, world_size=3, args=(grouped_from,),
+                                                        timeout_s=120):
         for r in results:
             assert max(r["errs"]) < 1e-5, r
             assert r["rows"] == routed_to_me < slots, (r, routed_to_me, slots)

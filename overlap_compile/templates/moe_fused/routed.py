@@ -18,8 +18,10 @@ slots from row 0 up, so "rows up to the last non-zero one" are exactly the token
       combine      the packed results go home; the receiver scatters them into their slots, zeros
                    in the rest
 
-Transfers: functional collectives (any device: gloo on CPU) or, on CUDA with NCCL, the pieces on
-the high-priority communication stream ordered by events, as kernels_nccl.py does (``Link``).
+Transfers (a link: ``rank_and_size``, ``exchange_sizes``, ``start`` / ``finish`` of a pairwise
+piece, ``close``): functional collectives (any device: gloo on CPU, ``FunctionalLink``) or, on
+CUDA with NCCL, the pieces on the high-priority communication stream ordered by events, as
+kernels_nccl.py does (``StreamLink``).
 
 What it costs against FlashDMoE's payload-efficient dispatch (sizes on the device, no host round
 trip): the host synchronisation drains the GPU queue once per call and cannot be captured in a
@@ -41,10 +43,10 @@ c10d = torch.ops._c10d_functional
 
 def routed_sizes(slots: torch.Tensor) -> torch.Tensor:
     """``[..., C, H]`` -> int32 ``[...]``: 1 + the index of the last row with a non-zero entry (0
-    when every row is zero). NaN counts as non-zero (such a row must travel)."""
-    nonzero = slots.ne(0).any(-1)
-    position = torch.arange(1, slots.shape[-2] + 1, device=slots.device, dtype=torch.int32)
-    return (nonzero.to(torch.int32) * position).amax(-1)
+    when every row is zero); routed_sizes.py (a top-down scan on CUDA)."""
+    from .routed_sizes import sizes
+
+    return sizes(slots)
 
 
 def packed_rows(sizes: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
@@ -54,6 +56,12 @@ def packed_rows(sizes: torch.Tensor, starts: torch.Tensor, total: int) -> torch.
     before = torch.cumsum(sizes, 0) - sizes  # where each group begins in the packed order
     shift = torch.repeat_interleave(starts.reshape(-1).long() - before, sizes, output_size=total)
     return shift + torch.arange(total, device=sizes.device)
+
+
+# Up to this many local experts, one cuBLAS mm per expert; past it one torch._grouped_mm (fewer
+# launches). 1x H100, bf16, shapes.json moe (benchmarks/diagnostics/moe_routed_experts.py): the
+# grouped GEMM took as long on 81% of the rows as cuBLAS bmm on all of them.
+GROUPED_FROM_EXPERTS = 9
 
 
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -68,26 +76,63 @@ def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], offsets: torch.Tensor) -> torch.Tensor:
-    """``x`` [N, K] packed by expert (``sizes`` rows each, ``offsets`` their device cumsum, int32)
-    times ``w[e]`` [K, M] -> [N, M]."""
-    if _grouped_mm_runs(x, w):
-        return torch._grouped_mm(x, w, offs=offsets)
-    out = x.new_empty(x.shape[0], w.shape[2])
-    lo = 0
-    for e, n in enumerate(sizes):
-        if n:
-            torch.mm(x[lo:lo + n], w[e], out=out[lo:lo + n])
-        lo += n
-    return out
+class Rows:
+    """Expert e's rows of a 2-D tensor: ``t[at[e] : at[e] + sizes[e]]``, for the slot layout (at[e]
+    = e * C) and for a packed piece (at = the running sum of sizes) alike."""
+
+    def __init__(self, t: torch.Tensor, sizes: list[int], at: list[int] | None = None) -> None:
+        self.t, self.sizes = t, sizes
+        self.at = at if at is not None else [sum(sizes[:e]) for e in range(len(sizes))]
+
+    @staticmethod
+    def slots(t: torch.Tensor, sizes: list[int], capacity: int) -> "Rows":
+        return Rows(t, sizes, [e * capacity for e in range(len(sizes))])
+
+    @property
+    def packed(self) -> bool:
+        return self.at == [sum(self.sizes[:e]) for e in range(len(self.sizes))]
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.t[a:a + n] for a, n in zip(self.at, self.sizes) if n]
 
 
-def grouped_swiglu(x: torch.Tensor, sizes: list[int], offsets: torch.Tensor, w1, w3, w2
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SwiGLU over packed rows: (y, the intermediates by MoePlan.saves role)."""
-    gate, up = grouped_mm(x, w1, sizes, offsets), grouped_mm(x, w3, sizes, offsets)
-    act = F.silu(gate) * up
-    return grouped_mm(act, w2, sizes, offsets), {"tokens": x, "gate": gate, "up": up, "act": act}
+def swiglu_rows(x: Rows, w1, w3, w2, out: Rows, keep: dict | None = None, offsets: torch.Tensor | None = None) -> None:
+    """SwiGLU of every expert's rows of ``x`` into the same experts' rows of ``out``; ``keep``: role
+    -> per-expert views (experts with rows only) to copy that intermediate into. ``offsets``: the
+    device cumsum of x.sizes (int32), for the grouped GEMM."""
+    total = sum(x.sizes)
+    if not total:
+        return
+    grouped = (len(x.sizes) >= GROUPED_FROM_EXPERTS and offsets is not None and _grouped_mm_runs(x.t, w1))
+    if grouped:
+        xs = x.t[:total] if x.packed else torch.cat(x.views())
+        gate, up = torch._grouped_mm(xs, w1, offs=offsets), torch._grouped_mm(xs, w3, offs=offsets)
+    else:  # one cuBLAS mm per expert, straight from the rows where they are
+        xs = None
+        gate, up = x.t.new_empty(total, w1.shape[2]), x.t.new_empty(total, w1.shape[2])
+        p = 0
+        for e, (a, n) in enumerate(zip(x.at, x.sizes)):
+            if n:
+                torch.mm(x.t[a:a + n], w1[e], out=gate[p:p + n])
+                torch.mm(x.t[a:a + n], w3[e], out=up[p:p + n])
+                p += n
+    act = F.silu(gate).mul_(up)
+    live = [e for e, n in enumerate(x.sizes) if n]
+    packed = Rows(act, x.sizes)
+    if grouped:
+        y = torch._grouped_mm(act, w2, offs=offsets)
+        if out.packed:
+            out.t[:total].copy_(y)
+        else:
+            torch._foreach_copy_(out.views(), Rows(y, x.sizes).views())
+    else:
+        for e, a, src in zip(live, [out.at[e] for e in live], packed.views()):
+            torch.mm(src, w2[e], out=out.t[a:a + out.sizes[e]])
+    if keep:
+        values = {"tokens": x.views() if xs is None else Rows(xs, x.sizes).views(),
+                  "gate": Rows(gate, x.sizes).views(), "up": Rows(up, x.sizes).views(), "act": packed.views()}
+        for role, views in keep.items():
+            torch._foreach_copy_(views, values[role])
 
 
 class FunctionalLink:
@@ -95,6 +140,9 @@ class FunctionalLink:
 
     def __init__(self, group_name: str, world: int) -> None:
         self.group_name, self.world = group_name, world
+
+    def rank_and_size(self) -> tuple[int, int]:
+        return comm.rank_and_size(self.group_name)
 
     def exchange_sizes(self, sizes: torch.Tensor) -> torch.Tensor:
         split = [sizes.shape[1]] * self.world
@@ -123,6 +171,9 @@ class StreamLink:
         self.pg = comm.resolve_group(group_name)
         self.compute, self.side = torch.cuda.current_stream(device), comm_stream(device)
         self.used: list[torch.Tensor] = []
+
+    def rank_and_size(self) -> tuple[int, int]:
+        return self.pg.rank(), self.pg.size()
 
     def exchange_sizes(self, sizes: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -171,54 +222,55 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     """The combined slots ``[W * E_local * C, H]`` (zeros past each expert's last non-zero row),
     with ``plan.saves`` ``[that, *intermediates]`` as reference.run returns them."""
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
-    rank, size = comm.rank_and_size(group_name)
+    link = link or link_for(group_name, buf.device, w)
+    rank, size = link.rank_and_size()
     if size != w:
         raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {w}")
-    link = link or link_for(group_name, buf.device, w)
-    dev = buf.device
-    flat = buf.view(w * e * c, h)
+    slots = buf.view(w, e * c, h)
     sizes = routed_sizes(buf.view(w, e, c, h))                     # [W, E]: what I send to d's experts
     arrivals = link.exchange_sizes(sizes)                          # [W, E]: what source s sends mine
-    on_host = torch.stack([sizes, arrivals]).cpu().tolist()        # the one synchronisation
-    sent_rows, got_rows = on_host
+    offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
+    sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
 
-    # slot (d, e, p) is flat row (d * E + e) * C + p; the saved layout [E, W * C, *] has source s's
-    # rows of expert e at e * W * C + s * C + p
-    slot_starts = torch.arange(w * e, device=dev).view(w, e) * c
-    saved_starts = (torch.arange(e, device=dev) * (w * c)).view(1, e) + (torch.arange(w, device=dev) * c).view(w, 1)
-    total = lambda rows: int(sum(rows))  # noqa: E731
-
-    out = buf.new_zeros(w * e * c, h)
+    out = buf.new_empty(w, e * c, h)
     saved = ref.Saved(plan, buf)
-    for t in saved.tensors.values():
-        t.zero_()
-    saved_flat = {role: t.view(-1, t.shape[2]) for role, t in saved.tensors.items()}
 
-    def experts_of(x: torch.Tensor, source: int) -> torch.Tensor:
-        rows = got_rows[source]
-        y, inter = grouped_swiglu(x, rows, torch.cumsum(arrivals[source], 0, dtype=torch.int32), w1, w3, w2)
-        if saved_flat:
-            idx = packed_rows(arrivals[source], saved_starts[source], total(rows))
-            for role, t in saved_flat.items():
-                t.index_copy_(0, idx, inter[role])
-        return y
+    def keep_of(source: int, rows: list[int]) -> dict | None:
+        """The saved layout [E, W * C, *] holds source s's rows of expert j at [j, s * C + p]."""
+        if not saved.tensors:
+            return None
+        return {role: [t[j, source * c:source * c + n] for j, n in enumerate(rows) if n]
+                for role, t in saved.tensors.items()}
 
     # every dispatch piece packed and started first, in round order (the same on every rank) ...
     pieces = []
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
-        send = flat.index_select(0, packed_rows(sizes[dst], slot_starts[dst], total(sent_rows[dst])))
-        pieces.append(link.start(send, dst, total(got_rows[src]), src, h))
-    # ... the own tokens' experts run while they travel ...
-    own_index = packed_rows(sizes[rank], slot_starts[rank], total(sent_rows[rank]))
-    out.index_copy_(0, own_index, experts_of(flat.index_select(0, own_index), rank))
+        send = torch.cat(Rows.slots(slots[dst], sent_rows[dst], c).views() or [slots.new_empty(0, h)])
+        pieces.append(link.start(send, dst, sum(got_rows[src]), src, h))
+    # ... the own tokens' experts run while they travel, from their slots into their slots ...
+    mine = sent_rows[rank]
+    swiglu_rows(Rows.slots(slots[rank], mine, c), w1, w3, w2, Rows.slots(out[rank], mine, c),
+                keep_of(rank, mine), offsets[0, rank])
     backs = []
     for r, piece in enumerate(pieces, start=1):
         dst, src = ref.round_peers(rank, w, r)
-        y = experts_of(link.finish(piece), src)
+        got = Rows(link.finish(piece), got_rows[src])
+        y = Rows(torch.empty_like(got.t), got_rows[src])
+        swiglu_rows(got, w1, w3, w2, y, keep_of(src, got_rows[src]), offsets[1, src])
         # ... and each piece's results go home as soon as its experts are done
-        backs.append((dst, link.start(y, src, total(sent_rows[dst]), dst, h)))
+        backs.append((dst, link.start(y.t, src, sum(sent_rows[dst]), dst, h)))
     for dst, back in backs:
-        out.index_copy_(0, packed_rows(sizes[dst], slot_starts[dst], total(sent_rows[dst])), link.finish(back))
+        views = Rows.slots(out[dst], sent_rows[dst], c).views()
+        if views:
+            torch._foreach_copy_(views, Rows(link.finish(back), sent_rows[dst]).views())
+        else:
+            link.finish(back)
+    # zeros past every routed row: the outputs and intermediates of zero rows
+    padding = [out[d, j * c + n:(j + 1) * c] for d in range(w) for j, n in enumerate(sent_rows[d]) if n < c]
+    padding += [t[j, s * c + n:(s + 1) * c] for t in saved.tensors.values()
+                for s in range(w) for j, n in enumerate(got_rows[s]) if n < c]
+    if padding:
+        torch._foreach_zero_(padding)
     link.close()
-    return saved.result(out)
+    return saved.result(out.view(w * e * c, h))

@@ -1,0 +1,67 @@
+"""How many rows of each (destination, expert) slot group of a dispatch buffer must travel: 1 + the
+index of its last non-zero row (routed.py). Bias-free SwiGLU maps zero rows to zero rows, so
+the zero rows after it need neither a transfer nor a GEMM.
+
+``_last_row_kernel`` (one program per group) scans a group from its top row down, a block of rows
+at a time, and stops at the first block holding a non-zero entry: it reads the padding and one
+block more, not the buffer (the padding is a fifth of the slots under uniform routing at
+capacity factor 1.25, most of them under skewed routing). ``sizes`` launches it on CUDA and
+computes the same with torch ops elsewhere (CPU, no Triton). NaN is non-zero (such a row must
+travel).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tile_fused.primitives import HAVE_TRITON, tl, triton
+
+BLOCK_ROWS, BLOCK_COLS = 16, 256
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _last_row_kernel(x_ptr, sizes_ptr, rows, cols, stride_group, stride_row,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        group = tl.program_id(0)
+        base = x_ptr + group.to(tl.int64) * stride_group
+        top = rows  # rows [top - BLOCK_R, top) are scanned next
+        size = 0
+        while (top > 0) & (size == 0):
+            r = top - BLOCK_R + tl.arange(0, BLOCK_R)
+            live = r >= 0
+            nonzero = tl.zeros([BLOCK_R], dtype=tl.int32)
+            for c0 in range(0, cols, BLOCK_C):
+                c = c0 + tl.arange(0, BLOCK_C)
+                v = tl.load(base + r[:, None].to(tl.int64) * stride_row + c[None, :],
+                            mask=live[:, None] & (c[None, :] < cols), other=0.0)
+                nonzero = tl.maximum(nonzero, tl.max((v != 0).to(tl.int32), axis=1))
+            size = tl.max(tl.where(nonzero > 0, r + 1, 0), axis=0)
+            top -= BLOCK_R
+        tl.store(sizes_ptr + group, size)
+
+
+def sizes_torch(slots: torch.Tensor) -> torch.Tensor:
+    """The same with torch ops (reads every row)."""
+    nonzero = slots.ne(0).any(-1)
+    position = torch.arange(1, slots.shape[-2] + 1, device=slots.device, dtype=torch.int32)
+    return (nonzero.to(torch.int32) * position).amax(-1)
+
+
+def sizes_kernel(slots: torch.Tensor) -> torch.Tensor:
+    """``_last_row_kernel`` over ``slots`` ``[..., C, H]`` (rows contiguous): int32 ``[...]``."""
+    lead, (rows, cols) = slots.shape[:-2], slots.shape[-2:]
+    groups = slots.reshape(-1, rows, cols)
+    if groups.stride(2) != 1 or groups.stride(1) != cols:
+        groups = groups.contiguous()
+    out = torch.empty(groups.shape[0], dtype=torch.int32, device=slots.device)
+    if groups.shape[0]:
+        _last_row_kernel[(groups.shape[0],)](groups, out, rows, cols, groups.stride(0), groups.stride(1),
+                                             BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    return out.view(lead)
+
+
+def sizes(slots: torch.Tensor) -> torch.Tensor:
+    """``[..., C, H]`` -> int32 ``[...]``: 1 + the last row with a non-zero entry (0: all rows zero)."""
+    if slots.is_cuda and HAVE_TRITON:
+        return sizes_kernel(slots)
+    return sizes_torch(slots)
