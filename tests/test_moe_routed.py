@@ -30,7 +30,7 @@ SIZES_UNDER_INTERPRETER = r"""
 import torch
 from overlap_compile.templates.moe_fused import routed_sizes as RS
 torch.manual_seed(0)
-for g, c, h in [(3, 37, 40), (5, 16, 300), (2, 1, 7), (4, 33, 256)]:
+for g, c, h in [(3, 37, 40), (5, 16, 300), (2, 1, 7), (4, 33, 256), (3, 300, 20)]:  # 300 rows: 3 chunks
     x = torch.randn(g, c, h)
     fills = torch.randint(0, c + 1, (g,))
     for i in range(g):

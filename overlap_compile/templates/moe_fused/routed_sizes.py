@@ -2,10 +2,11 @@
 index of its last non-zero row (routed.py). Bias-free SwiGLU maps zero rows to zero rows, so
 the zero rows after it need neither a transfer nor a GEMM.
 
-``_last_row_kernel`` (one program per group) scans a group from its top row down, a block of rows
-at a time, and stops at the first block holding a non-zero entry: it reads the padding and one
-block more, not the buffer (the padding is a fifth of the slots under uniform routing at
-capacity factor 1.25, most of them under skewed routing). ``sizes`` launches it on CUDA and
+``_last_row_kernel`` (one program per group and chunk of CHUNK_ROWS rows, so an empty group is
+read by many SMs at once) scans its chunk from the top row down, a block of rows at a time, stops
+at the first block holding a non-zero entry and atomic-maxes 1 + that row into the group's size:
+a chunk under routed rows reads one block (the padding is a fifth of the slots under uniform
+routing at capacity factor 1.25, most of them under skewed routing). ``sizes`` launches it on CUDA and
 computes the same with torch ops elsewhere (CPU, no Triton). NaN is non-zero (such a row must
 travel).
 """
@@ -15,20 +16,21 @@ import torch
 
 from ..tile_fused.primitives import HAVE_TRITON, tl, triton
 
-BLOCK_ROWS, BLOCK_COLS = 16, 256
+BLOCK_ROWS, BLOCK_COLS, CHUNK_ROWS = 16, 256, 128
 
 if HAVE_TRITON:
 
     @triton.jit
     def _last_row_kernel(x_ptr, sizes_ptr, rows, cols, stride_group, stride_row,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        group = tl.program_id(0)
+                         CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        group, chunk = tl.program_id(0), tl.program_id(1)
         base = x_ptr + group.to(tl.int64) * stride_group
-        top = rows  # rows [top - BLOCK_R, top) are scanned next
+        bottom = chunk * CHUNK
+        top = tl.minimum(bottom + CHUNK, rows)  # rows [top - BLOCK_R, top) are scanned next
         size = 0
-        while (top > 0) & (size == 0):
+        while (top > bottom) & (size == 0):
             r = top - BLOCK_R + tl.arange(0, BLOCK_R)
-            live = r >= 0
+            live = r >= bottom
             nonzero = tl.zeros([BLOCK_R], dtype=tl.int32)
             for c0 in range(0, cols, BLOCK_C):
                 c = c0 + tl.arange(0, BLOCK_C)
@@ -37,7 +39,8 @@ if HAVE_TRITON:
                 nonzero = tl.maximum(nonzero, tl.max((v != 0).to(tl.int32), axis=1))
             size = tl.max(tl.where(nonzero > 0, r + 1, 0), axis=0)
             top -= BLOCK_R
-        tl.store(sizes_ptr + group, size)
+        if size > 0:
+            tl.atomic_max(sizes_ptr + group, size)
 
 
 def sizes_torch(slots: torch.Tensor) -> torch.Tensor:
@@ -53,10 +56,11 @@ def sizes_kernel(slots: torch.Tensor) -> torch.Tensor:
     groups = slots.reshape(-1, rows, cols)
     if groups.stride(2) != 1 or groups.stride(1) != cols:
         groups = groups.contiguous()
-    out = torch.empty(groups.shape[0], dtype=torch.int32, device=slots.device)
-    if groups.shape[0]:
-        _last_row_kernel[(groups.shape[0],)](groups, out, rows, cols, groups.stride(0), groups.stride(1),
-                                             BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    out = torch.zeros(groups.shape[0], dtype=torch.int32, device=slots.device)
+    if groups.shape[0] and rows:
+        grid = (groups.shape[0], triton.cdiv(rows, CHUNK_ROWS))
+        _last_row_kernel[grid](groups, out, rows, cols, groups.stride(0), groups.stride(1),
+                               CHUNK=CHUNK_ROWS, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
     return out.view(lead)
 
 
