@@ -11,7 +11,9 @@ hot-expert case), then timed (CUDA events, medians, host-launched, bf16):
   the peer's piece has the shape it would have): the sizes scan, the host synchronisation,
   packing, the GEMMs over the routed rows only, the copies back, the zeros past them.
 
-Rows: fill (routed share of the slots), ms of both, ratio; JSON under --out (results_io).
+and ``routed`` again with one cuBLAS mm per expert instead of torch._grouped_mm
+(``routed_mm_per_expert_ms``). Rows: fill (routed share of the slots), ms of each, ratio; JSON
+under --out (results_io).
 
     python benchmarks/diagnostics/moe_routed_experts.py --out $OUT
 """
@@ -108,7 +110,7 @@ def main() -> None:
     base = {"benchmark": "moe_routed_experts", "device": torch.cuda.get_device_name(), "world_size": a.world,
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     rows = []
-    print(f"{'shape':>14} {'routing':>8} {'fill':>5} {'capacity ms':>11} {'routed ms':>9} {'ratio':>6}")
+    print(f"{'shape':>14} {'routing':>8} {'fill':>5} {'capacity ms':>11} {'routed ms':>9} {'ratio':>6} {'mm/expert':>9}")
     for shape in shapes:
         torch.manual_seed(0)
         e_local, h, ffn = shape["E"] // a.world, shape["H"], shape["I"]
@@ -134,13 +136,19 @@ def main() -> None:
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             fill = routed.routed_sizes(slots).sum().item() / (w * e * c)
             cap_ms, routed_ms = time_ms(capacity, a.iters), time_ms(routed_work, a.iters)
+            grouped_from, routed.GROUPED_FROM_EXPERTS = routed.GROUPED_FROM_EXPERTS, 1 << 20
+            try:  # one cuBLAS mm per expert throughout
+                mm_ms = time_ms(routed_work, a.iters)
+            finally:
+                routed.GROUPED_FROM_EXPERTS = grouped_from
             if a.profile == shape["name"]:
                 profile_table(capacity, routed_work, routing)
             rows.append({**base, "shape": shape["name"], "routing": routing, "fill": fill, "capacity_ms": cap_ms,
-                         "routed_ms": routed_ms, "ratio": cap_ms / routed_ms, "rel_err": err,
+                         "routed_ms": routed_ms, "ratio": cap_ms / routed_ms,
+                         "routed_mm_per_expert_ms": mm_ms, "rel_err": err,
                          "grouped_mm": e >= routed.GROUPED_FROM_EXPERTS and routed._grouped_mm_runs(flat, ws[0])})
             print(f"{shape['name']:>14} {routing:>8} {fill:5.2f} {cap_ms:11.3f} {routed_ms:9.3f} "
-                  f"{cap_ms / routed_ms:6.2f}  err {err:.1e}")
+                  f"{cap_ms / routed_ms:6.2f} {mm_ms:9.3f}  err {err:.1e}")
     print("wrote", write_rows(rows, a.out, "moe_routed_experts", base["device"], a.world, date=base["date"]))
 
 

@@ -58,10 +58,12 @@ def packed_rows(sizes: torch.Tensor, starts: torch.Tensor, total: int) -> torch.
     return shift + torch.arange(total, device=sizes.device)
 
 
-# Up to this many local experts, one cuBLAS mm per expert; past it one torch._grouped_mm (fewer
-# launches). 1x H100, bf16, shapes.json moe (benchmarks/diagnostics/moe_routed_experts.py): the
-# grouped GEMM took as long on 81% of the rows as cuBLAS bmm on all of them.
-GROUPED_FROM_EXPERTS = 9
+# torch._grouped_mm (three launches per piece) from this many local experts, one cuBLAS mm per
+# expert below it and wherever the grouped GEMM cannot run (fp32 / fp16 on CUDA, unaligned rows).
+# 1x H100, bf16, shapes.json moe (benchmarks/diagnostics/moe_routed_experts.py): the grouped GEMM
+# takes as long on 81% of the rows as cuBLAS bmm on all of them, but one mm per expert left the
+# pipeline host-bound (24 launches of ~20 us GEMMs per call on MoE-1 at W = 2).
+GROUPED_FROM_EXPERTS = 1
 
 
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
