@@ -115,7 +115,7 @@ def routed_roles():
     return MOE_SAVE_ROLES
 
 
-def _routed_vs_capacity(grouped_from: int) -> list:
+def _routed_vs_capacity(grouped_from: int, trimmed_from: float) -> list:
     from overlap_compile.templates.moe_fused import reference
     from overlap_compile.templates.plans import MoePlan
 
@@ -131,7 +131,7 @@ def _routed_vs_capacity(grouped_from: int) -> list:
     for d in range(w):
         for j in range(e):
             buf[d, j, int(fill[d, j]):] = 0
-    routed.GROUPED_FROM_EXPERTS = grouped_from
+    routed.GROUPED_FROM_EXPERTS, routed.TRIMMED_FROM_FILL = grouped_from, trimmed_from
     rows_seen = []
     swiglu = routed.swiglu_rows
 
@@ -161,13 +161,17 @@ def _routed_vs_capacity(grouped_from: int) -> list:
         routed.swiglu_rows = swiglu
 
 
-@pytest.mark.parametrize("grouped_from", [1, 99])  # torch._grouped_mm / one mm per expert
-def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding(grouped_from):
-    for results, routed_to_me, slots in run_distributed(_routed_vs_capacity, world_size=3, args=(grouped_from,),
-                                                        timeout_s=120):
+@pytest.mark.parametrize("grouped_from,trimmed_from", [
+    (1, 2.0), (99, 2.0),  # every piece packed: torch._grouped_mm / one mm per expert, routed rows only
+    (1, 0.0),             # every piece trimmed: bmm over [E, m, H]
+    (1, 0.8)])            # as shipped: each piece by its fill
+def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding(grouped_from, trimmed_from):
+    for results, routed_to_me, slots in run_distributed(_routed_vs_capacity, world_size=3,
+                                                        args=(grouped_from, trimmed_from), timeout_s=120):
         for r in results:
             assert max(r["errs"]) < 1e-5, r
-            assert r["rows"] == routed_to_me < slots, (r, routed_to_me, slots)
+            if trimmed_from > 1:  # packed pieces: exactly the routed rows reach the experts
+                assert r["rows"] == routed_to_me < slots, (r, routed_to_me, slots)
 
 
 def _nan_row_travels() -> float:

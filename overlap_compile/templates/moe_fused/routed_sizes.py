@@ -2,13 +2,16 @@
 index of its last non-zero row (routed.py). Bias-free SwiGLU maps zero rows to zero rows, so
 the zero rows after it need neither a transfer nor a GEMM.
 
-``_last_row_kernel``: one program per (block of BLOCK_ROWS rows, group), the top blocks first in
-launch order. A program first reads its group's size so far (an atomic read) and, when a row
-above its block was already found routed, skips its loads; else it atomic-maxes 1 + its last
-non-zero row into the size. So mostly the padding is read, by many SMs at once (the padding is
-a fifth of the slots under uniform routing at capacity factor 1.25, most of them under skewed
-routing); one program per group scanning down was latency-bound (100 us for 84 MB on an H100:
-one dependent load after another). ``sizes`` launches it on CUDA and
+``_last_row_kernel``: one program per (chunk of CHUNK_ROWS rows, group), the top chunks first in
+launch order; each scans its chunk from the top down, BLOCK_ROWS rows at a time, and stops at
+the first block holding a non-zero entry (atomic-maxing 1 + its last non-zero row into the
+group's size) or as soon as a routed row above its block was found by another program. So
+mostly the padding is read, by many SMs at once, a few dependent loads each (the padding is a
+fifth of the slots under uniform routing at capacity factor 1.25, most of them under skewed
+routing). Measured on 1x H100, MoE-1's 84 MB buffer: one program per group scanning down was
+latency-bound (100 us: one dependent load after another), one program per 32-row block read
+everything (70 us: all of them resident before any could skip).
+``sizes`` launches it on CUDA and
 computes the same with torch ops elsewhere (CPU, no Triton). NaN is non-zero (such a row must
 travel).
 """
@@ -18,21 +21,25 @@ import torch
 
 from ..tile_fused.primitives import HAVE_TRITON, tl, triton
 
-BLOCK_ROWS, BLOCK_COLS = 32, 512
+BLOCK_ROWS, CHUNK_ROWS, MAX_BLOCK_COLS = 32, 128, 1024
 
 if HAVE_TRITON:
 
     @triton.jit
     def _last_row_kernel(x_ptr, sizes_ptr, rows, cols, stride_group, stride_row,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # axis 0 (launched first): blocks counted from the top of the group
-        group, from_top = tl.program_id(1), tl.program_id(0)
-        top = rows - from_top * BLOCK_R
-        # a block below a row already found routed has nothing to add: skip its loads
-        if tl.atomic_max(sizes_ptr + group, 0) < top:
-            base = x_ptr + group.to(tl.int64) * stride_group
+                         CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # axis 0, launched first: chunks counted from the top of the group
+        chunk, group = tl.program_id(0), tl.program_id(1)
+        base = x_ptr + group.to(tl.int64) * stride_group
+        top = rows - chunk * CHUNK
+        bottom = tl.maximum(top - CHUNK, 0)
+        size = 0
+        found = 0  # the group's size so far, as other programs left it
+        while (top > bottom) & (size == 0) & (found < top):
+            # rows under a routed row found above cannot change the size: not loaded
+            found = tl.atomic_max(sizes_ptr + group, 0)
             r = top - BLOCK_R + tl.arange(0, BLOCK_R)
-            live = r >= 0
+            live = (r >= bottom) & (r >= found)
             nonzero = tl.zeros([BLOCK_R], dtype=tl.int32)
             for c0 in range(0, cols, BLOCK_C):
                 c = c0 + tl.arange(0, BLOCK_C)
@@ -40,8 +47,9 @@ if HAVE_TRITON:
                             mask=live[:, None] & (c[None, :] < cols), other=0.0)
                 nonzero = tl.maximum(nonzero, tl.max((v != 0).to(tl.int32), axis=1))
             size = tl.max(tl.where(nonzero > 0, r + 1, 0), axis=0)
-            if size > 0:
-                tl.atomic_max(sizes_ptr + group, size)
+            top -= BLOCK_R
+        if size > found:
+            tl.atomic_max(sizes_ptr + group, size)
 
 
 def sizes_torch(slots: torch.Tensor) -> torch.Tensor:
@@ -59,9 +67,9 @@ def sizes_kernel(slots: torch.Tensor) -> torch.Tensor:
         groups = groups.contiguous()
     out = torch.zeros(groups.shape[0], dtype=torch.int32, device=slots.device)
     if groups.shape[0] and rows:
-        blocks = triton.cdiv(rows, BLOCK_ROWS)
-        _last_row_kernel[(blocks, groups.shape[0])](groups, out, rows, cols, groups.stride(0), groups.stride(1),
-                                                    BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+        grid = (triton.cdiv(rows, CHUNK_ROWS), groups.shape[0])
+        _last_row_kernel[grid](groups, out, rows, cols, groups.stride(0), groups.stride(1), CHUNK=CHUNK_ROWS,
+                               BLOCK_R=BLOCK_ROWS, BLOCK_C=min(MAX_BLOCK_COLS, triton.next_power_of_2(cols)))
     return out.view(lead)
 
 
