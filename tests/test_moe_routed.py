@@ -72,41 +72,26 @@ def test_packed_rows_lists_each_group_in_order(sizes):
                                        (10, 6, torch.float32),   # 40-byte rows: one mm per expert only
                                        (16, 24, torch.bfloat16)])
 @pytest.mark.parametrize("grouped_from", [1, 99])  # the grouped GEMM where it runs / one mm per expert
-@pytest.mark.parametrize("layout", ["slots", "packed"])
-def test_swiglu_rows_equals_the_experts_on_every_slot(h, f, dtype, grouped_from, layout, monkeypatch):
-    from overlap_compile.templates.moe_fused import reference
-
+def test_swiglu_packed_equals_the_experts_on_every_slot(h, f, dtype, grouped_from, monkeypatch):
     monkeypatch.setattr(routed, "GROUPED_FROM_EXPERTS", grouped_from)
     torch.manual_seed(0)
-    sizes, cap = [3, 0, 5, 1], 6
+    sizes = [3, 0, 5, 1]
     e = len(sizes)
-    slots = torch.randn(e, cap, h).to(dtype)
-    for j, n in enumerate(sizes):
-        slots[j, n:] = 0
     ws = [(torch.randn(e, h, f) / 3).to(dtype), (torch.randn(e, h, f) / 3).to(dtype), (torch.randn(e, f, h) / 3).to(dtype)]
-    keep_full = {r: torch.full((e, cap, h if r == "tokens" else f), 7.0, dtype=dtype) for r in routed_roles()}
-    want = reference.experts(slots, *ws, keep=None)
-    gate = torch.bmm(slots, ws[0])
-    up = torch.bmm(slots, ws[1])
-    inter = {"tokens": slots, "gate": gate, "up": up, "act": torch.nn.functional.silu(gate) * up}
+    x = torch.randn(sum(sizes), h).to(dtype)
     offsets = torch.cumsum(torch.tensor(sizes), 0, dtype=torch.int32)
-    if layout == "slots":
-        x, out = routed.Rows.slots(slots.view(-1, h), sizes, cap), routed.Rows.slots(torch.full((e * cap, h), 5.0, dtype=dtype), sizes, cap)
-    else:
-        x = routed.Rows(torch.cat([slots[j, :n] for j, n in enumerate(sizes)]), sizes)
-        out = routed.Rows(torch.full((sum(sizes), h), 5.0, dtype=dtype), sizes)
-    keep = {r: [t[j, :n] for j, n in enumerate(sizes) if n] for r, t in keep_full.items()}
-    routed.swiglu_rows(x, *ws, out, keep, offsets)
+    y, inter = routed.swiglu_packed(x, sizes, offsets, *ws)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    got = out.views()
-    for view, (j, n) in zip(got, [(j, n) for j, n in enumerate(sizes) if n]):
-        assert torch.allclose(view.float(), want[j, :n].float(), rtol=tol, atol=tol)
-    for r, t in keep_full.items():  # the routed rows kept, nothing else touched
-        for j, n in enumerate(sizes):
-            assert torch.allclose(t[j, :n].float(), inter[r][j, :n].float(), rtol=tol, atol=tol), r
-            assert bool((t[j, n:] == 7.0).all()), r
-    if layout == "slots":  # rows past the routed ones are not written (run() zeroes them)
-        assert all(bool((out.t[j * cap + n:(j + 1) * cap] == 5.0).all()) for j, n in enumerate(sizes))
+    lo = 0
+    for j, n in enumerate(sizes):
+        xe = x[lo:lo + n].float()
+        gate, up = xe @ ws[0][j].float(), xe @ ws[1][j].float()
+        act = torch.nn.functional.silu(gate) * up
+        want = {"tokens": xe, "gate": gate, "up": up, "act": act}
+        assert torch.allclose(y[lo:lo + n].float(), act @ ws[2][j].float(), rtol=tol, atol=tol), j
+        for role in routed_roles():
+            assert torch.allclose(inter[role][lo:lo + n].float(), want[role], rtol=tol, atol=tol), (j, role)
+        lo += n
 
 
 def routed_roles():
@@ -133,13 +118,14 @@ def _routed_vs_capacity(grouped_from: int, trimmed_from: float) -> list:
             buf[d, j, int(fill[d, j]):] = 0
     routed.GROUPED_FROM_EXPERTS, routed.TRIMMED_FROM_FILL = grouped_from, trimmed_from
     rows_seen = []
-    swiglu = routed.swiglu_rows
+    swiglu = routed.swiglu_packed
 
-    def counting(x, *a):
-        rows_seen.append(sum(x.sizes))
-        return swiglu(x, *a)
+    def counting(x, rows, *a):
+        rows_seen.append(sum(rows))
+        assert x.shape[0] == sum(rows)
+        return swiglu(x, rows, *a)
 
-    routed.swiglu_rows = counting
+    routed.swiglu_packed = counting
     try:
         results = []
         for saves in ((), ("tokens", "gate", "up", "act")):
@@ -158,7 +144,7 @@ def _routed_vs_capacity(grouped_from: int, trimmed_from: float) -> list:
         routed_to_me = sum(int(a[rank].sum()) for a in arrivals)
         return [results, routed_to_me, w * e * c]
     finally:
-        routed.swiglu_rows = swiglu
+        routed.swiglu_packed = swiglu
 
 
 @pytest.mark.parametrize("grouped_from,trimmed_from", [

@@ -81,63 +81,33 @@ def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-class Rows:
-    """Expert e's rows of a 2-D tensor: ``t[at[e] : at[e] + sizes[e]]``, for the slot layout (at[e]
-    = e * C) and for a packed piece (at = the running sum of sizes) alike."""
-
-    def __init__(self, t: torch.Tensor, sizes: list[int], at: list[int] | None = None) -> None:
-        self.t, self.sizes = t, sizes
-        self.at = at if at is not None else [sum(sizes[:e]) for e in range(len(sizes))]
-
-    @staticmethod
-    def slots(t: torch.Tensor, sizes: list[int], capacity: int) -> "Rows":
-        return Rows(t, sizes, [e * capacity for e in range(len(sizes))])
-
-    @property
-    def packed(self) -> bool:
-        return self.at == [sum(self.sizes[:e]) for e in range(len(self.sizes))]
-
-    def views(self) -> list[torch.Tensor]:
-        return [self.t[a:a + n] for a, n in zip(self.at, self.sizes) if n]
-
-
-def swiglu_rows(x: Rows, w1, w3, w2, out: Rows, keep: dict | None = None, offsets: torch.Tensor | None = None) -> None:
-    """SwiGLU of every expert's rows of ``x`` into the same experts' rows of ``out``; ``keep``: role
-    -> per-expert views (experts with rows only) to copy that intermediate into. ``offsets``: the
-    device cumsum of x.sizes (int32), for the grouped GEMM."""
-    total = sum(x.sizes)
-    if not total:
-        return
-    grouped = (len(x.sizes) >= GROUPED_FROM_EXPERTS and offsets is not None and _grouped_mm_runs(x.t, w1))
-    if grouped:
-        xs = x.t[:total] if x.packed else torch.cat(x.views())
-        gate, up = torch._grouped_mm(xs, w1, offs=offsets), torch._grouped_mm(xs, w3, offs=offsets)
-    else:  # one cuBLAS mm per expert, straight from the rows where they are
-        xs = None
-        gate, up = x.t.new_empty(total, w1.shape[2]), x.t.new_empty(total, w1.shape[2])
-        p = 0
-        for e, (a, n) in enumerate(zip(x.at, x.sizes)):
-            if n:
-                torch.mm(x.t[a:a + n], w1[e], out=gate[p:p + n])
-                torch.mm(x.t[a:a + n], w3[e], out=up[p:p + n])
-                p += n
-    act = F.silu(gate).mul_(up)
-    live = [e for e, n in enumerate(x.sizes) if n]
-    packed = Rows(act, x.sizes)
-    if grouped:
+def swiglu_packed(x: torch.Tensor, rows: list[int], offsets: torch.Tensor, w1, w3, w2
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SwiGLU of packed rows (expert e's ``rows[e]`` rows after expert e - 1's; ``offsets``: their
+    device cumsum, int32): (y, the intermediates by MoePlan.saves role, packed the same way)."""
+    if len(rows) >= GROUPED_FROM_EXPERTS and _grouped_mm_runs(x, w1):
+        gate, up = torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
+        act = F.silu(gate).mul_(up)
         y = torch._grouped_mm(act, w2, offs=offsets)
-        if out.packed:
-            out.t[:total].copy_(y)
-        else:
-            torch._foreach_copy_(out.views(), Rows(y, x.sizes).views())
-    else:
-        for e, a, src in zip(live, [out.at[e] for e in live], packed.views()):
-            torch.mm(src, w2[e], out=out.t[a:a + out.sizes[e]])
-    if keep:
-        values = {"tokens": x.views() if xs is None else Rows(xs, x.sizes).views(),
-                  "gate": Rows(gate, x.sizes).views(), "up": Rows(up, x.sizes).views(), "act": packed.views()}
-        for role, views in keep.items():
-            torch._foreach_copy_(views, values[role])
+    else:  # one cuBLAS mm per expert with rows
+        spans = [(j, lo, n) for j, (lo, n) in enumerate(zip(_starts(rows), rows)) if n]
+        gate, up = x.new_empty(x.shape[0], w1.shape[2]), x.new_empty(x.shape[0], w1.shape[2])
+        for j, lo, n in spans:
+            torch.mm(x[lo:lo + n], w1[j], out=gate[lo:lo + n])
+            torch.mm(x[lo:lo + n], w3[j], out=up[lo:lo + n])
+        act = F.silu(gate).mul_(up)
+        y = x.new_empty(x.shape[0], w2.shape[2])
+        for j, lo, n in spans:
+            torch.mm(act[lo:lo + n], w2[j], out=y[lo:lo + n])
+    return y, {"tokens": x, "gate": gate, "up": up, "act": act}
+
+
+def _starts(rows: list[int]) -> list[int]:
+    at, out = 0, []
+    for n in rows:
+        out.append(at)
+        at += n
+    return out
 
 
 class FunctionalLink:
@@ -250,79 +220,71 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     rank, size = link.rank_and_size()
     if size != w:
         raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {w}")
-    slots = buf.view(w, e, c, h)
+    slots, flat, dev = buf.view(w, e, c, h), buf.view(w * e * c, h), buf.device
     sizes = routed_sizes(slots)                                    # [W, E]: what I send to d's experts
     arrivals = link.exchange_sizes(sizes)                          # [W, E]: what source s sends mine
     offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
     sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
 
-    out = buf.new_empty(w, e, c, h)
+    # zeros where no routed row lands (written once, not per padding range: fewer host calls)
+    out = buf.new_zeros(w, e, c, h)
     saved = ref.Saved(plan, buf)
+    for t in saved.tensors.values():
+        t.zero_()
+    # flat row of slot (d, j, p): (d * E + j) * C + p; of saved (j, s, p) in [E, W * C, *]: j * W * C + s * C + p
+    slot_starts = torch.arange(w * e, device=dev).view(w, e) * c
+    saved_starts = torch.arange(e, device=dev).view(1, e) * (w * c) + torch.arange(w, device=dev).view(w, 1) * c
 
-    def keep_of(source: int, rows: list[int], m: int | None) -> dict | None:
-        """Views of the saved layout [E, W * C, *] (source s's rows of expert j at [j, s * C + p]):
-        [E, m, *] for a trimmed piece, one [rows[j], *] per expert with rows for a packed one."""
-        if not saved.tensors:
-            return None
-        lo = source * c
-        if m is not None:
-            return {role: t[:, lo:lo + m] for role, t in saved.tensors.items()}
-        return {role: [t[j, lo:lo + n] for j, n in enumerate(rows) if n] for role, t in saved.tensors.items()}
+    def slot_index(d: int, sizes_of: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return packed_rows(sizes_of[d], slot_starts[d], sum(rows))
 
-    def experts(x: torch.Tensor, rows: list[int], source: int, offs: torch.Tensor) -> torch.Tensor:
-        """A piece through the experts: x is [E, m, H] (trimmed, a view of the slots or as landed)
-        or [sum(rows), H] (packed); the result in the same layout."""
+    def outgoing(d: int) -> torch.Tensor:
+        """My slots for rank d's experts as they travel: [E * m, H] trimmed, [routed rows, H] packed."""
+        rows = sent_rows[d]
         m = trimmed_rows(rows)
         if m is not None:
-            return ref.experts(x, w1, w3, w2, keep=keep_of(source, rows, m))
-        y = torch.empty_like(x)
-        swiglu_rows(Rows(x, rows), w1, w3, w2, Rows(y, rows), keep_of(source, rows, None), offs)
+            return slots[d, :, :m].reshape(e * m, h)
+        return flat.index_select(0, slot_index(d, sizes, rows))
+
+    def experts(x: torch.Tensor, source: int) -> torch.Tensor:
+        """A piece from ``source`` (as outgoing lays it out) through the experts, in the same layout;
+        its intermediates into the saved layout."""
+        rows = got_rows[source]
+        m = trimmed_rows(rows)
+        if m is not None:
+            keep = {role: t[:, source * c:source * c + m] for role, t in saved.tensors.items()}
+            return ref.experts(x.view(e, m, h), w1, w3, w2, keep=keep).view(e * m, h)
+        y, inter = swiglu_packed(x, rows, offsets[1, source], w1, w3, w2)
+        if saved.tensors:
+            index = packed_rows(arrivals[source], saved_starts[source], sum(rows))
+            for role, t in saved.tensors.items():
+                t.view(-1, t.shape[2]).index_copy_(0, index, inter[role])
         return y
 
-    def outgoing(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Slots [E, C, H] -> the piece as it travels: [E * m, H] trimmed or [sum(rows), H] packed."""
+    def place(d: int, piece: torch.Tensor) -> None:
+        """Results for my slots for rank d's experts (as outgoing laid them out) into out[d]."""
+        rows = sent_rows[d]
         m = trimmed_rows(rows)
         if m is not None:
-            return t[:, :m].reshape(e * m, h)
-        return torch.cat(Rows.slots(t.view(e * c, h), rows, c).views() or [t.new_empty(0, h)])
-
-    def place(into: torch.Tensor, piece: torch.Tensor, rows: list[int]) -> None:
-        """A result piece (as outgoing lays it out) into its slots [E, C, H]."""
-        m = trimmed_rows(rows)
-        if m is not None:
-            into[:, :m].copy_(piece.view(e, m, h))
+            out[d, :, :m].copy_(piece.view(e, m, h))
         elif sum(rows):
-            torch._foreach_copy_(Rows.slots(into.view(e * c, h), rows, c).views(), Rows(piece, rows).views())
+            out.view(w * e * c, h).index_copy_(0, slot_index(d, sizes, rows), piece)
 
     # every dispatch piece laid out and started first, in round order (the same on every rank) ...
     pieces = []
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
-        pieces.append(link.start(outgoing(slots[dst], sent_rows[dst]), dst, _piece_rows(got_rows[src]), src, h))
-    # ... the own tokens' experts run while they travel, from their slots ...
-    mine = sent_rows[rank]
-    m = trimmed_rows(mine)
-    if m is not None:
-        out[rank, :, :m].copy_(experts(slots[rank, :, :m], mine, rank, offsets[0, rank]))
-    else:
-        swiglu_rows(Rows.slots(slots[rank].view(e * c, h), mine, c), w1, w3, w2,
-                    Rows.slots(out[rank].view(e * c, h), mine, c), keep_of(rank, mine, None), offsets[0, rank])
+        pieces.append(link.start(outgoing(dst), dst, _piece_rows(got_rows[src]), src, h))
+    # ... the own tokens' experts run while they travel (a trimmed own piece straight from the slots) ...
+    m = trimmed_rows(sent_rows[rank])
+    place(rank, experts(outgoing(rank) if m is None else slots[rank, :, :m], rank))
     backs = []
     for r, piece in enumerate(pieces, start=1):
         dst, src = ref.round_peers(rank, w, r)
-        rows = got_rows[src]
-        m = trimmed_rows(rows)
-        got = link.finish(piece)
-        y = experts(got if m is None else got.view(e, m, h), rows, src, offsets[1, src])
+        y = experts(link.finish(piece), src)
         # ... and each piece's results go home as soon as its experts are done
-        backs.append((dst, link.start(y.reshape(-1, h), src, _piece_rows(sent_rows[dst]), dst, h)))
+        backs.append((dst, link.start(y, src, _piece_rows(sent_rows[dst]), dst, h)))
     for dst, back in backs:
-        place(out[dst], link.finish(back), sent_rows[dst])
-    # zeros past every routed row: the outputs and intermediates of zero rows
-    padding = [out[d, j, n:] for d in range(w) for j, n in enumerate(sent_rows[d]) if n < c]
-    padding += [t[j, s * c + n:(s + 1) * c] for t in saved.tensors.values()
-                for s in range(w) for j, n in enumerate(got_rows[s]) if n < c]
-    if padding:
-        torch._foreach_zero_(padding)
+        place(dst, link.finish(back))
     link.close()
     return saved.result(out.view(w * e * c, h))
