@@ -87,7 +87,8 @@ def profile_table(capacity, routed_work, routing: str) -> None:
                 fn()
             torch.cuda.synchronize()
         print(f"--- {name} ({routing}), 5 calls")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48))
+        for key in ("cuda_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
 
 
 def main() -> None:
