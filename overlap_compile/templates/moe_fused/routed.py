@@ -211,6 +211,36 @@ def _piece_rows(rows: list[int]) -> int:
     return sum(rows) if m is None else len(rows) * m
 
 
+class _IndexMaps:
+    """Flat row indices of the routed rows of every packed piece, built on first use for all
+    pieces at once (a few launches in all, not per piece): ``slots(d)``, my rows for rank d's
+    experts in the dispatch buffer (slot (d, j, p) is row (d * E + j) * C + p); ``saved(s)``,
+    source s's rows in the saved layout [E, W * C, *] (row j * W * C + s * C + p)."""
+
+    def __init__(self, w, e, c, dev, sizes, arrivals, sent_rows, got_rows) -> None:
+        self.w, self.e, self.c, self.dev = w, e, c, dev
+        self.sizes, self.arrivals, self.sent_rows, self.got_rows = sizes, arrivals, sent_rows, got_rows
+        self._slots = self._saved = None
+
+    def _cut(self, index: torch.Tensor, rows: list[list[int]], d: int) -> torch.Tensor:
+        lo = sum(sum(r) for r in rows[:d])
+        return index[lo:lo + sum(rows[d])]
+
+    def slots(self, d: int) -> torch.Tensor:
+        if self._slots is None:
+            starts = torch.arange(self.w * self.e, device=self.dev) * self.c
+            self._slots = packed_rows(self.sizes, starts, sum(map(sum, self.sent_rows)))
+        return self._cut(self._slots, self.sent_rows, d)
+
+    def saved(self, s: int) -> torch.Tensor:
+        if self._saved is None:
+            w, e, c = self.w, self.e, self.c
+            starts = (torch.arange(e, device=self.dev).view(1, e) * (w * c)
+                      + torch.arange(w, device=self.dev).view(w, 1) * c)
+            self._saved = packed_rows(self.arrivals, starts, sum(map(sum, self.got_rows)))
+        return self._cut(self._saved, self.got_rows, s)
+
+
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
         plan: MoePlan, link=None) -> torch.Tensor | list[torch.Tensor]:
     """The combined slots ``[W * E_local * C, H]`` (zeros past each expert's last non-zero row),
@@ -231,12 +261,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     saved = ref.Saved(plan, buf)
     for t in saved.tensors.values():
         t.zero_()
-    # flat row of slot (d, j, p): (d * E + j) * C + p; of saved (j, s, p) in [E, W * C, *]: j * W * C + s * C + p
-    slot_starts = torch.arange(w * e, device=dev).view(w, e) * c
-    saved_starts = torch.arange(e, device=dev).view(1, e) * (w * c) + torch.arange(w, device=dev).view(w, 1) * c
-
-    def slot_index(d: int, sizes_of: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return packed_rows(sizes_of[d], slot_starts[d], sum(rows))
+    maps = _IndexMaps(w, e, c, dev, sizes, arrivals, sent_rows, got_rows)
 
     def outgoing(d: int) -> torch.Tensor:
         """My slots for rank d's experts as they travel: [E * m, H] trimmed, [routed rows, H] packed."""
@@ -244,7 +269,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
         m = trimmed_rows(rows)
         if m is not None:
             return slots[d, :, :m].reshape(e * m, h)
-        return flat.index_select(0, slot_index(d, sizes, rows))
+        return flat.index_select(0, maps.slots(d))
 
     def experts(x: torch.Tensor, source: int) -> torch.Tensor:
         """A piece from ``source`` (as outgoing lays it out) through the experts, in the same layout;
@@ -256,9 +281,8 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             return ref.experts(x.view(e, m, h), w1, w3, w2, keep=keep).view(e * m, h)
         y, inter = swiglu_packed(x, rows, offsets[1, source], w1, w3, w2)
         if saved.tensors:
-            index = packed_rows(arrivals[source], saved_starts[source], sum(rows))
             for role, t in saved.tensors.items():
-                t.view(-1, t.shape[2]).index_copy_(0, index, inter[role])
+                t.view(-1, t.shape[2]).index_copy_(0, maps.saved(source), inter[role])
         return y
 
     def place(d: int, piece: torch.Tensor) -> None:
@@ -268,7 +292,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
         if m is not None:
             out[d, :, :m].copy_(piece.view(e, m, h))
         elif sum(rows):
-            out.view(w * e * c, h).index_copy_(0, slot_index(d, sizes, rows), piece)
+            out.view(w * e * c, h).index_copy_(0, maps.slots(d), piece)
 
     # every dispatch piece laid out and started first, in round order (the same on every rank) ...
     pieces = []
