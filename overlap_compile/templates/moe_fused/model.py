@@ -80,15 +80,17 @@ def routed_fill(profile: HardwareProfile) -> float:
 
 
 def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
-    """Before the first routed piece (templates/moe_fused/routed.py): the sizes scan (one read of
-    the dispatch buffer), their all-to-all (W * E_local int32) and one host round trip
-    (``moe.host_sync_ms``, default 0.03), plus packing and unpacking every routed row (a read and
-    a write each way)."""
+    """Before the first routed piece (templates/moe_fused/routed.py): the sizes scan (at most one
+    read of the dispatch buffer), their all-to-all (W * E_local int32), packing and unpacking
+    every routed row (a read and a write each way), and the host round trip with the launches
+    issued after it while the GPU waits (``moe.routed_host_ms``, default 0.3: what the routed
+    pipeline took beyond its GPU work on the small shapes.json moe sections, 1x H100,
+    benchmarks/diagnostics/moe_routed_experts.py)."""
     fill = routed_fill(profile)
     scan = hbm_ms(profile, site.coll_bytes())
     sizes = comm_call_ms(site, profile, 4096.0, ctx, contended=False)  # W * E_local int32: latency-bound
     pack = hbm_ms(profile, 4 * fill * site.coll_bytes())
-    return scan + sizes + profile_extra(profile, "host_sync_ms", 0.03, "moe") + pack
+    return scan + sizes + profile_extra(profile, "routed_host_ms", 0.3, "moe") + pack
 
 
 def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
