@@ -1,7 +1,7 @@
 """MoE layer benchmark: the expert-parallel layer (overlap_compile.demo.moe) under torch.compile,
 sequential vs the overlap templates vs the comm-free bound, over the shapes.json "moe" set.
 
-    python benchmarks/moe.py --world 2 --out $OUT --time-budget 360        # GPUs (NCCL), bf16
+    python benchmarks/moe.py --world 2 --out $OUT --time-budget 300        # GPUs (NCCL), bf16
     python benchmarks/moe.py --world 2 --experts-sweep 8,16,32,64 --limit 1  # latency vs expert count
     python benchmarks/moe.py --dry-run                                       # CPU, gloo, world 2, tiny shapes
 
@@ -95,8 +95,9 @@ MODES = ("default", "reduce-overhead")
 PHASES = ("forward", "train")
 CAPACITY_FACTOR = 1.25
 SKEW_BIAS = 6.0  # added to expert 0's logit for an input of mean 1 (module docstring)
-DEFAULT_BUDGET_S = 360
-GRACE_S = 180  # one block in flight past the budget, then the output
+# GPU: with the grace, the run ends inside run_multigpu.sh's MOE_TIMEOUT (480 s), start-up included
+DEFAULT_BUDGET_S = 300
+GRACE_S = 120  # one block in flight past the budget (a block: ~10 compiles), then the output
 NOCOMM_NOTE = "none: nocomm replaces the all-to-alls by local copies, so its output differs by design"
 
 
@@ -125,7 +126,7 @@ def cases(shapes: list[dict], sweep: list[int] | None) -> list[dict]:
 def build_layer(case: dict, world: int, rank: int, group_name: str, device, dtype):
     from overlap_compile.demo.moe import ExpertParallelMoE
 
-    torch.manual_seed(0)  # same router on every rank; each rank's experts its own
+    torch.manual_seed(0)  # the same router on every rank (its local experts get the same draws too)
     return ExpertParallelMoE(case["H"], case["I"], case["E"], case["topk"], CAPACITY_FACTOR, group_name,
                              world, rank).to(device=device, dtype=dtype)
 
@@ -271,6 +272,12 @@ def worker(args_dict: dict) -> list[dict]:
 
     def emit(new: list[dict]) -> None:
         rows.extend(new)
+        if rank == 0:
+            for r in new:
+                what = (f"{r['ms']:.3f} ms" if "ms" in r else f"ERROR {r['error'][:150]}" if "error" in r
+                        else f"skipped ({r.get('skipped', '')[:80]})")
+                print(f"{r['shape']} {r.get('routing', '')} {r.get('mode', '')} {r.get('phase', '')} "
+                      f"{r.get('variant', '')}: {what}", flush=True)
         if rank == 0 and partial:  # a run cut off by a time limit keeps its rows
             os.makedirs(a.out, exist_ok=True)
             with open(partial, "a") as f:
@@ -361,21 +368,34 @@ def derive(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'shape':>16} {'E':>3} {'routing':>8} {'hot':>5} {'mode':>10} {'phase':>8} {'variant':>20} {'ms':>9} "
+    head = (f"{'shape':>16} {'E':>3} {'routing':>8} {'hot':>5} {'mode':>11} {'phase':>8} {'variant':>20} {'ms':>9} "
             f"{'x seq':>6} {'bound':>6} {'gap':>6} {'rel err':>8}  rewritten")
     lines = [head]
+    fell_back = False
+
+    def mode_text(r: dict) -> str:
+        nonlocal fell_back
+        if r.get("mode") == "cuda_graph" and r.get("cudagraph_skips"):
+            fell_back = True
+            return "cuda_graph*"
+        return r.get("mode", "-")
+
     block: dict = {}  # rows of one (case, compile mode, phase) together, routing by routing
 
     def order(r: dict) -> tuple:
         b = block.setdefault((r.get("shape"), r.get("experts"), r.get("compile_mode"), r.get("phase")), len(block))
         return (b, r.get("routing") != "uniform", r.get("routing") or "")
 
+    skipped: dict = {}
     for r in sorted(rows, key=order):
+        if "skipped" in r:  # one line per skipped block, at the end
+            skipped.setdefault((r["shape"], r.get("mode"), r.get("phase")), r["skipped"])
+            continue
         lead = (f"{r['shape']:>16} {r.get('experts', '-'):>3} {r.get('routing', '-'):>8} "
-                f"{r.get('hot_share', float('nan')):5.2f} {r.get('mode', '-'):>10} {r.get('phase', '-'):>8} "
+                f"{r.get('hot_share', float('nan')):5.2f} {mode_text(r):>11} {r.get('phase', '-'):>8} "
                 f"{r.get('variant', '-'):>20}")
-        if "error" in r or "skipped" in r:
-            lines.append(f"{lead}  {'ERROR ' + r['error'] if 'error' in r else 'SKIPPED ' + r['skipped']}"[:260])
+        if "error" in r:
+            lines.append(f"{lead}  ERROR {r['error']}"[:260])
             continue
 
         def f(k: str, fmt: str) -> str:
@@ -384,6 +404,9 @@ def table(rows: list[dict]) -> str:
         done = sum(1 for s in r["sites"] if s[3])
         lines.append(f"{lead} {r['ms']:9.3f} {f('speedup', '.3f'):>6} {f('bound_speedup', '.3f'):>6} "
                      f"{f('gap_closed', '.0%'):>6} {f('rel_err', '.1e'):>8}  {done}/{len(r['sites'])}")
+    lines += [f"skipped: {shape} {mode} {phase}: {why}" for (shape, mode, phase), why in skipped.items()]
+    if fell_back:
+        lines.append("cuda_graph*: Inductor skipped the CUDA graph (cudagraph_skips > 0): host-launched")
     return "\n".join(lines)
 
 

@@ -214,24 +214,28 @@ def by_experts(rows: list[dict], metric: str = "ms") -> dict:
             if len({e for d in panels.values() for pts in d.values() for e, _ in pts}) >= 2}
 
 
-def _order(routing_mode: tuple) -> tuple:
-    return tuple("" if v is None else str(v) for v in routing_mode)
+def _first(known: tuple):
+    """Sort key: the values of ``known`` in that order, then the others (None first)."""
+    return lambda v: (v is not None, known.index(v) if v in known else len(known), str(v))
 
 
 def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
     plt = _pyplot()
     paths = []
     for i, ((kind, sizes), panels) in enumerate(sorted(by_experts(rows, metric).items())):
-        routings = sorted({r for r, _ in panels}, key=lambda v: "" if v is None else v)
-        modes = sorted({m for _, m in panels})
+        routings = sorted({r for r, _ in panels}, key=_first(("uniform", "skewed")))
+        modes = sorted({m for _, m in panels}, key=_first(("eager", "cuda_graph")))
         fig, axes = plt.subplots(len(routings), len(modes), figsize=(5 * len(modes), 3.6 * len(routings)),
                                  squeeze=False, sharex=True)
-        for (routing, mode), methods in sorted(panels.items(), key=lambda kv: _order(kv[0])):
+        for (routing, mode), methods in panels.items():
             ax = axes[routings.index(routing)][modes.index(mode)]
             for m, pts in sorted(methods.items()):
                 ax.plot([e for e, _ in pts], [t for _, t in pts], marker="o", label=m + (" (bound)" if m == "nocomm" else ""),
                         ls="--" if m == "nocomm" else "-")
+            experts = sorted({e for pts in methods.values() for e, _ in pts})
             ax.set_xscale("log", base=2)
+            ax.set_xticks(experts, [str(e) for e in experts])
+            ax.set_ylim(bottom=0)
             ax.set_xlabel("experts")
             ax.set_ylabel(metric)
             ax.set_title(f"{routing or 'routing -'}, {mode}", fontsize=9)
