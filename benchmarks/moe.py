@@ -319,9 +319,16 @@ def worker(args_dict: dict) -> list[dict]:
                     except Exception as e:  # the compile wrapper itself failed
                         err = f"{type(e).__name__}: {e}"[:1500]
                         got = {r: ({"error": err, "trace": traceback.format_exc()[-3000:]}, None) for r in a.routing}
+                    # every rank's errors, so that rank 0's rows (the ones kept) name a failure on any rank
+                    errors: list = [None] * w
+                    dist.all_gather_object(errors, {rt: f.get("error") for rt, (f, _) in got.items()})
                     new = []
                     for routing, (fields, out) in got.items():
                         r = {**row(name, routing), **fields}
+                        other = next(((i, e[routing]) for i, e in enumerate(errors) if i != rank and e[routing]), None)
+                        if other and "error" not in r:
+                            r["error"], out = f"rank {other[0]}: {other[1]}", None
+                            r.pop("ms", None), r.pop("tokens_per_s", None)
                         if out is not None and name == "sequential":
                             ref[routing] = out
                         elif out is not None and name == "nocomm":
