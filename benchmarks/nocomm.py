@@ -1,4 +1,4 @@
-"""The comm-free bound of the end-to-end benchmark (e2e.py's ``nocomm`` variant): the same model
+"""The comm-free bound of the end-to-end benchmark (e2e.py's ``nocomm`` variant; also moe.py's): the same model
 under the same torch.compile, with every collective in Inductor's post-grad graphs replaced by a
 local op of the same output shape and dtype, so the ranks run exactly the compute Inductor
 compiles and nothing else.

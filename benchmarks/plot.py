@@ -8,9 +8,11 @@ shape, one bar per method, with the overlap bound's speedup drawn as a tick wher
 communication hidden where the baseline row carries ``comm_ms`` (CommFuse's metric:
 (sequential - overlapped) / communication time). ``--metric KEY`` plots
 another time column of the rows (e.g. e2e's ``prefill_ms``); rows without it (errors, skipped
-configurations, checks) are left out. Rows that carry ``experts`` (benchmarks/moe.py) also get
-latency against the expert count, per (kind, mode) and per group of shapes that differ only in
-it (FlashDMoE's Fig. 6.5: a flat line is the goal).
+configurations, checks) are left out. Rows that carry ``routing`` (benchmarks/moe.py) are compared
+per routing: their kind reads ``<kind>-<routing>``. Rows that carry ``experts`` (benchmarks/moe.py)
+also get latency against the expert count (FlashDMoE's Fig. 6.5: a flat line is the goal): one
+figure per kind and group of shapes that differ only in it, one panel per (routing, mode), one line
+per method (the nocomm bound dashed).
 
 End-to-end rows (benchmarks/e2e.py) also get one bar chart per (model, compile mode, phase): the
 step time of inductor, async_tp, overlap and nocomm (the comm-free bound) per shape, each bar
@@ -34,21 +36,27 @@ E2E_METHODS = ("inductor", "async_tp", "overlap", "nocomm")  # bar order: baseli
 E2E_PHASES = {"train": "train_ms", "prefill": "prefill_ms"}
 
 
+def kind_of(r: dict) -> str | None:
+    """The row's kind, with its routing where it has one (moe.py: "moe_forward-skewed")."""
+    kind = r.get("kind")
+    return f"{kind}-{r['routing']}" if kind is not None and r.get("routing") else kind
+
+
 def speedups(rows: list[dict], metric: str = "ms") -> dict:
     """(kind, mode) -> shape label -> method -> (speedup, bound speedup or None)."""
     rows = [r for r in rows if "method" in r and isinstance(r.get(metric), (int, float)) and r[metric] == r[metric]]
     base = {}
     for r in rows:
         if r["method"] in BASELINES:
-            base[(r["kind"], json.dumps(r["shape"]), r["mode"])] = r[metric]
+            base[(kind_of(r), json.dumps(r["shape"]), r["mode"])] = r[metric]
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
-        key = (r["kind"], json.dumps(r["shape"]), r["mode"])
+        key = (kind_of(r), json.dumps(r["shape"]), r["mode"])
         if r["method"] in BASELINES or key not in base:
             continue
         bound = base[key] / r["bound_ms"] if r.get("bound_ms") and metric == "ms" else None
         label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
-        out[(r["kind"], r["mode"])][label][r["method"]] = (base[key] / r[metric], bound)
+        out[(key[0], r["mode"])][label][r["method"]] = (base[key] / r[metric], bound)
     return out
 
 
@@ -58,16 +66,16 @@ def hidden(rows: list[dict]) -> dict:
     comm = {}
     for r in rows:
         if r.get("method") in BASELINES and r.get("comm_ms"):
-            comm[(r["kind"], json.dumps(r["shape"]), r["mode"])] = (r["ms"], r["comm_ms"])
+            comm[(kind_of(r), json.dumps(r["shape"]), r["mode"])] = (r["ms"], r["comm_ms"])
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
-        key = (r.get("kind"), json.dumps(r.get("shape")), r.get("mode"))
+        key = (kind_of(r), json.dumps(r.get("shape")), r.get("mode"))
         ms = r.get("ms")
         if r.get("method") in BASELINES or key not in comm or not isinstance(ms, (int, float)) or ms != ms:
             continue
         base_ms, comm_ms = comm[key]
         label = "x".join(map(str, r["shape"])) if isinstance(r["shape"], list) else str(r["shape"])
-        out[(r["kind"], r["mode"])][label][r["method"]] = (base_ms - ms) / comm_ms
+        out[(key[0], r["mode"])][label][r["method"]] = (base_ms - ms) / comm_ms
     return out
 
 
@@ -195,30 +203,49 @@ def markdown_e2e(rows: list[dict]) -> str:
 
 
 def by_experts(rows: list[dict], metric: str = "ms") -> dict:
-    """(kind, mode, sizes) -> method -> sorted [(experts, time)] for rows carrying ``experts``;
-    only groups with two or more expert counts."""
-    out: dict = defaultdict(lambda: defaultdict(list))
+    """(kind, sizes) -> (routing, mode) -> method -> sorted [(experts, time)] for rows carrying
+    ``experts`` (routing None where rows have none); only groups with two or more expert counts."""
+    out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in rows:
         if "experts" in r and "method" in r and isinstance(r.get(metric), (int, float)) and r[metric] == r[metric]:
             sizes = json.dumps({**r.get("sizes", {}), "topk": r.get("topk")}, sort_keys=True)
-            out[(r["kind"], r["mode"], sizes)][r["method"]].append((r["experts"], r[metric]))
-    return {k: {m: sorted(v) for m, v in d.items()} for k, d in out.items()
-            if len({e for pts in d.values() for e, _ in pts}) >= 2}
+            out[(r["kind"], sizes)][(r.get("routing"), r["mode"])][r["method"]].append((r["experts"], r[metric]))
+    return {k: {p: {m: sorted(v) for m, v in d.items()} for p, d in panels.items()} for k, panels in out.items()
+            if len({e for d in panels.values() for pts in d.values() for e, _ in pts}) >= 2}
+
+
+def _first(known: tuple):
+    """Sort key: the values of ``known`` in that order, then the others (None first)."""
+    return lambda v: (v is not None, known.index(v) if v in known else len(known), str(v))
 
 
 def plot_by_experts(rows: list[dict], out_dir: str, stem: str, metric: str = "ms") -> list[str]:
     plt = _pyplot()
     paths = []
-    for i, ((kind, mode, sizes), methods) in enumerate(sorted(by_experts(rows, metric).items())):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m, pts in sorted(methods.items()):
-            ax.plot([e for e, _ in pts], [t for _, t in pts], marker="o", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("experts")
-        ax.set_ylabel(metric)
-        ax.set_title(f"{kind} ({mode}) {sizes} — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}",
-                     fontsize=8)
-        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{stem}-{kind}-{mode}-by-experts-{i}.png")))
+    for i, ((kind, sizes), panels) in enumerate(sorted(by_experts(rows, metric).items())):
+        routings = sorted({r for r, _ in panels}, key=_first(("uniform", "skewed")))
+        modes = sorted({m for _, m in panels}, key=_first(("eager", "cuda_graph")))
+        fig, axes = plt.subplots(len(routings), len(modes), figsize=(5 * len(modes), 3.6 * len(routings)),
+                                 squeeze=False, sharex=True)
+        for (routing, mode), methods in panels.items():
+            ax = axes[routings.index(routing)][modes.index(mode)]
+            for m, pts in sorted(methods.items()):
+                ax.plot([e for e, _ in pts], [t for _, t in pts], marker="o", label=m + (" (bound)" if m == "nocomm" else ""),
+                        ls="--" if m == "nocomm" else "-")
+            experts = sorted({e for pts in methods.values() for e, _ in pts})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(experts, [str(e) for e in experts])
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("experts")
+            ax.set_ylabel(metric)
+            ax.set_title(f"{routing or 'routing -'}, {mode}", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{kind} {sizes} — {rows[0].get('device', '')} x{rows[0].get('world_size', '')}", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}-{kind}-by-experts-{i}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 

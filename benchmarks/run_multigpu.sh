@@ -4,7 +4,8 @@
 # device tool brings back at most 8), plus a short log on stdout.
 #   usage: STEPS=profile,predictor,tests,ops,host,moe,sweep,e2e bash benchmarks/run_multigpu.sh
 #   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS (or all), OPS_TEMPLATES (methods: templates, auto, async_tp),
-#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, MOE_ARGS, HOST_ARGS, SWEEP_ARGS,
+#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, MOE_ARGS (e.g. --time-budget 300
+#          --routing uniform,skewed --modes default,reduce-overhead --experts-sweep 8,16,32,64), HOST_ARGS, SWEEP_ARGS,
 #          <STEP>_TIMEOUT (see each step)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -53,9 +54,11 @@ if has host; then
   grep -E "us/call|wrote" "$R/host.log" | tail -20
 fi
 if has moe; then
+  # moe.py's own --time-budget (default 300 s on GPUs) plus its 120 s grace ends inside MOE_TIMEOUT and
+  # still writes its rows (JSON, .md, PNGs); killed by the timeout, moe-partial-*.jsonl has them
   step "moe (world $W)"
-  timeout ${MOE_TIMEOUT:-120} python3 benchmarks/moe.py --world "$W" --out "$R" ${MOE_ARGS:-} > "$R/moe.log" 2>&1
-  grep -v Warn "$R/moe.log" | tail -20
+  timeout ${MOE_TIMEOUT:-480} python3 benchmarks/moe.py --world "$W" --out "$R" ${MOE_ARGS:-} > "$R/moe.log" 2>&1
+  grep -v Warn "$R/moe.log" | grep -vE "^wrote .*png$" | tail -60 | cut -c1-170
 fi
 if has sweep; then
   step "occupancy sweep (world $W)"
