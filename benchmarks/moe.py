@@ -20,7 +20,8 @@ variant, one compile, timed on each routing:
   configuration); on GPUs and forward only, each path forced: ``moe_fused_nccl`` (``{"split":
   "source"}``, NCCL), ``moe_fused_p2p`` (``{"split": "source", "transport": "p2p"}``, copy engine,
   bmm experts), ``moe_fused_p2p_kernel`` (the same with the persistent expert kernel, ``"experts":
-  "fused"``); ``overlap`` (the predictor's choice). In training, moe_fused takes the forward
+  "fused"``); ``moe_fused_routed`` (``{"split": "source", "payload": "routed"}``: only the routed
+  rows travel and meet the experts, any device, both phases); ``overlap`` (the predictor's choice). In training, moe_fused takes the forward
   section (it also returns what backward saves); the backward section (the bmm gradients between
   two all-to-alls) is not the SwiGLU form and stays as written, with that reason in each row's
   ``sites``.
@@ -87,6 +88,7 @@ VARIANTS = {
     "moe_fused_nccl": ("moe_fused", {"split": "source"}),
     "moe_fused_p2p": ("moe_fused", {"split": "source", "transport": "p2p"}),
     "moe_fused_p2p_kernel": ("moe_fused", {"split": "source", "transport": "p2p", "experts": "fused"}),
+    "moe_fused_routed": ("moe_fused", {"split": "source", "payload": "routed"}),
     "overlap": (None, None),
 }
 PATHS = ("moe_fused_nccl", "moe_fused_p2p", "moe_fused_p2p_kernel")  # GPUs only, forward only
