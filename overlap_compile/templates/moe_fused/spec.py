@@ -27,6 +27,8 @@ from typing import Any
 from ...passes.matches import Match, MoeSectionMatch
 from ..base import TemplateSpec, gpu_profile
 from ..plans import MoePlan
+from . import backward_spec
+from .backward_spec import is_backward
 
 
 class MoeFusedSpec(TemplateSpec):
@@ -39,13 +41,15 @@ class MoeFusedSpec(TemplateSpec):
         if reason:
             return reason
         if not isinstance(match, MoeSectionMatch) or match.buffer_node is None:
-            return "moe_fused takes the SwiGLU expert section of demo.moe's form only"
+            return "moe_fused takes the SwiGLU expert section of demo.moe's form (or its backward) only"
         return None
 
     def default_config(self, match: Match) -> dict:
         return {"split": "source"}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
+        if is_backward(match):
+            return backward_spec.candidates(match, profile)
         cap = getattr(match, "capacity", 1)
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
         if copy_engine and expert_kernel_ratio(profile) is not None and not getattr(match, "saved_nodes", None):
@@ -54,6 +58,8 @@ class MoeFusedSpec(TemplateSpec):
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
         check_config(config)
+        if is_backward(match):
+            return backward_spec.plan(self.name, match, config, timeout_ms)
         saves = tuple(getattr(match, "saved_nodes", {}))
         if saves and config.get("experts") == "fused":
             raise ValueError(f"moe_fused: this section saves {list(saves)} for backward; the persistent expert "
@@ -66,6 +72,8 @@ class MoeFusedSpec(TemplateSpec):
         """The buffers each path holds (FlashDMoE's memory-overhead accounting, Table 6.2), beside
         what the section as written allocates for its intermediates (the dispatched and combined
         slots, the three expert GEMM outputs)."""
+        if is_backward(match):
+            return backward_spec.workspace(match)
         w, e, c, h, f = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn
         item = match.itemsize
         slot = e * c * h * item  # one source's slots
