@@ -22,11 +22,10 @@ from .find_moe_backward import BACKWARD_BMMS, backward_roles
 from .graph_utils import is_call, static_shape, val
 from ..templates.plans import MOE_SAVE_ROLES as SAVE_ROLES  # the intermediates moe_fused can return
 from .matches import MoeBackwardMatch, MoeSectionMatch
-from .moe_probes import nodes_back, run_nodes, source_layout, wait_of as _wait_of
+from .moe_probes import MAX_NODES, nodes_back, run_nodes, source_layout, wait_of as _wait_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-MAX_NODES = 400  # a section is a layer's FFN, not a whole model
 
 
 def _is_collective(node: fx.Node) -> bool:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .graph_utils import is_call, static_shape, val
 from .matches import MoeBackwardMatch
-from .moe_probes import nodes_back, run_nodes, source_layout, view_chain, wait_of
+from .moe_probes import MAX_NODES, nodes_back, run_nodes, source_layout, view_chain, wait_of
 
 aten = torch.ops.aten
 BACKWARD_BMMS = 6  # d_act, two d_h terms, three weight gradients
@@ -68,6 +68,10 @@ def backward_roles(m: MoeBackwardMatch, wait: fx.Node) -> str | None:
     wrong = {k: static_shape(n) for k, n in operands.items() if static_shape(n) != want[k]}
     if wrong:
         return f"{generic}: operand shapes {wrong} are not the SwiGLU gradient's {({k: want[k] for k in wrong})}"
+    computed = _descendants(wait, through_bmm=True)
+    inner = [k for k, n in operands.items() if n in computed]
+    if inner:
+        return f"{generic}: operands {inner} are computed from the gradient the section receives; they must come from before it"
     dtypes = {k: val(n).dtype for k, n in operands.items()}
     if set(dtypes.values()) != {m.dtype}:
         return f"{generic}: operands of mixed dtypes {dtypes}; moe_fused's backward takes one dtype throughout"
@@ -139,15 +143,16 @@ def _bmm_roles(bmms: list[fx.Node], wait: fx.Node):
     return g, d_act, dw2, data, weight
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    """What ``node`` feeds, up to the next bmm (not past it)."""
+def _descendants(node: fx.Node, through_bmm: bool = False) -> set[fx.Node]:
+    """What ``node`` feeds, up to the next bmm (not past it unless ``through_bmm``); bounded as
+    find_moe's walk is (a section is a layer, not a model)."""
     seen, todo = set(), [node]
-    while todo and len(seen) < 4 * MAX_POINTWISE:
+    while todo and len(seen) < MAX_NODES:
         n = todo.pop()
         for u in n.users:
             if u not in seen and u.op == "call_function":
                 seen.add(u)
-                if not is_call(u, aten.bmm.default):
+                if through_bmm or not is_call(u, aten.bmm.default):
                     todo.append(u)
     return seen
 

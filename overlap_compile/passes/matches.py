@@ -183,9 +183,9 @@ GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllTo
 class MoeLayerMatch(Match):
     """An expert-parallel section: all_to_all (dispatch) -> expert GEMMs (bmm) and pointwise ops
     -> all_to_all (combine), found in forward graphs and, mirrored, in backward graphs (the
-    gradient all-to-all'd back, the bmm gradients, all-to-all'd again). moe_fused takes the SwiGLU
-    form (in training graphs handing out what backward saves, ``saved_nodes``); others are
-    reported with their reason.
+    gradient all-to-all'd back, the bmm gradients, all-to-all'd again: MoeBackwardMatch, below).
+    moe_fused takes the SwiGLU form (in training graphs handing out what backward saves,
+    ``saved_nodes``) and its gradient; others are reported with their reason.
     Nodes by role: ``dispatch_a2a``, ``dispatch_wait``, ``expert_bmms``, ``combine_a2a``,
     ``combine_wait``; geometry ``e_local``, ``capacity``, ``hidden``, ``ffn``, ``world``."""
 

@@ -17,6 +17,7 @@ c10d = torch.ops._c10d_functional
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
          aten.transpose.int, aten.clone.default, aten.contiguous.default)
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+MAX_NODES = 400  # the most nodes a section's walks visit: a section is a layer's FFN, not a whole model
 
 
 def wait_of(node: fx.Node) -> fx.Node | None:

@@ -12,13 +12,32 @@ After::
 Sections are found supported (passes.find_moe) when nothing inside them is read afterwards but,
 in a training graph, what backward saves (the experts' input, both up-projections, the
 activation product): the op then also returns those (``MoePlan.saves``, getitem 1..) and
-backward reads them from it. Configurations: ``{"split": "source"}`` (one piece per source
+backward reads them from it.
+
+The backward section of a training step (passes.find_moe_backward proves its roles), before::
+
+    a2a = all_to_all_single(grad_buf, ...); g = view/permute/clone/view(wait_tensor(a2a))
+    dw2 = bmm(act_t, g); d_act = bmm(g, w2t)
+    d_up = d_act * silu(gate); d_gate = d_act * up * silu'(gate)   (Inductor's decomposition, casts in bf16)
+    dw3 = bmm(tokens_t, d_up); dw1 = bmm(tokens_t, d_gate); d_h = bmm(d_up, w3t) + bmm(d_gate, w1t)
+    a2a_r = all_to_all_single(view/permute/clone/view(d_h), ...); d_buf = wait_tensor(a2a_r)
+
+after (tokens_t, act_t: the saved tensors as backward reads them, transposed; w1t, w3t, w2t: the
+weights' transposes; dw1, dw3, dw2 feed what the weight-gradient bmm fed)::
+
+    outs = overlap_compile.moe_fused_backward(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, '0', '{plan}')
+    d_buf, dw1, dw3, dw2 = outs[0], outs[1], outs[2], outs[3]
+
+Its one configuration is ``{"split": "source"}`` (backward_spec.py, backward_reference.py: the
+forward's rounds, d_h of each piece sent home as soon as it is computed, the weight gradients
+once over all rows after the last piece). Configurations of the forward: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only) or ``{"pieces": p}`` (the capacity axis in p slices); see
-reference.py. Latency model: model.py. kernels_nccl.py (NCCL on CUDA streams)
+reference.py. Latency model: model.py (both directions). kernels_nccl.py (NCCL on CUDA streams)
 passes its GPU tests on 2x H200 but measured 0.82-0.94x of the layer as written (forward,
-capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) has not run
-on GPUs yet. So gpu_implemented stays False: under GPU profiles only force_template picks it.
+capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) and
+backward_nccl.py have not run on GPUs yet. So gpu_implemented stays False: under GPU profiles
+only force_template picks it.
 """
 from __future__ import annotations
 
