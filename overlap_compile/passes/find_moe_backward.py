@@ -71,7 +71,8 @@ def backward_roles(m: MoeBackwardMatch, wait: fx.Node) -> str | None:
     computed = _descendants(wait, through_bmm=True)
     inner = [k for k, n in operands.items() if n in computed]
     if inner:
-        return f"{generic}: operands {inner} are computed from the gradient the section receives; they must come from before it"
+        return (f"{generic}: operands {inner} are computed from the gradient the section receives; "
+                f"they must come from before it")
     dtypes = {k: val(n).dtype for k, n in operands.items()}
     if set(dtypes.values()) != {m.dtype}:
         return f"{generic}: operands of mixed dtypes {dtypes}; moe_fused's backward takes one dtype throughout"

@@ -118,7 +118,7 @@ def _training_step() -> list[str]:
 
 
 @pytest.mark.parametrize("check", [_nccl_vs_reference, _training_step], ids=["nccl_vs_reference", "training_step"])
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_moe_fused_backward_on_gpus(world, check):
     from overlap_compile.testing.multiprocess import run_distributed
 
