@@ -321,10 +321,13 @@ def _training_vs_written(configs: list) -> list:
             got.pow(2).mean().backward()
         grads_got = [xb.grad] + [p.grad for p in (layer.w1, layer.w3, layer.w2, layer.router)]
         fwd = [s for s in report.sites if s.graph.startswith("forward")]
-        code = report.records[0].after
+        bwd = [s for s in report.sites if s.graph.startswith("backward")]
+        code, bwd_code = report.records[0].after, report.records[1].after
         results.append({
             "config": config, "rewritten": [s.rewritten for s in fwd],
             "fused": "overlap_compile.moe_fused" in code and "all_to_all" not in code,
+            "backward": [(s.rewritten, s.reason) for s in bwd],
+            "backward_fused": "overlap_compile.moe_fused_backward" in bwd_code and "all_to_all" not in bwd_code,
             "err": ((got - want).abs().max() / want.abs().max()).item(),
             "grad_errs": [((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
                           for g, w in zip(grads_got, grads_want)]})
@@ -336,12 +339,20 @@ def _training_vs_written(configs: list) -> list:
     (4, [{"split": "source"}, ROUTED])])
 def test_training_step_through_moe_fused_equals_the_layer_as_written(world, configs):
     """The forward section is replaced by moe_fused, which also returns the experts' input, both
-    up-projections and the activation product; backward (left as written) reads those: the loss
-    and the gradients of the input and of every weight equal the uncompiled layer's."""
+    up-projections and the activation product; backward reads those. The backward section is
+    replaced by moe_fused_backward under {"split": "source"} and left as written, with the
+    reason, under the configs it has no path for. The loss and the gradients of the input and
+    of every weight equal the uncompiled layer's (tests/test_moe_fused_backward.py: routing
+    cases, bf16, against the compiled graph as written)."""
     for per_rank in run_distributed(_training_vs_written, world_size=world, args=(configs,), timeout_s=300):
         assert len(per_rank) == len(configs)
         for r in per_rank:
             assert r["rewritten"] == [True] and r["fused"], r
+            ((rewritten, reason),) = r["backward"]
+            if r["config"] == {"split": "source"}:
+                assert rewritten and r["backward_fused"], r
+            else:
+                assert not rewritten and "the backward section runs by source" in reason, r
             assert r["err"] < 1e-5 and max(r["grad_errs"]) < 1e-5, (world, r)
 
 

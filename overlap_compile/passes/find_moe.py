@@ -9,27 +9,23 @@ Forward graphs of a layer such as overlap_compile.demo.moe hold::
 and backward graphs the mirror image (the gradient of the combine is all-to-all'd back, goes
 through the bmm gradients, and the gradient of the dispatch is all-to-all'd again). The finder
 walks forward from a waited all_to_all through anything but a collective, and reports a section
-when it reaches a second all_to_all of the same group with at least two bmm on the way.
+when it reaches a second all_to_all of the same group with at least two bmm on the way. A section
+of 6 bmm is taken for the backward form (find_moe_backward.py proves or refuses its roles); the
+others here. The probes both directions run are in moe_probes.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
+from .find_moe_backward import BACKWARD_BMMS, backward_roles
 from .graph_utils import is_call, static_shape, val
 from ..templates.plans import MOE_SAVE_ROLES as SAVE_ROLES  # the intermediates moe_fused can return
-from .matches import MoeSectionMatch
+from .matches import MoeBackwardMatch, MoeSectionMatch
+from .moe_probes import MAX_NODES, nodes_back, run_nodes, source_layout, wait_of as _wait_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-MAX_NODES = 400  # a section is a layer's FFN, not a whole model
-
-
-def _wait_of(node: fx.Node) -> fx.Node | None:
-    for u in node.users:
-        if is_call(u, c10d.wait_tensor.default):
-            return u
-    return None
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -68,11 +64,14 @@ def moe_section(a2a: fx.Node, group: str, world: int, graph_name: str) -> MoeSec
     inp = static_shape(a2a.args[0])
     dtype = val(a2a.args[0]).dtype
     nbytes = (int(torch.tensor(inp).prod()) if inp else 0) * torch.empty((), dtype=dtype).element_size()
-    m = MoeSectionMatch(
+    # the backward section's bmm: the data gradients d_act, d_h (two) and the weight gradients
+    cls = MoeBackwardMatch if len(bmms) == BACKWARD_BMMS else MoeSectionMatch
+    m = cls(
         group_name=group, world_size=world, dtype=dtype, graph=graph_name, unsupported=None,
         dispatch_node=a2a, combine_node=combine, bmm_nodes=bmms, bmm_shapes=shapes, dispatch_bytes=nbytes)
     m.dispatch_wait = wait
-    m.unsupported = _uneven_splits(m) or _swiglu_roles(m, wait)
+    roles = backward_roles if cls is MoeBackwardMatch else _swiglu_roles
+    m.unsupported = _uneven_splits(m) or roles(m, wait)
     return m
 
 
@@ -92,10 +91,6 @@ def _uneven_splits(m: MoeSectionMatch) -> str | None:
     return None
 
 
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-         aten.transpose.int, aten.clone.default, aten.contiguous.default)
-
-
 def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
     """Fill the SwiGLU roles of ``m`` (demo.moe's form) and return None, or say why not:
     h = layout(wait_d); y = bmm(silu(bmm(h, w1)) * bmm(h, w3), w2); combine(layout^-1(y)), where
@@ -103,7 +98,8 @@ def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
     the view chains on a probe tensor), nothing in between used outside the section."""
     generic = (f"expert-parallel MoE section ({len(m.bmm_nodes)} expert bmm between two all-to-alls)")
     if len(m.bmm_nodes) != 3:
-        return f"{generic}: moe_fused takes the SwiGLU form (3 bmm); this one is not it"
+        return (f"{generic}: moe_fused takes the SwiGLU form (3 bmm) or its gradient ({BACKWARD_BMMS} bmm); "
+                f"this one is neither")
     down = [b for b in m.bmm_nodes if is_call(b.args[0], aten.mul.Tensor)]
     if len(down) != 1:
         return f"{generic}: no bmm(silu(x @ w1) * (x @ w3), w2) found"
@@ -121,19 +117,10 @@ def _swiglu_roles(m: MoeSectionMatch, wait: fx.Node) -> str | None:
     if hs is None or ws is None or len(hs) != 3 or w < 1 or hs[1] % w:
         return f"{generic}: expert input shape {hs} is not [E_local, W * C, H]"
     e_local, cap, hidden = hs[0], hs[1] // w, hs[2]
-    chain_in = _view_chain(wait, h)
-    chain_out = _view_chain(b2, combine_in)
-    if chain_in is None or chain_out is None:
-        return f"{generic}: the layout between the all-to-alls and the experts is not a chain of views"
-    if not (_moves_whole_rows(chain_in, hidden) and _moves_whole_rows(chain_out, hidden)):
-        return f"{generic}: the layout between the all-to-alls and the experts does not keep each token's row whole"
-    # Whole rows: the layout is a permutation of rows, seen on one number per row (a probe of the
-    # full [W * E_local * C, H] took ~1 s of compile time on an 8x7B-sized block).
-    probe = torch.arange(w * e_local * cap, dtype=torch.float32).view(w * e_local * cap, 1)
-    expected_h = probe.view(w, e_local, cap, 1).transpose(0, 1).reshape(e_local, w * cap, 1)
-    if not _same(_run_chain(chain_in, probe, hidden), expected_h) or \
-            not _same(_run_chain(chain_out, expected_h, hidden), probe):
-        return f"{generic}: tokens are not laid out [source rank, local expert, slot] around the experts"
+    chains = source_layout(wait, h, b2, combine_in, w, e_local, cap, hidden)
+    if isinstance(chains, str):
+        return f"{generic}: {chains}"
+    chain_in, chain_out = chains
     section = [wait, *chain_in, b1, b3, *act, mul, b2, *chain_out, m.combine_node]
     combine_wait = _wait_of(m.combine_node)
     inside = set(section) | {combine_wait}
@@ -163,29 +150,16 @@ def _activation(b1: fx.Node, mul: fx.Node, b3: fx.Node) -> list[fx.Node] | None:
     other = [a for a in mul.args if a is not b3]
     if len(other) != 1 or not isinstance(other[0], fx.Node):
         return None
-    nodes, seen, todo = [], set(), [other[0]]
-    while todo:  # walk back from the operand to b1
-        n = todo.pop()
-        if n is b1 or n in seen:
-            continue
-        if n.op != "call_function" or len(nodes) > 16:
-            return None
-        seen.add(n)
-        nodes.append(n)
-        todo += [a for a in n.all_input_nodes]
-    order = {n: i for i, n in enumerate(b1.graph.nodes)}
-    nodes.sort(key=order.__getitem__)
+    walked = nodes_back([other[0]], lambda n: n is b1, limit=16)  # back from the operand to b1
+    if walked is None or walked[1] != [b1]:
+        return None
+    nodes = walked[0]
     # the probe in the section's dtype: with bf16 / fp16 Inductor's decomposition casts to fp32
     # and back, so the result is silu rounded to that dtype
     dtype = val(b1).dtype if val(b1) is not None else torch.float32
     probe = torch.linspace(-6, 6, 97).to(dtype)
-    env = {b1: probe}
-    try:
-        for n in nodes:
-            args = torch.fx.node.map_arg(n.args, lambda a: env[a])
-            kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a])
-            env[n] = n.target(*args, **kwargs)
-    except (KeyError, RuntimeError, TypeError):
+    env = run_nodes(nodes, {b1: probe})
+    if env is None:
         return None
     got = env.get(other[0]) if other[0] is not b1 else probe
     want = torch.nn.functional.silu(probe.float())
@@ -193,54 +167,3 @@ def _activation(b1: fx.Node, mul: fx.Node, b3: fx.Node) -> list[fx.Node] | None:
     if got is None or not torch.allclose(got.float(), want, rtol=rtol, atol=1e-6):
         return None
     return nodes
-
-
-def _view_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
-    """The view-like nodes from ``start`` (exclusive) to ``end`` (inclusive), each feeding the next."""
-    chain, node = [], end
-    while node is not start:
-        if not (node.op == "call_function" and node.target in VIEWS and node.args):
-            return None
-        chain.append(node)
-        node = node.args[0]
-    return chain[::-1]
-
-
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _moves_whole_rows(chain: list[fx.Node], hidden: int) -> bool:
-    """Every tensor of the chain (its input too) ends in a dimension of ``hidden`` that stays
-    last: reshapes keep the last size (row-major, so each length-``hidden`` row stays one
-    row) and permutes / transposes never move the last dimension. Then the chain only
-    permutes rows, and running it on one number per row (``_run_chain(.., hidden)``) shows
-    which permutation."""
-    for n in [chain[0].args[0], *chain] if chain else []:
-        shape = static_shape(n)
-        if shape is None or len(shape) < 2 or shape[-1] != hidden:
-            return False
-    for n in chain:
-        nd = len(static_shape(n.args[0]))
-        if n.target is aten.permute.default and list(n.args[1])[-1] % nd != nd - 1:
-            return False
-        if n.target is aten.transpose.int and nd - 1 in (n.args[1] % nd, n.args[2] % nd):
-            return False
-    return True
-
-
-def _run_chain(chain: list[fx.Node], x: torch.Tensor, hidden: int) -> torch.Tensor:
-    """The chain on ``x`` whose last dimension stands for a whole row of ``hidden``: reshape
-    sizes get 1 in its place."""
-    for n in chain:
-        args = n.args[1:]
-        if n.target in _RESHAPES:
-            size = list(args[0])
-            if size and size[-1] == hidden:
-                size[-1] = 1
-            args = (size, *args[1:])
-        x = n.target(x, *args, **n.kwargs)
-    return x
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.reshape(-1), b.reshape(-1))

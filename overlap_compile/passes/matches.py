@@ -183,13 +183,14 @@ GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllTo
 class MoeLayerMatch(Match):
     """An expert-parallel section: all_to_all (dispatch) -> expert GEMMs (bmm) and pointwise ops
     -> all_to_all (combine), found in forward graphs and, mirrored, in backward graphs (the
-    gradient all-to-all'd back, the bmm gradients, all-to-all'd again). moe_fused takes the SwiGLU
-    form (in training graphs handing out what backward saves, ``saved_nodes``); others are
-    reported with their reason.
+    gradient all-to-all'd back, the bmm gradients, all-to-all'd again: MoeBackwardMatch, below).
+    moe_fused takes the SwiGLU form (in training graphs handing out what backward saves,
+    ``saved_nodes``) and its gradient; others are reported with their reason.
     Nodes by role: ``dispatch_a2a``, ``dispatch_wait``, ``expert_bmms``, ``combine_a2a``,
     ``combine_wait``; geometry ``e_local``, ``capacity``, ``hidden``, ``ffn``, ``world``."""
 
     kind: ClassVar[str] = "moe"
+    direction: ClassVar[str] = "forward"  # MoeBackwardMatch: "backward" (read by layers below passes/)
     dispatch_node: fx.Node
     combine_node: fx.Node
     bmm_nodes: list[fx.Node]
@@ -243,3 +244,37 @@ class MoeLayerMatch(Match):
 
 
 MoeSectionMatch = MoeLayerMatch  # the name it was introduced under
+
+
+@dataclasses.dataclass
+class MoeBackwardMatch(MoeLayerMatch):
+    """The backward of a SwiGLU expert section (a training step's backward graph; find_moe_backward
+    proves the roles)::
+
+        g = layout(wait(all_to_all(buffer)))                       # dispatch_node: the gradient's a2a
+        d_act = bmm(g, w2t); dw2 = bmm(act_t, g)
+        d_up, d_gate = pointwise(d_act, gate, up)                  # silu, silu' as Inductor wrote them
+        d_h = bmm(d_up, w3t) + bmm(d_gate, w1t); dw3 = bmm(tokens_t, d_up); dw1 = bmm(tokens_t, d_gate)
+        all_to_all(layout^-1(d_h)); wait                           # combine_node, combine_wait
+
+    ``bmm_nodes`` / ``bmm_shapes`` are in ``BMM_ROLES`` order once the roles are proven: the
+    three GEMMs each piece runs (data gradients) first, then the three weight gradients (the
+    latency model, moe_fused/backward_model.py, reads ``gemms()`` in that order).
+    ``weight_nodes`` / ``saved_nodes`` (the forward's) stay unset."""
+
+    direction: ClassVar[str] = "backward"
+    BMM_ROLES: ClassVar[tuple[str, ...]] = ("d_act", "d_h_gate", "d_h_up", "dw1", "dw3", "dw2")
+    # what the op reads besides the gradient buffer, by role: "tokens_t" [E, H, W*C] (the experts'
+    # input, transposed, as the dW bmm read it), "gate", "up" [E, W*C, F], "act_t" [E, F, W*C];
+    # "w1t", "w3t" [E, F, H], "w2t" [E, H, F] (the weights as the data-gradient bmm read them)
+    inputs: dict = dataclasses.field(default_factory=dict)
+    bmm_roles: dict = dataclasses.field(default_factory=dict)  # BMM_ROLES -> bmm node
+    grad_node: fx.Node | None = None  # g: the gradient of the experts' output, [E, W*C, H]
+    d_h_node: fx.Node | None = None  # the sum of the two d_h bmm
+    pointwise_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # d_act -> d_up, d_gate
+
+    def weight_grad_nodes(self) -> tuple[fx.Node, fx.Node, fx.Node]:
+        return self.bmm_roles["dw1"], self.bmm_roles["dw3"], self.bmm_roles["dw2"]
+
+    def signature_extra(self) -> str:
+        return f"backward|e{self.e_local}|c{self.capacity}|h{self.hidden}|f{self.ffn}"

@@ -22,7 +22,8 @@ import torch.fx as fx
 from .. import templates
 from .decide import Decision
 from .graph_utils import GraphEmitter, aten, erase_if_dead, static_shape
-from .matches import AllGatherGemmMatch, GemmThenCollective, MoeSectionMatch
+from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, MoeSectionMatch
+from .rewrite_moe_backward import rewrite_moe_backward
 
 
 def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
@@ -35,6 +36,8 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         plan = spec.plan(d.match, d.config, timeout_ms)
         if isinstance(d.match, AllGatherGemmMatch):
             _rewrite_allgather_gemm(graph, spec, d.match, plan)
+        elif isinstance(d.match, MoeBackwardMatch):  # before its base class, MoeSectionMatch
+            rewrite_moe_backward(graph, d.match, plan, _after_inputs)
         elif isinstance(d.match, MoeSectionMatch):
             _rewrite_moe(graph, d.match, plan)
         else:

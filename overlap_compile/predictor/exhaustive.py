@@ -168,6 +168,12 @@ def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd:
     from ..templates.moe_fused import reference
     from ..templates.plans import MoePlan
 
+    if getattr(match, "direction", "forward") == "backward":  # a training step's backward section
+        from ..templates.moe_fused import backward_op
+
+        plan = None if template == "baseline" else templates.get_spec(template).plan(match, config,
+                                                                                   options.signal_timeout_ms)
+        return backward_op.measured_call(match, plan, rnd)
     w, e, c, h, f, g = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn, match.group_name
     buf, w1, w3, w2 = rnd(w * e * c, h), rnd(e, h, f), rnd(e, h, f), rnd(e, f, h)
     if template == "baseline":  # one piece: all-to-all, the experts, all-to-all, as written

@@ -137,12 +137,19 @@ class MoePlan:
     # as the section computed them: "tokens" (the experts' input), "gate", "up", "act" (what a
     # training graph saves for backward; passes.find_moe.SAVE_ROLES)
     saves: tuple[str, ...] = ()
+    # "forward": the section (op moe_fused); "backward": its gradient in a training step's backward
+    # graph (op moe_fused_backward, which saves nothing). Part of the plan text, so the two ops of
+    # one layer never share a plan digest (runtime/agreement.py checks each on its first run).
+    direction: str = "forward"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "saves", tuple(self.saves))
         bad = [s for s in self.saves if s not in MOE_SAVE_ROLES]
         if bad:
             raise ValueError(f"MoePlan.saves: unknown roles {bad}; allowed: {list(MOE_SAVE_ROLES)}")
+        if self.direction not in ("forward", "backward") or (self.direction == "backward" and self.saves):
+            raise ValueError(f"MoePlan.direction: 'forward' or 'backward' (which saves nothing); got "
+                             f"{self.direction!r} with saves {list(self.saves)}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))

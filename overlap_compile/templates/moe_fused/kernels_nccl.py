@@ -19,6 +19,8 @@ lists), which capture. On 2x H200 it matches its reference (tests/gpu/test_moe.p
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..plans import MoePlan
@@ -47,15 +49,37 @@ def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 
 def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:
-    import torch.distributed as dist
-
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     rank, rows = pg.rank(), plan.e_local * plan.capacity
-    slots = buf.view(w, rows, h)
-    out = buf.new_empty(w, rows, h)
-    recv = [buf.new_empty(rows, h) for _ in range(w - 1)]
-    ys = [buf.new_empty(e, c, h) for _ in range(w - 1)]
-    side.wait_stream(compute)  # the buffer is written before the first dispatch reads it
+    slots, out = buf.view(w, rows, h), buf.new_empty(w, rows, h)
+    saved = ref.Saved(plan, buf)
+
+    def own() -> None:  # no transfer, computed while round 1 travels, straight into the output
+        ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h), keep=saved.of_source(rank))
+
+    def peer(src: int, got: torch.Tensor) -> torch.Tensor:
+        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
+
+    rounds_by_source(slots, out, pg, compute, side, own, peer)
+    return saved.result(out.view(w * rows, h))
+
+
+def rounds_by_source(slots: torch.Tensor, out: torch.Tensor, pg, compute: torch.cuda.Stream, side: torch.cuda.Stream,
+                     own: Callable[[], None], peer: Callable[[int, torch.Tensor], torch.Tensor],
+                     after: Callable[[], None] | None = None) -> None:
+    """reference.exchange_by_source on CUDA streams, both directions of a training step:
+    ``slots`` [W, rows, H] go to rank j by block, ``out`` [W, rows, H] is filled from rank j by
+    block. The comm stream starts every piece (an event after each); the compute stream runs
+    ``own()`` (the own block, no transfer: it writes ``out[rank]`` itself), then, per round once
+    that piece's event fired, ``peer(src, received [rows, H])``, whose result the comm stream
+    sends home after the compute stream's event; then ``after()`` (beside the last transfers).
+    The compute stream joins the comm stream before this returns."""
+    import torch.distributed as dist
+
+    w, rows, h = slots.shape
+    rank = pg.rank()
+    recv = [slots.new_empty(rows, h) for _ in range(w - 1)]
+    side.wait_stream(compute)  # the slots are written before the first piece reads them
     landed = []
     with torch.cuda.stream(side):
         for r in range(1, w):
@@ -63,22 +87,22 @@ def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tenso
             dist.all_to_all_single(recv[r - 1], slots[dst], ref.one_peer_splits(w, src, rows),
                                    ref.one_peer_splits(w, dst, rows), group=pg)
             landed.append(_event(side))
-    saved = ref.Saved(plan, buf)
-    # own tokens: no transfer, computed while round 1 travels, straight into the output
-    ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h), keep=saved.of_source(rank))
+    own()
+    results = []
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
         compute.wait_event(landed[r - 1])
-        ref.experts(recv[r - 1].view(e, c, h), w1, w3, w2, out=ys[r - 1], keep=saved.of_source(src))
+        results.append(peer(src, recv[r - 1]))
         done = _event(compute)
         with torch.cuda.stream(side):
             side.wait_event(done)
             # the output splits put the piece at row 0 of out[dst]: straight into place
-            dist.all_to_all_single(out[dst], ys[r - 1].view(rows, h), ref.one_peer_splits(w, dst, rows),
+            dist.all_to_all_single(out[dst], results[-1], ref.one_peer_splits(w, dst, rows),
                                    ref.one_peer_splits(w, src, rows), group=pg)
+    if after is not None:
+        after()
     compute.wait_stream(side)  # join: the result is ready in the caller's stream order
-    _used_on(side, buf, out, *recv, *ys)
-    return saved.result(out.view(w * rows, h))
+    _used_on(side, slots, out, *recv, *results)
 
 
 def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:

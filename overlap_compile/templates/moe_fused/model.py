@@ -4,6 +4,8 @@ predictor/models.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ...predictor.models import (Ctx, Event, Schedule, Site, baseline, comm_call_ms, copy_engine_slowdown, gemm_ms,
                                  hbm_ms, peer_sync_ms, profile_extra, slice_ms, slowed)
 from ...predictor.profile import HardwareProfile
@@ -24,6 +26,8 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     bytes/(W-1) (on a switched fabric a pair gets the per-rank bandwidth)."""
     if site.kind != "moe":
         return None
+    if backward_site(site):
+        return moe_fused_backward(site, config, profile, ctx)
     if config.get("transport") == "p2p":
         if config.get("experts") == "fused":
             ratio = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
@@ -32,9 +36,27 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     W = max(1, site.world)
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
-    slow_g, slow_c = profile.contention["gemm_slowdown"], profile.contention["comm_slowdown"]
-    fill = routed_fill(profile) if config.get("payload") == "routed" else 1.0
-    e = gemm_ms(site, profile) / p * (slow_g if p > 1 else 1.0) * fill
+    routed = config.get("payload") == "routed"
+    fill = routed_fill(profile) if routed else 1.0
+    setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
+    events, end, nbytes = _pipeline(site, profile, ctx, p, source, gemm_ms(site, profile), fill=fill, setup_ms=setup)
+    base = baseline(site, profile, ctx)
+    how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
+    if routed:
+        how += f", routed rows only (assumed {fill:.0%} of the slots)"
+    return Schedule(end + moe_save_ms(site, profile), events, base.bound_ms if base else None,
+                    f"{how} of {nbytes / 2**20:.1f} MiB")
+
+
+def _pipeline(site: Site, profile: HardwareProfile, ctx: Ctx, p: int, source: bool, piece_gemms_ms: float,
+              tail_ms: float = 0.0, fill: float = 1.0, setup_ms: float = 0.0) -> tuple[list[Event], float, float]:
+    """(events, end, bytes per call) of the piece pipeline ``moe_fused`` describes: ``p`` pieces
+    whose GEMMs take ``piece_gemms_ms`` in all, then ``tail_ms`` of GEMMs that need every piece
+    (the backward's weight gradients), beside the transfers still in flight. ``fill``: the share
+    of the slots that travels and meets the experts (the routed payload), after ``setup_ms``."""
+    W = max(1, site.world)
+    slow_g = profile.contention["gemm_slowdown"]
+    e = piece_gemms_ms / p * (slow_g if p > 1 else 1.0) * fill
     nbytes = (site.coll_bytes() / (W - 1) if source and W > 1 else site.coll_bytes() / p) * fill
     moves = [i for i in range(p) if not (source and i == 0)]  # pieces with a transfer
     calls = 0
@@ -45,8 +67,8 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
         return comm_call_ms(site, profile, nbytes, ctx, contended=contended, launch=calls > 1)
 
     events, t_comm, d_end = [], 0.0, {}
-    if fill < 1.0:  # routed payload: sizes scan, their exchange and one host round trip first
-        t_comm = routed_setup_ms(site, profile, ctx)
+    if setup_ms > 0:  # routed payload: sizes scan, their exchange and one host round trip first
+        t_comm = setup_ms
         events.append(Event("compute", "routed sizes + host synchronisation", 0.0, t_comm))
     t_exp = t_comm
     for i in moves:
@@ -60,15 +82,40 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
         t_exp = start + e
         if i in d_end:
             c_start = max(t_comm, t_exp)
-            c = call(contended=i < p - 1)
+            c = call(contended=i < p - 1 or tail_ms > 0)
             events.append(Event("comm", f"combine {i}", c_start, c_start + c))
             t_comm = c_start + c
+    if tail_ms > 0:
+        end = t_exp + slowed(tail_ms, max(0.0, t_comm - t_exp), slow_g)
+        events.append(Event("compute", "weight gradients", t_exp, end))
+        t_exp = end
+    return events, max(t_comm, t_exp), nbytes
+
+
+BACKWARD_GEMMS = 6
+
+
+def backward_site(site: Site) -> bool:
+    """A backward MoE section (passes.matches.MoeBackwardMatch) has six GEMMs, in this order: the
+    three each piece runs (d_act and the two d_h terms), then the three weight gradients."""
+    return len(site.gemms) == BACKWARD_GEMMS
+
+
+def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """The backward section by source (backward_reference.py): the forward's rounds with the
+    data-gradient GEMMs (half the backward's, as much as the forward's three) in the pieces and
+    the weight gradients over all rows after the last piece, beside the last d_h transfers
+    (the last one then pays ``comm_slowdown`` too). Same bytes as the forward each way. Only
+    ``{"split": "source"}`` over NCCL has a backward path."""
+    if config.get("split") != "source" or config.get("transport", "nccl") != "nccl":
+        return None
+    data = dataclasses.replace(site, gemms=site.gemms[:3])
+    grads = dataclasses.replace(site, gemms=site.gemms[3:])
+    W = max(1, site.world)
+    events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile))
     base = baseline(site, profile, ctx)
-    how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
-    if fill < 1.0:
-        how += f", routed rows only (assumed {fill:.0%} of the slots)"
-    return Schedule(max(t_comm, t_exp) + moe_save_ms(site, profile), events, base.bound_ms if base else None,
-                    f"{how} of {nbytes / 2**20:.1f} MiB")
+    return Schedule(end, events, base.bound_ms if base else None,
+                    f"backward: {W} source pieces (own first) of {nbytes / 2**20:.1f} MiB, weight gradients last")
 
 
 def routed_fill(profile: HardwareProfile) -> float:

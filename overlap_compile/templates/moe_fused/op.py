@@ -14,6 +14,7 @@ import torch
 
 from ..base import LIB
 from ..plans import MoePlan
+from . import backward_op  # noqa: F401  (registers moe_fused_backward: the registry imports op.py)
 from . import reference
 
 
@@ -21,6 +22,8 @@ from . import reference
 def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
               plan: str) -> list[torch.Tensor]:
     p = MoePlan.from_json(plan)
+    if p.direction != "forward":
+        raise ValueError(f"moe_fused: a {p.direction!r} plan; the backward section runs moe_fused_backward")
     want = (p.world * p.e_local * p.capacity, p.hidden)
     if tuple(buf.shape) != want or tuple(w1.shape) != (p.e_local, p.hidden, p.ffn):
         raise ValueError(f"moe_fused: dispatch buffer {tuple(buf.shape)} / w1 {tuple(w1.shape)} do not match the plan "

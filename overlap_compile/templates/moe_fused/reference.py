@@ -33,6 +33,8 @@ when kernels.py is not usable). Padding slots travel as they do in the original.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -131,38 +133,63 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
 
 def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tensor:
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
-    rank, size = comm.rank_and_size(group_name)
-    if size != w:
-        raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {w}")
+    rank = group_rank(group_name, plan)
     rows = e * c
-    slots = buf.view(w, rows, h)
-    # Every dispatch piece is started first (in round order, the same on every rank) ...
+    slots, out = buf.view(w, rows, h), buf.new_empty(w, rows, h)
+    saved = Saved(plan, buf)
+    # the own tokens' experts run while the first pieces travel (over the copy engine: the first
+    # half only, the second after the peers' pieces)
+    own, own_out = slots[rank].view(e, c, h), out[rank].view(e, c, h)
+    parts = own_parts(e, c) if plan.config.get("transport") == "p2p" else [(slice(0, e), slice(0, c))]
+
+    def peer(src: int, got: torch.Tensor) -> torch.Tensor:
+        return experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
+
+    def rest() -> None:
+        for part in parts[1:]:
+            own_experts(own, w1, w3, w2, own_out, part, saved, rank)
+
+    exchange_by_source(slots, out, rank, group_name, lambda: own_experts(own, w1, w3, w2, own_out, parts[0], saved, rank),
+                       peer, rest)
+    return saved.result(out.view(w * rows, h))
+
+
+def group_rank(group_name: str, plan: MoePlan) -> int:
+    """This rank in the group, which must have the plan's size."""
+    rank, size = comm.rank_and_size(group_name)
+    if size != plan.world:
+        raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {plan.world}")
+    return rank
+
+
+def exchange_by_source(slots: torch.Tensor, out: torch.Tensor, rank: int, group_name: str, own: Callable[[], None],
+                       peer: Callable[[int, torch.Tensor], torch.Tensor], after: Callable[[], None]) -> None:
+    """The rounds by source, both directions of a training step (moe_fused, moe_fused_backward):
+    ``slots`` [W, rows, H] (block j goes to rank j), ``out`` [W, rows, H] (block j comes back from
+    rank j). Every piece is started first, in round order (the same on every rank); ``own()``
+    computes the rank's own block (no transfer, it writes its result into ``out[rank]``) while
+    they travel; ``peer(src, got)`` computes the block received from ``src`` once it has landed
+    and returns the ``[rows, H]`` result, which goes home at once; ``after()`` runs once every
+    piece is computed, while the last results travel. kernels_nccl.rounds_by_source is the same
+    on CUDA streams."""
+    w, rows = slots.shape[0], slots.shape[1]
     sent = []
     for r in range(1, w):
         dst, src = round_peers(rank, w, r)
         # splits cut the input at prefix sums: the one non-empty piece starts at row 0 of it
         sent.append(c10d.all_to_all_single.default(slots[dst], one_peer_splits(w, src, rows),
                                                    one_peer_splits(w, dst, rows), group_name))
-    out = buf.new_empty(w, rows, h)
-    saved = Saved(plan, buf)
-    # ... the own tokens' experts run while they travel (over the copy engine: the first half
-    # only, the second after the peers' pieces) ...
-    own, own_out = slots[rank].view(e, c, h), out[rank].view(e, c, h)
-    parts = own_parts(e, c) if plan.config.get("transport") == "p2p" else [(slice(0, e), slice(0, c))]
-    own_experts(own, w1, w3, w2, own_out, parts[0], saved, rank)
+    own()
     back = []
     for r, t in enumerate(sent, start=1):
         dst, src = round_peers(rank, w, r)
-        y = experts(comm.wait(t).view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
-        # ... and each piece goes home as soon as its experts are done.
+        y = peer(src, comm.wait(t))
         back.append(c10d.all_to_all_single.default(y, one_peer_splits(w, dst, rows),
                                                    one_peer_splits(w, src, rows), group_name))
-    for part in parts[1:]:
-        own_experts(own, w1, w3, w2, own_out, part, saved, rank)
+    after()
     for r, t in enumerate(back, start=1):
         dst, _ = round_peers(rank, w, r)
         out[dst] = comm.wait(t)
-    return saved.result(out.view(w * rows, h))
 
 
 def run_by_capacity(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tensor:

@@ -12,13 +12,32 @@ After::
 Sections are found supported (passes.find_moe) when nothing inside them is read afterwards but,
 in a training graph, what backward saves (the experts' input, both up-projections, the
 activation product): the op then also returns those (``MoePlan.saves``, getitem 1..) and
-backward reads them from it. Configurations: ``{"split": "source"}`` (one piece per source
+backward reads them from it.
+
+The backward section of a training step (passes.find_moe_backward proves its roles), before::
+
+    a2a = all_to_all_single(grad_buf, ...); g = view/permute/clone/view(wait_tensor(a2a))
+    dw2 = bmm(act_t, g); d_act = bmm(g, w2t)
+    d_up = d_act * silu(gate); d_gate = d_act * up * silu'(gate)   (Inductor's decomposition, casts in bf16)
+    dw3 = bmm(tokens_t, d_up); dw1 = bmm(tokens_t, d_gate); d_h = bmm(d_up, w3t) + bmm(d_gate, w1t)
+    a2a_r = all_to_all_single(view/permute/clone/view(d_h), ...); d_buf = wait_tensor(a2a_r)
+
+after (tokens_t, act_t: the saved tensors as backward reads them, transposed; w1t, w3t, w2t: the
+weights' transposes; dw1, dw3, dw2 feed what the weight-gradient bmm fed)::
+
+    outs = overlap_compile.moe_fused_backward(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, '0', '{plan}')
+    d_buf, dw1, dw3, dw2 = outs[0], outs[1], outs[2], outs[3]
+
+Its one configuration is ``{"split": "source"}`` (backward_spec.py, backward_reference.py: the
+forward's rounds, d_h of each piece sent home as soon as it is computed, the weight gradients
+once over all rows after the last piece). Configurations of the forward: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only) or ``{"pieces": p}`` (the capacity axis in p slices); see
-reference.py. Latency model: model.py. kernels_nccl.py (NCCL on CUDA streams)
+reference.py. Latency model: model.py (both directions). kernels_nccl.py (NCCL on CUDA streams)
 passes its GPU tests on 2x H200 but measured 0.82-0.94x of the layer as written (forward,
-capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) has not run
-on GPUs yet. So gpu_implemented stays False: under GPU profiles only force_template picks it.
+capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) and
+backward_nccl.py have not run on GPUs yet. So gpu_implemented stays False: under GPU profiles
+only force_template picks it.
 """
 from __future__ import annotations
 
@@ -27,6 +46,8 @@ from typing import Any
 from ...passes.matches import Match, MoeSectionMatch
 from ..base import TemplateSpec, gpu_profile
 from ..plans import MoePlan
+from . import backward_spec
+from .backward_spec import is_backward
 
 
 class MoeFusedSpec(TemplateSpec):
@@ -39,13 +60,15 @@ class MoeFusedSpec(TemplateSpec):
         if reason:
             return reason
         if not isinstance(match, MoeSectionMatch) or match.buffer_node is None:
-            return "moe_fused takes the SwiGLU expert section of demo.moe's form only"
+            return "moe_fused takes the SwiGLU expert section of demo.moe's form (or its backward) only"
         return None
 
     def default_config(self, match: Match) -> dict:
         return {"split": "source"}
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
+        if is_backward(match):
+            return backward_spec.candidates(match, profile)
         cap = getattr(match, "capacity", 1)
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
         if copy_engine and expert_kernel_ratio(profile) is not None and not getattr(match, "saved_nodes", None):
@@ -55,6 +78,8 @@ class MoeFusedSpec(TemplateSpec):
 
     def plan(self, match: Match, config: dict, timeout_ms: int) -> MoePlan:
         check_config(config)
+        if is_backward(match):
+            return backward_spec.plan(self.name, match, config, timeout_ms)
         saves = tuple(getattr(match, "saved_nodes", {}))
         if saves and config.get("experts") == "fused":
             raise ValueError(f"moe_fused: this section saves {list(saves)} for backward; the persistent expert "
@@ -67,6 +92,8 @@ class MoeFusedSpec(TemplateSpec):
         """The buffers each path holds (FlashDMoE's memory-overhead accounting, Table 6.2), beside
         what the section as written allocates for its intermediates (the dispatched and combined
         slots, the three expert GEMM outputs)."""
+        if is_backward(match):
+            return backward_spec.workspace(match)
         w, e, c, h, f = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn
         item = match.itemsize
         slot = e * c * h * item  # one source's slots

@@ -1,0 +1,111 @@
+"""moe_fused_backward, step by step on any device: the gradient of the expert-parallel SwiGLU
+section (a training step's backward graph, passes/find_moe_backward.py) as a pipeline by source.
+
+The section as written::
+
+    got   = all_to_all(grad_buf)                      # [W, E_local, C, H]: every source's gradient slots
+    g     = got as [E_local, W*C, H]
+    d_act = g @ w2t;   d_up = d_act * silu(gate);   d_gate = silu_backward(d_act * up, gate)
+    d_h   = d_up @ w3t + d_gate @ w1t
+    dw1 = tokens_t @ d_gate;   dw3 = tokens_t @ d_up;   dw2 = act_t @ g
+    d_buf = all_to_all(d_h as [W, E_local, C, H])     # back to the sources
+
+Every row of g (one slot of one source) goes through d_act, d_up, d_gate and d_h alone, so the
+forward's rounds carry it (reference.exchange_by_source): round r receives source (rank - r) % W's
+gradient slots, computes their d_h and sends it home at once; the own slots first, with no
+transfer::
+
+    (own)    | grad piece 1 | grad piece 2 ... | d_h 1 | d_h 2 ...
+    d_h own  | d_h 1        | d_h 2 ...        | dw1, dw3, dw2 (all rows, once)
+
+The weight gradients sum over every row, so they wait for the last piece and are computed once
+over the full g, d_gate and d_up, as the section computes them (same GEMMs, same summation
+order): they run while the last d_h pieces travel. The operands are those the section's bmm
+read: ``tokens_t`` [E, H, W*C] and ``act_t`` [E, F, W*C] (the saved experts' input and product,
+transposed), ``gate``, ``up`` [E, W*C, F], ``w1t``, ``w3t`` [E, F, H] and ``w2t`` [E, H, F] (the
+weights transposed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...runtime import comm
+from ..plans import MoePlan
+from . import reference as ref
+
+
+def swiglu_grad(g: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w1t: torch.Tensor, w3t: torch.Tensor,
+                w2t: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Rows of one piece, ``[E, n, *]``: writes d_gate and d_up (views of the full tensors the
+    weight gradients read) and returns d_h ``[E, n, H]`` (into ``out`` when given). The
+    formulas are eager autograd's for silu(gate) * up, which the finder's probe compares
+    Inductor's decomposition with."""
+    d_act = torch.bmm(g, w2t)
+    torch.mul(d_act, F.silu(gate), out=d_up)
+    d_gate.copy_(torch.ops.aten.silu_backward(d_act * up, gate))
+    return torch.add(torch.bmm(d_up, w3t), torch.bmm(d_gate, w1t), out=out)
+
+
+class Pieces:
+    """One call's work by source, on either transport: ``own()``, ``peer(src, got)`` and
+    ``after()`` as reference.exchange_by_source / kernels_nccl.rounds_by_source call them."""
+
+    def __init__(self, slots: torch.Tensor, out: torch.Tensor, rank: int, plan: MoePlan, tokens_t, gate, up,
+                 act_t, w1t, w3t, w2t):
+        w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
+        self.slots, self.out, self.rank, self.shape = slots, out, rank, (e, c, h)
+        self.tokens_t, self.gate, self.up, self.act_t, self.ws = tokens_t, gate, up, act_t, (w1t, w3t, w2t)
+        # the full tensors, laid out as the section has them: the weight gradients read them whole
+        self.g = slots.new_empty(e, w * c, h)
+        self.d_gate, self.d_up = gate.new_empty(e, w * c, f), gate.new_empty(e, w * c, f)
+        self.grads: list[torch.Tensor] = []
+
+    def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        e, c, h = self.shape
+        cols = slice(source * c, (source + 1) * c)
+        self.g[:, cols] = got.view(e, c, h)
+        w1t, w3t, w2t = self.ws
+        return swiglu_grad(got.view(e, c, h), self.gate[:, cols], self.up[:, cols], w1t, w3t, w2t,
+                           self.d_gate[:, cols], self.d_up[:, cols], out=out)
+
+    def own(self) -> None:
+        self._rows(self.rank, self.slots[self.rank], out=self.out[self.rank].view(self.shape))
+
+    def peer(self, src: int, got: torch.Tensor) -> torch.Tensor:
+        return self._rows(src, got).view(got.shape[0], -1)
+
+    def after(self) -> None:
+        self.grads = [torch.bmm(self.tokens_t, self.d_gate), torch.bmm(self.tokens_t, self.d_up),
+                      torch.bmm(self.act_t, self.g)]
+
+    def result(self) -> list[torch.Tensor]:
+        """[d_buf [W * E * C, H], dw1, dw3, dw2]: what the op returns."""
+        return [self.out.view(-1, self.shape[2]), *self.grads]
+
+
+def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
+        plan: MoePlan) -> list[torch.Tensor]:
+    """By source with the asynchronous functional collectives (gloo here; NCCL on GPUs when
+    backward_nccl.py is not usable)."""
+    w, rows, h = plan.world, plan.e_local * plan.capacity, plan.hidden
+    rank = ref.group_rank(group_name, plan)
+    slots, out = grad_buf.view(w, rows, h), grad_buf.new_empty(w, rows, h)
+    pieces = Pieces(slots, out, rank, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
+    ref.exchange_by_source(slots, out, rank, group_name, pieces.own, pieces.peer, pieces.after)
+    return pieces.result()
+
+
+def run_as_written(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
+                   plan: MoePlan) -> list[torch.Tensor]:
+    """The section as written, one all-to-all each way around the whole gradient: the oracle of
+    the tests and the baseline exhaustive search times."""
+    w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
+    got = comm.wait(comm.start_all_to_all(grad_buf, w, group_name))
+    g = got.view(w, e, c, h).transpose(0, 1).reshape(e, w * c, h)
+    d_gate, d_up = gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+    d_h = swiglu_grad(g, gate, up, w1t, w3t, w2t, d_gate, d_up)
+    back = d_h.view(e, w, c, h).transpose(0, 1).reshape(w * e * c, h)
+    d_buf = comm.wait(comm.start_all_to_all(back, w, group_name))
+    return [d_buf, torch.bmm(tokens_t, d_gate), torch.bmm(tokens_t, d_up), torch.bmm(act_t, g)]

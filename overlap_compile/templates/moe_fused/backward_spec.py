@@ -1,0 +1,44 @@
+"""What moe_fused does with a backward MoE section (passes.matches.MoeBackwardMatch): its one
+configuration, its plan and the buffers it holds. spec.py hands a backward match here.
+
+Configuration: ``{"split": "source"}`` (optionally ``"transport": "nccl"``): the forward's rounds
+by source (backward_reference.py). The capacity pieces and the copy-engine transport have no
+backward path: such a config is refused with the reason (force_config then leaves the backward
+section as written and says so).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..plans import MoePlan
+from .reference import by_source
+
+CONFIG = {"split": "source"}
+
+
+def is_backward(match: Any) -> bool:
+    return getattr(match, "direction", "forward") == "backward"
+
+
+def candidates(match: Any, profile: Any) -> list[dict]:
+    return [dict(CONFIG)]
+
+
+def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
+    if not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport"}:
+        raise ValueError(f"moe_fused: the backward section runs by source over NCCL / functional collectives only "
+                         f"({CONFIG}, optionally with 'transport': 'nccl'); got {config!r}")
+    return MoePlan(template=template, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
+                   hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, direction="backward")
+
+
+def workspace(match: Any) -> dict:
+    """Per call: a received gradient piece and a d_h piece per peer, and the full gradient g
+    [E, W*C, H] the dw2 GEMM reads (the pieces land apart). The section as written holds the
+    received gradient and its [E, W*C, H] layout, d_h, its layout and the returned gradient (five
+    of those), d_act, d_gate and d_up ([E, W*C, F] each)."""
+    w, e, c, h, f = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn
+    item = match.itemsize
+    slot = e * c * h * item  # one source's slots
+    return {"persistent": 0, "per_call": 2 * (w - 1) * slot + w * slot,
+            "section_as_written": 5 * w * slot + 3 * w * e * c * f * item}
