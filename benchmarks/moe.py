@@ -22,9 +22,10 @@ variant, one compile, timed on each routing:
   bmm experts), ``moe_fused_p2p_kernel`` (the same with the persistent expert kernel, ``"experts":
   "fused"``); ``moe_fused_routed`` (``{"split": "source", "payload": "routed"}``: only the routed
   rows travel and meet the experts, any device, both phases); ``overlap`` (the predictor's choice). In training, moe_fused takes the forward
-  section (it also returns what backward saves); the backward section (the bmm gradients between
-  two all-to-alls) is not the SwiGLU form and stays as written, with that reason in each row's
-  ``sites``.
+  section (it also returns what backward saves) and the backward section goes to
+  moe_fused_backward (d_h per source piece, sent home at once; the weight gradients once after the
+  last piece); only ``{"split": "source"}`` has a backward path, so another forced config leaves
+  the backward as written, with that reason in each row's ``sites``.
 * routing (``--routing``): ``uniform`` (the random router, inputs N(0, 1)) and ``skewed`` (one hot
   expert: inputs N(0, 1) + 1, still random and non-zero, and the router's row of expert 0 biased by
   SKEW_BIAS / H along the all-ones direction, so most tokens' first choice is expert 0). Each row

@@ -86,8 +86,8 @@ def test_moe_fused_matches_and_rewrites_the_forward_section(dry):
     for r in rows:
         if r["variant"] == "moe_fused":
             assert r["rel_err"] <= 1e-6
-            # training: the forward section rewritten, the backward one (not the SwiGLU form) as written
-            assert sorted((s[0].split("_")[0], s[3]) for s in r["sites"]) == [("backward", False), ("forward", True)]
+            # training: both sections rewritten (the backward by moe_fused_backward)
+            assert sorted((s[0].split("_")[0], s[3]) for s in r["sites"]) == [("backward", True), ("forward", True)]
             assert r["config"]["force_template"] == "moe_fused"
 
 
