@@ -3,8 +3,9 @@ group_name, plan) -> [d_buf ``[W * E_local * C, H]`` (what the section's second 
 returned), dw1, dw3 ``[E_local, H, F]``, dw2 ``[E_local, F, H]``]: the backward MoE section of a
 training step (backward_reference.py says what each operand is).
 
-Dispatch: CUDA tensors on an NCCL group run backward_nccl.py; everything else runs
-backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
+Dispatch: a ``"payload": "routed"`` plan runs backward_reference.run_routed (routed.py's rounds,
+functional collectives or NCCL streams) but under CUDA-graph capture; otherwise CUDA tensors on an
+NCCL group run backward_nccl.py; everything else runs backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
 Registered when op.py is imported (the registry imports ``<template>.op``)."""
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def operand_shapes(p: MoePlan) -> dict[str, tuple[int, ...]]:
 
 
 def check_plan(p: MoePlan) -> None:
-    if p.direction != "backward" or not reference.by_source(p.config) or p.config.get("transport", "nccl") != "nccl":
+    if p.direction != "backward" or not reference.by_source(p.config) or p.config.get("transport", "nccl") != "nccl" \
+            or p.config.get("payload", "capacity") not in ("capacity", "routed"):
         raise ValueError(f"moe_fused_backward: needs a backward plan by source over NCCL / functional collectives "
                          f"(direction 'backward', config {{'split': 'source'}}); got direction {p.direction!r}, "
                          f"config {p.config}")
@@ -46,6 +48,8 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
+    if p.config.get("payload") == "routed" and not (grad_buf.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return backward_reference.run_routed(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
     impl = backward_reference
     if grad_buf.device.type == "cuda":
         from . import backward_nccl, kernels_nccl

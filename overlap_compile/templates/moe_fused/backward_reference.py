@@ -97,6 +97,44 @@ def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_
     return pieces.result()
 
 
+def run_routed(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
+               plan: MoePlan, link=None) -> list[torch.Tensor]:
+    """``"payload": "routed"`` (routed.py's rounds): only the gradient rows up to each (destination,
+    expert)'s last non-zero row travel and go through the gradient GEMMs. Exact: a zero gradient
+    row has a zero d_act, so zero d_up, d_gate and d_h, and adds nothing to the weight gradients,
+    which are computed as the section computes them, over g, d_gate and d_up with zeros in every
+    row no gradient reached."""
+    from . import routed
+
+    w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
+    g = grad_buf.new_zeros(e, w * c, h)
+    d_gate, d_up = gate.new_zeros(e, w * c, f), gate.new_zeros(e, w * c, f)
+    grads: list[torch.Tensor] = []
+
+    def piece(x: torch.Tensor, source: int, routing) -> torch.Tensor:
+        rows = routing.got_rows[source]
+        m = routed.trimmed_rows(rows)
+        if m is not None:
+            cols = slice(source * c, source * c + m)
+            x = x.view(e, m, h)
+            g[:, cols] = x
+            return swiglu_grad(x, gate[:, cols], up[:, cols], w1t, w3t, w2t, d_gate[:, cols], d_up[:, cols])
+        index = routing.maps.saved(source)  # [E, W * C, *] rows: the layout of g, gate, up, d_gate, d_up
+        g.view(-1, h).index_copy_(0, index, x)
+        d_h, dg, du = routed.swiglu_grad_packed(x, rows, routing.offsets[1, source],
+                                                gate.reshape(-1, f).index_select(0, index),
+                                                up.reshape(-1, f).index_select(0, index), w1t, w3t, w2t)
+        d_gate.view(-1, f).index_copy_(0, index, dg)
+        d_up.view(-1, f).index_copy_(0, index, du)
+        return d_h
+
+    def after() -> None:
+        grads.extend([torch.bmm(tokens_t, d_gate), torch.bmm(tokens_t, d_up), torch.bmm(act_t, g)])
+
+    out = routed.exchange(grad_buf, plan, group_name, piece, link, after)
+    return [out.view(-1, h), *grads]
+
+
 def run_as_written(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
                    plan: MoePlan) -> list[torch.Tensor]:
     """The section as written, one all-to-all each way around the whole gradient: the oracle of

@@ -2,7 +2,8 @@
 configuration, its plan and the buffers it holds. spec.py hands a backward match here.
 
 Configuration: ``{"split": "source"}`` (optionally ``"transport": "nccl"``): the forward's rounds
-by source (backward_reference.py). The capacity pieces and the copy-engine transport have no
+by source (backward_reference.py); with ``"payload": "routed"`` only the gradient rows that reach
+a routed slot travel and meet the GEMMs (backward_reference.run_routed). The capacity pieces and the copy-engine transport have no
 backward path: such a config is refused with the reason (force_config then leaves the backward
 section as written and says so).
 """
@@ -20,14 +21,19 @@ def is_backward(match: Any) -> bool:
     return getattr(match, "direction", "forward") == "backward"
 
 
+ROUTED = {"split": "source", "payload": "routed"}
+
+
 def candidates(match: Any, profile: Any) -> list[dict]:
-    return [dict(CONFIG)]
+    return [dict(CONFIG), dict(ROUTED)]
 
 
 def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
-    if not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport"}:
+    if (not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport", "payload"}
+            or config.get("payload", "capacity") not in ("capacity", "routed")):
         raise ValueError(f"moe_fused: the backward section runs by source over NCCL / functional collectives only "
-                         f"({CONFIG}, optionally with 'transport': 'nccl'); got {config!r}")
+                         f"({CONFIG}, optionally with 'transport': 'nccl' or 'payload': 'capacity' | 'routed'); "
+                         f"got {config!r}")
     return MoePlan(template=template, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
                    hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, direction="backward")
 

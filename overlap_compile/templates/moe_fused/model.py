@@ -106,16 +106,23 @@ def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: 
     data-gradient GEMMs (half the backward's, as much as the forward's three) in the pieces and
     the weight gradients over all rows after the last piece, beside the last d_h transfers
     (the last one then pays ``comm_slowdown`` too). Same bytes as the forward each way. Only
-    ``{"split": "source"}`` over NCCL has a backward path."""
+    ``{"split": "source"}`` over NCCL has a backward path; ``"payload": "routed"`` scales the
+    pieces' bytes and GEMMs by the expected fill after the routed setup (the weight gradients
+    stay whole)."""
     if config.get("split") != "source" or config.get("transport", "nccl") != "nccl":
         return None
     data = dataclasses.replace(site, gemms=site.gemms[:3])
     grads = dataclasses.replace(site, gemms=site.gemms[3:])
     W = max(1, site.world)
-    events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile))
+    routed = config.get("payload") == "routed"
+    fill = routed_fill(profile) if routed else 1.0
+    setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
+    events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile),
+                                    fill=fill, setup_ms=setup)
     base = baseline(site, profile, ctx)
+    how = f", routed rows only (assumed {fill:.0%} of the slots)" if routed else ""
     return Schedule(end, events, base.bound_ms if base else None,
-                    f"backward: {W} source pieces (own first) of {nbytes / 2**20:.1f} MiB, weight gradients last")
+                    f"backward: {W} source pieces (own first) of {nbytes / 2**20:.1f} MiB{how}, weight gradients last")
 
 
 def routed_fill(profile: HardwareProfile) -> float:

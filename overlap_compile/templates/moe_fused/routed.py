@@ -34,6 +34,9 @@ padding rows into NaN (0 * inf), this path keeps them zero; the combine never re
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -81,25 +84,36 @@ def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+def packed_mm(x: torch.Tensor, w: torch.Tensor, rows: list[int], offsets: torch.Tensor) -> torch.Tensor:
+    """Packed rows (expert j's ``rows[j]`` rows after expert j - 1's; ``offsets``: their device
+    running sum, int32) times ``w[j]``: one torch._grouped_mm where it runs, one cuBLAS mm per
+    expert with rows otherwise."""
+    if len(rows) >= GROUPED_FROM_EXPERTS and _grouped_mm_runs(x, w):
+        return torch._grouped_mm(x, w, offs=offsets)
+    y = x.new_empty(x.shape[0], w.shape[2])
+    for j, (lo, n) in enumerate(zip(_starts(rows), rows)):
+        if n:
+            torch.mm(x[lo:lo + n], w[j], out=y[lo:lo + n])
+    return y
+
+
 def swiglu_packed(x: torch.Tensor, rows: list[int], offsets: torch.Tensor, w1, w3, w2
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SwiGLU of packed rows (expert e's ``rows[e]`` rows after expert e - 1's; ``offsets``: their
-    device cumsum, int32): (y, the intermediates by MoePlan.saves role, packed the same way)."""
-    if len(rows) >= GROUPED_FROM_EXPERTS and _grouped_mm_runs(x, w1):
-        gate, up = torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
-        act = F.silu(gate).mul_(up)
-        y = torch._grouped_mm(act, w2, offs=offsets)
-    else:  # one cuBLAS mm per expert with rows
-        spans = [(j, lo, n) for j, (lo, n) in enumerate(zip(_starts(rows), rows)) if n]
-        gate, up = x.new_empty(x.shape[0], w1.shape[2]), x.new_empty(x.shape[0], w1.shape[2])
-        for j, lo, n in spans:
-            torch.mm(x[lo:lo + n], w1[j], out=gate[lo:lo + n])
-            torch.mm(x[lo:lo + n], w3[j], out=up[lo:lo + n])
-        act = F.silu(gate).mul_(up)
-        y = x.new_empty(x.shape[0], w2.shape[2])
-        for j, lo, n in spans:
-            torch.mm(act[lo:lo + n], w2[j], out=y[lo:lo + n])
-    return y, {"tokens": x, "gate": gate, "up": up, "act": act}
+    """SwiGLU of packed rows: (y, the intermediates by MoePlan.saves role, packed the same way)."""
+    gate, up = packed_mm(x, w1, rows, offsets), packed_mm(x, w3, rows, offsets)
+    act = F.silu(gate).mul_(up)
+    return packed_mm(act, w2, rows, offsets), {"tokens": x, "gate": gate, "up": up, "act": act}
+
+
+def swiglu_grad_packed(g: torch.Tensor, rows: list[int], offsets: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                       w1t, w3t, w2t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SwiGLU gradient of packed rows (backward_reference.swiglu_grad's formulas): (d_h,
+    d_gate, d_up) for the gradient rows ``g`` and the forward's ``gate`` / ``up`` rows."""
+    d_act = packed_mm(g, w2t, rows, offsets)
+    d_up = d_act * F.silu(gate)
+    d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
+    d_h = packed_mm(d_up, w3t, rows, offsets).add_(packed_mm(d_gate, w1t, rows, offsets))
+    return d_h, d_gate, d_up
 
 
 def _starts(rows: list[int]) -> list[int]:
@@ -241,74 +255,103 @@ class _IndexMaps:
         return self._cut(self._saved, self.got_rows, s)
 
 
-def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
-        plan: MoePlan, link=None) -> torch.Tensor | list[torch.Tensor]:
-    """The combined slots ``[W * E_local * C, H]`` (zeros past each expert's last non-zero row),
-    with ``plan.saves`` ``[that, *intermediates]`` as reference.run returns them."""
+@dataclasses.dataclass
+class Routing:
+    """One call's routing, what a piece's computation needs to read its rows: ``sent_rows[d][j]``
+    (my rows for rank d's expert j), ``got_rows[s][j]`` (source s's rows for my expert j), their
+    device twins ``sizes`` / ``arrivals`` [W, E], ``offsets`` [2, W, E] (their running sums,
+    int32, for grouped GEMMs) and the packed pieces' index maps."""
+
+    rank: int
+    sizes: torch.Tensor
+    arrivals: torch.Tensor
+    sent_rows: list[list[int]]
+    got_rows: list[list[int]]
+    offsets: torch.Tensor
+    maps: _IndexMaps
+
+
+def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable, link=None,
+             after: Callable[[], None] | None = None) -> torch.Tensor:
+    """The routed rounds by source (the module docstring), both directions of a training step:
+    ``buf`` [W * E * C, H] (slot block d goes to rank d). ``piece(x, source, routing)`` computes the
+    rows received from ``source`` (the own ones first: no transfer): ``x`` is [E, m, H] (a trimmed
+    piece, the own one possibly a strided view of the slots) or [routed rows, H] (packed), and the
+    result in the same layout goes home at once; ``after()`` runs once every piece is computed,
+    while the last results travel. Returns the results [W, E, C, H], zeros where no routed row
+    lands."""
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     link = link or link_for(group_name, buf.device, w)
     rank, size = link.rank_and_size()
     if size != w:
         raise ValueError(f"moe_fused: group {group_name!r} has {size} ranks, the plan was made for {w}")
-    slots, flat, dev = buf.view(w, e, c, h), buf.view(w * e * c, h), buf.device
+    slots, flat = buf.view(w, e, c, h), buf.view(w * e * c, h)
     sizes = routed_sizes(slots)                                    # [W, E]: what I send to d's experts
     arrivals = link.exchange_sizes(sizes)                          # [W, E]: what source s sends mine
     offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
     sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
-
-    # zeros where no routed row lands (written once, not per padding range: fewer host calls)
-    out = buf.new_zeros(w, e, c, h)
-    saved = ref.Saved(plan, buf)
-    for t in saved.tensors.values():
-        t.zero_()
-    maps = _IndexMaps(w, e, c, dev, sizes, arrivals, sent_rows, got_rows)
+    routing = Routing(rank, sizes, arrivals, sent_rows, got_rows, offsets,
+                      _IndexMaps(w, e, c, buf.device, sizes, arrivals, sent_rows, got_rows))
+    out = buf.new_zeros(w, e, c, h)  # zeros where no routed row lands (one memset, few host calls)
 
     def outgoing(d: int) -> torch.Tensor:
         """My slots for rank d's experts as they travel: [E * m, H] trimmed, [routed rows, H] packed."""
-        rows = sent_rows[d]
-        m = trimmed_rows(rows)
+        m = trimmed_rows(sent_rows[d])
         if m is not None:
             return slots[d, :, :m].reshape(e * m, h)
-        return flat.index_select(0, maps.slots(d))
+        return flat.index_select(0, routing.maps.slots(d))
 
-    def experts(x: torch.Tensor, source: int) -> torch.Tensor:
-        """A piece from ``source`` (as outgoing lays it out) through the experts, in the same layout;
-        its intermediates into the saved layout."""
-        rows = got_rows[source]
-        m = trimmed_rows(rows)
-        if m is not None:
-            keep = {role: t[:, source * c:source * c + m] for role, t in saved.tensors.items()}
-            return ref.experts(x.view(e, m, h), w1, w3, w2, keep=keep).view(e * m, h)
-        y, inter = swiglu_packed(x, rows, offsets[1, source], w1, w3, w2)
-        if saved.tensors:
-            for role, t in saved.tensors.items():
-                t.view(-1, t.shape[2]).index_copy_(0, maps.saved(source), inter[role])
-        return y
-
-    def place(d: int, piece: torch.Tensor) -> None:
+    def place(d: int, result: torch.Tensor) -> None:
         """Results for my slots for rank d's experts (as outgoing laid them out) into out[d]."""
         rows = sent_rows[d]
         m = trimmed_rows(rows)
         if m is not None:
-            out[d, :, :m].copy_(piece.view(e, m, h))
+            out[d, :, :m].copy_(result.reshape(e, m, h))
         elif sum(rows):
-            out.view(w * e * c, h).index_copy_(0, maps.slots(d), piece)
+            out.view(w * e * c, h).index_copy_(0, routing.maps.slots(d), result)
 
-    # every dispatch piece laid out and started first, in round order (the same on every rank) ...
+    # every piece laid out and started first, in round order (the same on every rank) ...
     pieces = []
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
         pieces.append(link.start(outgoing(dst), dst, _piece_rows(got_rows[src]), src, h))
-    # ... the own tokens' experts run while they travel (a trimmed own piece straight from the slots) ...
+    # ... the own rows computed while they travel (a trimmed own piece straight from the slots) ...
     m = trimmed_rows(sent_rows[rank])
-    place(rank, experts(outgoing(rank) if m is None else slots[rank, :, :m], rank))
+    place(rank, piece(outgoing(rank) if m is None else slots[rank, :, :m], rank, routing))
     backs = []
-    for r, piece in enumerate(pieces, start=1):
+    for r, sent in enumerate(pieces, start=1):
         dst, src = ref.round_peers(rank, w, r)
-        y = experts(link.finish(piece), src)
-        # ... and each piece's results go home as soon as its experts are done
+        y = piece(link.finish(sent), src, routing).reshape(-1, h)
+        # ... and each piece's results go home as soon as they are computed
         backs.append((dst, link.start(y, src, _piece_rows(sent_rows[dst]), dst, h)))
+    if after is not None:
+        after()
     for dst, back in backs:
         place(dst, link.finish(back))
     link.close()
-    return saved.result(out.view(w * e * c, h))
+    return out
+
+
+def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
+        plan: MoePlan, link=None) -> torch.Tensor | list[torch.Tensor]:
+    """The combined slots ``[W * E_local * C, H]`` (zeros past each expert's last non-zero row),
+    with ``plan.saves`` ``[that, *intermediates]`` as reference.run returns them."""
+    e, c, h = plan.e_local, plan.capacity, plan.hidden
+    saved = ref.Saved(plan, buf)
+    for t in saved.tensors.values():
+        t.zero_()  # the intermediates of zero rows
+
+    def experts(x: torch.Tensor, source: int, routing: Routing) -> torch.Tensor:
+        """A piece from ``source`` through the experts, its intermediates into the saved layout."""
+        rows = routing.got_rows[source]
+        m = trimmed_rows(rows)
+        if m is not None:
+            keep = {role: t[:, source * c:source * c + m] for role, t in saved.tensors.items()}
+            return ref.experts(x.view(e, m, h), w1, w3, w2, keep=keep)
+        y, inter = swiglu_packed(x, rows, routing.offsets[1, source], w1, w3, w2)
+        for role, t in saved.tensors.items():
+            t.view(-1, t.shape[2]).index_copy_(0, routing.maps.saved(source), inter[role])
+        return y
+
+    out = exchange(buf, plan, group_name, experts, link)
+    return saved.result(out.view(-1, h))
