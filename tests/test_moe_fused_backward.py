@@ -280,10 +280,14 @@ def test_backward_configs_and_plan():
     from overlap_compile.templates.moe_fused.spec import SPEC
     from overlap_compile.templates.plans import MoePlan
 
-    for profile in ("h200", "cpu-gloo"):  # the one configuration, under GPU profiles too
-        assert SPEC.candidates(_Backward(), predictor.load_profile(profile)) == [BY_SOURCE]
+    routed = {**BY_SOURCE, "payload": "routed"}
+    for profile in ("h200", "cpu-gloo"):  # by source, every slot or the routed rows, under GPU profiles too
+        assert SPEC.candidates(_Backward(), predictor.load_profile(profile)) == [BY_SOURCE, routed]
+    assert SPEC.plan(_Backward(), routed, 1000).config == routed
     plan = SPEC.plan(_Backward(), BY_SOURCE, 1000)
     assert plan.direction == "backward" and plan.saves == () and MoePlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="'payload' must be one of"):
+        SPEC.plan(_Backward(), {"split": "source", "payload": "all"}, 1000)
     for bad in ({"pieces": 2}, {"split": "source", "transport": "p2p"}):
         with pytest.raises(ValueError, match="backward section runs by source"):
             SPEC.plan(_Backward(), bad, 1000)
