@@ -3,7 +3,8 @@ capacity pipeline (reference.py) with ragged zero tails (a peer that gets nothin
 bf16 (torch._grouped_mm) and fp32 (one mm per expert, TF32 off), with and without the saved
 intermediates, 10 calls back to back on new fills (the communication stream's buffers reused:
 a missing stream dependency shows as a moving error); and the op under CUDA-graph capture,
-where it must take the capacity pipeline (it cannot read sizes on the host) and still be right.
+where it must take the capacity pipeline (it cannot read sizes on the host) and still be right;
+the backward's routed rounds (backward_reference.run_routed) against its capacity pipeline.
 
 One GPU: the pipeline at W = 1 (sizes exchange, grouped experts, scatter). Two or more: the
 pairwise pieces on the communication stream."""
@@ -85,7 +86,34 @@ def _routed_vs_capacity() -> list[str]:
         err = ((captured.float() - want).norm() / want.norm()).item()
         if not err < tol:
             fails.append(f"rank {rank} {dtype} CUDA graph: rel err {err:.3g}")
+    fails += _routed_backward(rank, w, group, dev)
     torch.cuda.synchronize()
+    return fails
+
+
+def _routed_backward(rank: int, w: int, group: str, dev) -> list[str]:
+    """moe_fused_backward's routed rounds against its capacity pipeline, bf16 and fp32, 5 calls."""
+    from overlap_compile.templates.moe_fused import backward_reference as bref
+    from overlap_compile.templates.plans import MoePlan
+
+    fails = []
+    e, c, h, f = E_LOCAL, CAP, H, F_
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+        torch.manual_seed(0)
+        wts = [(torch.randn(e, f, h, device=dev) / 16).to(dtype), (torch.randn(e, f, h, device=dev) / 16).to(dtype),
+               (torch.randn(e, h, f, device=dev) / 20).to(dtype)]
+        saved = [torch.randn(e, h, w * c, device=dev).to(dtype), torch.randn(e, w * c, f, device=dev).to(dtype),
+                 torch.randn(e, w * c, f, device=dev).to(dtype), torch.randn(e, f, w * c, device=dev).to(dtype)]
+        cap_plan = MoePlan("moe_fused", w, e, c, h, f, {"split": "source"}, direction="backward")
+        plan = MoePlan("moe_fused", w, e, c, h, f, {"split": "source", "payload": "routed"}, direction="backward")
+        for call in range(5):
+            grad = _ragged(w, rank, dev, dtype, 200 + call)
+            want = bref.run(grad.float(), *[t.float() for t in saved], *[t.float() for t in wts], group, cap_plan)
+            got = bref.run_routed(grad, *saved, *wts, group, plan)
+            for i, (g, r) in enumerate(zip(got, want)):
+                err = ((g.float() - r).norm() / r.norm().clamp_min(1e-12)).item()
+                if not err < tol:
+                    fails.append(f"rank {rank} backward {dtype} call {call} output {i}: rel err {err:.3g}")
     return fails
 
 
