@@ -221,6 +221,10 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
 
                     def step():
                         step_begin()
+                        # a training step's zero_grad: under CUDA-graph trees, accumulating into the
+                        # last step's gradients reads outputs the next replay overwrites (seen, 1x H100)
+                        layer.zero_grad(set_to_none=True)
+                        xg.grad = None
                         y = fn(xg)
                         y.float().pow(2).mean().backward()
                         return y.detach()
