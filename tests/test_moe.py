@@ -170,7 +170,8 @@ def test_moe_fused_latency_model_routed_payload():
     host round trip; with the slots full it is priced as the capacity pipeline after that setup. At the default
     fill (0.8) it is priced slower than the capacity pipeline on a MoE-1-sized section and faster
     on a Mixtral-sized one, as the section's work measured without communication
-    (benchmarks/results/moe_routed_experts-*: 0.87x and 1.15x, 1x H100)."""
+    (benchmarks/results/moe_routed_experts-*: 0.87x and 1.15x, 1x H100). Under CUDA graphs the
+    op runs the capacity pipeline (no host round trip in a capture), and is priced so."""
     from overlap_compile import predictor
     from overlap_compile.predictor.models import Ctx, Site
     from overlap_compile.templates.moe_fused import model as moe_model
@@ -188,6 +189,9 @@ def test_moe_fused_latency_model_routed_payload():
         assert routed.events[0].label.startswith("routed sizes") and routed.events[0].end == pytest.approx(setup)
         assert min(ev.start for ev in routed.events[1:]) == pytest.approx(setup)
         assert (routed.total_ms < capacity.total_ms) == faster, (site, routed.total_ms, capacity.total_ms)
+    for site in (small, large):
+        assert moe_model.moe_fused(site, routed_cfg, prof, Ctx(mode="cuda_graph")).total_ms == pytest.approx(
+            moe_model.moe_fused(site, {"split": "source"}, prof, Ctx(mode="cuda_graph")).total_ms)
     full = dataclasses.replace(prof, raw={**prof.raw, "moe": {**prof.raw.get("moe", {}), "routed_fill": 1.0}})
     assert moe_model.moe_fused(small, routed_cfg, full, ctx).total_ms == pytest.approx(
         moe_model.moe_fused(small, {"split": "source"}, prof, ctx).total_ms

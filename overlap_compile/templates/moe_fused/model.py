@@ -36,7 +36,7 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     W = max(1, site.world)
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
-    routed = config.get("payload") == "routed"
+    routed = config.get("payload") == "routed" and ctx.mode != "cuda_graph"  # captured: the capacity pipeline runs
     fill = routed_fill(profile) if routed else 1.0
     setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
     events, end, nbytes = _pipeline(site, profile, ctx, p, source, gemm_ms(site, profile), fill=fill, setup_ms=setup)
@@ -114,7 +114,7 @@ def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: 
     data = dataclasses.replace(site, gemms=site.gemms[:3])
     grads = dataclasses.replace(site, gemms=site.gemms[3:])
     W = max(1, site.world)
-    routed = config.get("payload") == "routed"
+    routed = config.get("payload") == "routed" and ctx.mode != "cuda_graph"  # captured: the capacity pipeline runs
     fill = routed_fill(profile) if routed else 1.0
     setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
     events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile),
@@ -136,15 +136,18 @@ def routed_fill(profile: HardwareProfile) -> float:
 def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
     """Before the first routed piece (templates/moe_fused/routed.py): the sizes scan (at most one
     read of the dispatch buffer), their all-to-all (W * E_local int32), packing and unpacking
-    every routed row (a read and a write each way), and the host round trip with the launches
-    issued after it while the GPU waits (``moe.routed_host_ms``, default 0.3: what the routed
-    pipeline took beyond its GPU work on the small shapes.json moe sections, 1x H100,
-    benchmarks/diagnostics/moe_routed_experts.py)."""
+    every routed row (a read and a write each way), and the host round trip
+    (``moe.routed_host_ms``, default 1.2). The round trip drains the GPU's queue: what the host
+    issues after it (the op's own launches, then the rest of the step) runs exposed until the GPU
+    is behind again. In the section alone it cost ~0.3 ms (1x H100, the small shapes.json moe
+    sections, benchmarks/diagnostics/moe_routed_experts.py); in demo.moe's whole layer (MoE-1 at
+    W = 1, benchmarks/moe.py) 0.2-1.6 ms over the capacity pipeline by source in the forward and
+    1.1-1.6 ms in the training step, hence the default."""
     fill = routed_fill(profile)
     scan = hbm_ms(profile, site.coll_bytes())
     sizes = comm_call_ms(site, profile, 4096.0, ctx, contended=False)  # W * E_local int32: latency-bound
     pack = hbm_ms(profile, 4 * fill * site.coll_bytes())
-    return scan + sizes + profile_extra(profile, "routed_host_ms", 0.3, "moe") + pack
+    return scan + sizes + profile_extra(profile, "routed_host_ms", 1.2, "moe") + pack
 
 
 def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
