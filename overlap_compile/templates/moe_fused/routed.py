@@ -21,6 +21,11 @@ slots from row 0 up, so "rows up to the last non-zero one" are exactly the token
       combine      the results go home in the same layout; the receiver copies them into their
                    slots, zeros in the rest
 
+The rounds (``exchange``) serve both directions of a training step: ``run`` here (the experts;
+its saved intermediates zero in every row no token reached) and backward_reference.run_routed
+(the SwiGLU gradient: a zero gradient row has a zero d_h and adds nothing to the weight
+gradients, so the gradient's own last non-zero rows decide what travels).
+
 Transfers (a link: ``rank_and_size``, ``exchange_sizes``, ``start`` / ``finish`` of a pairwise
 piece, ``close``): functional collectives (any device: gloo on CPU, ``FunctionalLink``) or, on
 CUDA with NCCL, the pieces on the high-priority communication stream ordered by events, as
