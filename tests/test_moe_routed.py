@@ -141,8 +141,7 @@ def _routed_vs_capacity(grouped_from: int, trimmed_from: float) -> list:
         # what reaches my experts: every source's routed rows for them, nothing else
         arrivals = [torch.zeros(w, e, dtype=torch.long) for _ in range(w)]
         dist.all_gather(arrivals, fill)
-        # (the own slots are computed whole, beside the host's read of the sizes: not counted here)
-        routed_to_me = sum(int(a[rank].sum()) for s, a in enumerate(arrivals) if s != rank)
+        routed_to_me = sum(int(a[rank].sum()) for a in arrivals)
         return [results, routed_to_me, w * e * c]
     finally:
         routed.swiglu_packed = swiglu

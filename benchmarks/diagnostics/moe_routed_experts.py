@@ -57,12 +57,10 @@ def dispatched_slots(shape: dict, world: int, routing: str, dev, dtype) -> torch
 
 class Loopback:
     """A routed.run link that moves nothing: a piece arrives as it was sent (at W = 2 with the
-    sizes the peer would have), the sizes exchange returns my own. The sizes are read and the own
-    slots computed as routed.StreamLink does (a pinned copy waited for alone, a side stream)."""
+    sizes the peer would have), the sizes exchange returns my own."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.compute, self.own = torch.cuda.current_stream(), torch.cuda.Stream()
 
     def rank_and_size(self):
         return 0, self.world
@@ -76,26 +74,8 @@ class Loopback:
     def finish(self, handle):
         return handle
 
-    def read_sizes(self, sizes):
-        host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-        host.copy_(sizes, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(self.compute)
-        return host, copied
-
-    def sizes_on_host(self, pending):
-        pending[1].synchronize()
-        return pending[0].tolist()
-
-    def own_stream(self):
-        self.own.wait_stream(self.compute)
-        return torch.cuda.stream(self.own)
-
-    def join_own(self):
-        self.compute.wait_stream(self.own)
-
     def close(self):
-        self.join_own()
+        pass
 
 
 def profile_table(capacity, routed_work, routing: str) -> None:

@@ -131,13 +131,7 @@ def run_routed(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t,
     def after() -> None:
         grads.extend([torch.bmm(tokens_t, d_gate), torch.bmm(tokens_t, d_up), torch.bmm(act_t, g)])
 
-    def own(rank: int, into: torch.Tensor) -> None:
-        cols = slice(rank * c, (rank + 1) * c)
-        x = grad_buf.view(w, e, c, h)[rank]
-        g[:, cols] = x
-        swiglu_grad(x, gate[:, cols], up[:, cols], w1t, w3t, w2t, d_gate[:, cols], d_up[:, cols], out=into)
-
-    out = routed.exchange(grad_buf, plan, group_name, piece, own, link, after)
+    out = routed.exchange(grad_buf, plan, group_name, piece, link, after)
     return [out.view(-1, h), *grads]
 
 

@@ -10,10 +10,9 @@ slots from row 0 up, so "rows up to the last non-zero one" are exactly the token
 
     sizes[d, e]    = 1 + the last non-zero row of slots[d, e] (0: none)        on the device
     arrivals[s, e] = source s's sizes for my expert e                          one all-to-all of W * E int32
-    the own slots computed whole (no transfer) on a side stream while the host reads both sizes
-    (what every transfer's size needs: a copy to pinned memory, waited for alone), then the
-    by-source pipeline of reference.run_by_source, each piece in one of two layouts both its ends
-    derive from its sizes (trimmed_rows):
+    one host synchronisation reads both (what every transfer's size needs), then the by-source
+    pipeline of reference.run_by_source, each piece in one of two layouts both its ends derive
+    from its sizes (trimmed_rows):
       trimmed      [E, m, H], m = the piece's fullest expert's rows, when the rows fill most of
                    it (uniform routing): cuBLAS bmm, the zero rows below m computed (exact zeros)
       packed       rows [0, sizes[d, e]) of every expert e, one after the other (skewed routing):
@@ -33,15 +32,13 @@ CUDA with NCCL, the pieces on the high-priority communication stream ordered by 
 kernels_nccl.py does (``StreamLink``).
 
 What it costs against FlashDMoE's payload-efficient dispatch (sizes on the device, no host round
-trip): the host waits once per call (the own slots keep the GPU busy meanwhile; before, a full
-stream synchronisation drained its queue and what the host issued next ran exposed) and the
-read cannot be captured in a CUDA graph, so under capture the op runs the capacity pipeline (op.py), whose outputs are the same
+trip): the host synchronisation drains the GPU queue once per call and cannot be captured in a
+CUDA graph, so under capture the op runs the capacity pipeline (op.py), whose outputs are the same
 (padding rows computed as zeros). Expert weights with inf/NaN: the section as written turns its
 padding rows into NaN (0 * inf), this path keeps them zero; the combine never reads padding rows.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Callable
 
@@ -153,23 +150,8 @@ class FunctionalLink:
     def finish(self, handle) -> torch.Tensor:
         return comm.wait(handle)
 
-    def read_sizes(self, sizes: torch.Tensor):
-        return sizes
-
-    def sizes_on_host(self, pending) -> list:
-        return pending.cpu().tolist()
-
-    def own_stream(self):
-        return contextlib.nullcontext()
-
-    def join_own(self) -> None:
-        pass
-
     def close(self) -> None:
         pass
-
-
-_own_streams: dict[str, "torch.cuda.Stream"] = {}
 
 
 class StreamLink:
@@ -182,8 +164,6 @@ class StreamLink:
 
         self.pg = comm.resolve_group(group_name)
         self.compute, self.side = torch.cuda.current_stream(device), comm_stream(device)
-        key = str(device)
-        self.own = _own_streams.get(key) or _own_streams.setdefault(key, torch.cuda.Stream(device))
         self.used: list[torch.Tensor] = []
 
     def rank_and_size(self) -> tuple[int, int]:
@@ -215,33 +195,9 @@ class StreamLink:
         self.compute.wait_event(landed)
         return recv
 
-    def read_sizes(self, sizes: torch.Tensor):
-        """Start the sizes' copy to pinned host memory; ``sizes_on_host`` waits for that copy only,
-        not for the stream: work queued after it keeps the GPU busy while the host waits."""
-        host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-        host.copy_(sizes, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(self.compute)
-        return host, copied
-
-    def sizes_on_host(self, pending) -> list:
-        host, copied = pending
-        copied.synchronize()
-        return host.tolist()
-
-    def own_stream(self):
-        """The stream the own rows are computed on while the host waits for the sizes (so the
-        pieces' packing and dispatch on the compute stream do not queue behind them)."""
-        self.own.wait_stream(self.compute)
-        return torch.cuda.stream(self.own)
-
-    def join_own(self) -> None:
-        self.compute.wait_stream(self.own)
-
     def close(self) -> None:
         from .kernels_nccl import _used_on
 
-        self.join_own()
         self.compute.wait_stream(self.side)
         _used_on(self.side, *self.used)
 
@@ -320,19 +276,15 @@ class Routing:
     maps: _IndexMaps
 
 
-def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable, own: Callable, link=None,
+def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable, link=None,
              after: Callable[[], None] | None = None) -> torch.Tensor:
     """The routed rounds by source (the module docstring), both directions of a training step:
-    ``buf`` [W * E * C, H] (slot block d goes to rank d).
-
-    ``own(rank, into)`` computes the rank's own slots [E, C, H] whole into ``into`` (no transfer;
-    zero rows give zeros): it is queued before the host reads the sizes, on its own stream, so the
-    GPU has that work while the host waits (the read drains nothing else) and the pieces' packing
-    and dispatch do not queue behind it. ``piece(x, source, routing)`` computes the rows received
-    from ``source``: ``x`` is [E, m, H] (trimmed) or [routed rows, H] (packed), and the result in
-    the same layout goes home at once. ``after()`` runs once every piece is computed (and the own
-    slots), while the last results travel. Returns the results [W, E, C, H], zeros where no routed
-    row lands."""
+    ``buf`` [W * E * C, H] (slot block d goes to rank d). ``piece(x, source, routing)`` computes the
+    rows received from ``source`` (the own ones first: no transfer): ``x`` is [E, m, H] (a trimmed
+    piece, the own one possibly a strided view of the slots) or [routed rows, H] (packed), and the
+    result in the same layout goes home at once; ``after()`` runs once every piece is computed,
+    while the last results travel. Returns the results [W, E, C, H], zeros where no routed row
+    lands."""
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     link = link or link_for(group_name, buf.device, w)
     rank, size = link.rank_and_size()
@@ -341,15 +293,11 @@ def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable,
     slots, flat = buf.view(w, e, c, h), buf.view(w * e * c, h)
     sizes = routed_sizes(slots)                                    # [W, E]: what I send to d's experts
     arrivals = link.exchange_sizes(sizes)                          # [W, E]: what source s sends mine
-    both = torch.stack([sizes, arrivals])
-    offsets = torch.cumsum(both, -1, dtype=torch.int32)            # for grouped GEMMs
-    pending = link.read_sizes(both)
-    out = buf.new_zeros(w, e, c, h)  # zeros where no routed row lands (one memset, few host calls)
-    with link.own_stream():
-        own(rank, out[rank])
-    sent_rows, got_rows = link.sizes_on_host(pending)              # the one host synchronisation
+    offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
+    sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
     routing = Routing(rank, sizes, arrivals, sent_rows, got_rows, offsets,
                       _IndexMaps(w, e, c, buf.device, sizes, arrivals, sent_rows, got_rows))
+    out = buf.new_zeros(w, e, c, h)  # zeros where no routed row lands (one memset, few host calls)
 
     def outgoing(d: int) -> torch.Tensor:
         """My slots for rank d's experts as they travel: [E * m, H] trimmed, [routed rows, H] packed."""
@@ -367,18 +315,20 @@ def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable,
         elif sum(rows):
             out.view(w * e * c, h).index_copy_(0, routing.maps.slots(d), result)
 
-    # every piece laid out and started, in round order (the same on every rank) ...
+    # every piece laid out and started first, in round order (the same on every rank) ...
     pieces = []
     for r in range(1, w):
         dst, src = ref.round_peers(rank, w, r)
         pieces.append(link.start(outgoing(dst), dst, _piece_rows(got_rows[src]), src, h))
+    # ... the own rows computed while they travel (a trimmed own piece straight from the slots) ...
+    m = trimmed_rows(sent_rows[rank])
+    place(rank, piece(outgoing(rank) if m is None else slots[rank, :, :m], rank, routing))
     backs = []
     for r, sent in enumerate(pieces, start=1):
         dst, src = ref.round_peers(rank, w, r)
         y = piece(link.finish(sent), src, routing).reshape(-1, h)
         # ... and each piece's results go home as soon as they are computed
         backs.append((dst, link.start(y, src, _piece_rows(sent_rows[dst]), dst, h)))
-    link.join_own()
     if after is not None:
         after()
     for dst, back in backs:
@@ -408,9 +358,5 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             t.view(-1, t.shape[2]).index_copy_(0, routing.maps.saved(source), inter[role])
         return y
 
-    def own(rank: int, into: torch.Tensor) -> None:
-        keep = {role: t[:, rank * c:(rank + 1) * c] for role, t in saved.tensors.items()}
-        ref.experts(buf.view(-1, e, c, h)[rank], w1, w3, w2, out=into, keep=keep)
-
-    out = exchange(buf, plan, group_name, experts, own, link)
+    out = exchange(buf, plan, group_name, experts, link)
     return saved.result(out.view(-1, h))
