@@ -11,7 +11,9 @@ tile config, with every source marked arrived (``fused``) and with the arrival w
 the flags set before each call (``fused_waits``: what the copy-engine path will run). Both
 host-launched ("eager") and in a CUDA graph (10 calls). Every kernel result is checked against
 bmm in the same run (``correct``: relative max error <= 2e-2, a few bf16 ulps of the stored
-activation). Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
+activation). ``--routing uniform|skewed``: x holds the slots demo.moe's routing fills (zeros past
+each expert's tokens) and the kernel also runs with their routed sizes (``fused_sized``: tiles
+past them skipped, no host round trip), first tile config only. Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
 table with the ratios last.
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ def cases(world_sizes: list[int]) -> list[dict]:
             if sh["E"] % w:
                 continue
             out.append({"name": sh["name"], "world": w, "e": sh["E"] // w, "h": sh["H"], "f": sh["I"],
-                        "c": capacity(sh["S"], sh["E"], sh["topk"], 1.25)})
+                        "c": capacity(sh["S"], sh["E"], sh["topk"], 1.25), "shape": sh})
     return out
 
 
@@ -60,6 +62,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     ap.add_argument("--world", default="2,4", help="world sizes whose per-rank work to time")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--routing", default="random", choices=("random", "uniform", "skewed"),
+                    help="random: every slot holds a token (as before); uniform / skewed: the slots demo.moe's "
+                         "routing fills (zeros past each expert's tokens), and the kernel also runs with the "
+                         "routed sizes (fused_sized: tiles past them skipped), first config only")
     args = ap.parse_args()
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
@@ -73,7 +79,16 @@ def main() -> None:
     for case in todo:
         w, e, c, h, f = case["world"], case["e"], case["c"], case["h"], case["f"]
         g = torch.Generator(device=dev).manual_seed(w * 1000 + e)
-        x = torch.randn(w, e, c, h, device=dev, dtype=torch.bfloat16, generator=g)
+        if args.routing == "random":
+            x = torch.randn(w, e, c, h, device=dev, dtype=torch.bfloat16, generator=g)
+            sizes = None
+        else:
+            from benchmarks.diagnostics.moe_routed_experts import dispatched_slots
+            from overlap_compile.templates.moe_fused.routed import routed_sizes
+
+            torch.manual_seed(w * 1000 + e)
+            x = dispatched_slots(case["shape"], w, args.routing, dev, torch.bfloat16).contiguous()
+            sizes = routed_sizes(x)
         ws = [torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(h),
               torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(h),
               torch.randn(e, f, h, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(f)]
@@ -88,12 +103,15 @@ def main() -> None:
         flops = 2 * w * e * c * (3 * h * f)
         base = {"benchmark": "moe_experts", "device": device, "torch": torch.__version__,
                 "triton": triton.__version__, "date": date, "shape": case["name"], "world": w,
-                "dims": {"e_local": e, "capacity": c, "hidden": h, "ffn": f}, "dtype": "bfloat16"}
+                "dims": {"e_local": e, "capacity": c, "hidden": h, "ffn": f}, "dtype": "bfloat16",
+                "routing": args.routing}
+        if sizes is not None:
+            base["fill"] = sizes.sum().item() / (w * e * c)
         t_bmm = {"eager": do_bench(bmm, return_mode="median"),
                  "cuda_graph": do_bench_cudagraph(bmm, return_mode="median")}
         for mode, ms in t_bmm.items():
             rows.append({**base, "method": "bmm", "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
-        for cfg in CONFIGS:
+        for cfg in CONFIGS if sizes is None else CONFIGS[:1]:
             counters = EK.Counters.make(w, e, c, cfg.block_m, dev)
             label = (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                      + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits"))
@@ -113,7 +131,17 @@ def main() -> None:
                 flags.fill_(1)  # what the copy stream's flag writes do as each piece lands
                 EK.swiglu_experts(x, *ws, 0, cfg, counters=counters, arrived=False)
 
-            for method, fn in (("fused", fused), ("fused_waits", fused_waits)):
+            def fused_sized():
+                EK.swiglu_experts(x, *ws, 0, cfg, counters=counters, sizes=sizes)
+
+            methods = [("fused", fused), ("fused_waits", fused_waits)]
+            if sizes is not None:
+                got = EK.swiglu_experts(x, *ws, 0, cfg, counters=counters, sizes=sizes)
+                EK.check_errors(counters.err)
+                sized_err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                err = max(err, sized_err)
+                methods = [("fused", fused), ("fused_sized", fused_sized)]
+            for method, fn in methods:
                 for mode, bench in (("eager", do_bench), ("cuda_graph", do_bench_cudagraph)):
                     ms = bench(fn, return_mode="median")
                     rows.append({**base, "method": method, "config": label, "mode": mode, "ms": ms,
@@ -122,7 +150,7 @@ def main() -> None:
             EK.check_errors(counters.err)
         best = {}
         for r in rows:
-            if r.get("shape") == case["name"] and r.get("world") == w and r.get("method") in ("fused", "fused_waits") \
+            if r.get("shape") == case["name"] and r.get("world") == w and r.get("method") in ("fused", "fused_waits", "fused_sized") \
                     and r.get("mode") == "cuda_graph" and r.get("correct"):
                 if r["method"] not in best or r["ms"] < best[r["method"]]["ms"]:
                     best[r["method"]] = r
@@ -133,17 +161,19 @@ def main() -> None:
         del x, ws, out
         torch.cuda.empty_cache()
     path = write_rows(rows, args.out, "moe_experts", device, 1, date=date)
-    print(f"\nwrote {path}\n{'shape':>16} {'W':>2} {'E':>3} {'C':>6} {'bmm ms':>8} {'fused':>8} {'x':>6} {'+waits':>8} {'x':>6}")
+    print(f"\nwrote {path}\n{'shape':>16} {'W':>2} {'E':>3} {'C':>6} {'bmm ms':>8} {'fused':>8} {'x':>6} "
+          f"{'+waits' if args.routing == 'random' else 'sized':>8} {'x':>6}")
     for case, tb, best in table:
         cells = []
-        for m in ("fused", "fused_waits"):
+        for m in ("fused", "fused_waits" if args.routing == "random" else "fused_sized"):
             b = best.get(m)
             cells += [f"{b['ms']:8.3f}", f"{b['speedup_vs_bmm']:6.2f}"] if b else ["       -", "     -"]
         print(f"{case['name']:>16} {case['world']:>2} {case['e']:>3} {case['c']:>6} {tb:8.3f} " + " ".join(cells))
-    ratios = [best["fused"]["speedup_vs_bmm"] for _, _, best in table if "fused" in best]
-    if ratios:
-        print(f"fused vs bmm (CUDA graph, best config per case): geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
-              f"min {min(ratios):.3f}")
+    for m in ("fused", "fused_sized"):
+        ratios = [best[m]["speedup_vs_bmm"] for _, _, best in table if m in best]
+        if ratios:
+            print(f"{m} vs bmm (CUDA graph, best config per case): geomean "
+                  f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, min {min(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,10 @@ def test_signal_reorder_signalling_gemm(kind, signal_at, dtype, bias, kmajor):
 
 # ---- moe_fused: the persistent SwiGLU expert kernel ----------------------------------------------
 
-@pytest.mark.parametrize("tiles,arrived", [({}, False), ({}, True), ({"block_f": 64, "block_h": 128, "tma": False}, False)])
-def test_expert_kernel(tiles, arrived):
+@pytest.mark.parametrize("tiles,arrived,sized", [({}, False, False), ({}, True, False),
+                                                 ({"block_f": 64, "block_h": 128, "tma": False}, False, False),
+                                                 ({}, False, True), ({}, True, True)])  # sized: routed sizes skip tiles
+def test_expert_kernel(tiles, arrived, sized):
     from overlap_compile.templates.moe_fused import expert_kernel as EK
 
     w, e, c, h, f = 2, 2, 300, 1024, 768
@@ -115,10 +117,12 @@ def test_expert_kernel(tiles, arrived):
     ws = [torch.randn(e, h, f, generator=g).bfloat16(), torch.randn(e, h, f, generator=g).bfloat16(),
           torch.randn(e, f, h, generator=g).bfloat16()]
     cfg = EK.ExpertTiles(**tiles)
+    sizes = torch.tensor([[300, 17], [0, 128]], dtype=torch.int32) if sized else None
     with building() as builds:
-        EK.swiglu_experts(x, *ws, 1, cfg, arrived=arrived)
+        EK.swiglu_experts(x, *ws, 1, cfg, arrived=arrived, sizes=sizes)
     (done,) = _assert_built(builds, "_swiglu_experts_kernel")
     assert done.constexprs["W_TMA"] == cfg.tma and done.constexprs["X_TMA"] == cfg.tma
+    assert done.constexprs["USE_SIZES"] == sized
     ptx = _ptx(done)
     assert "wgmma.mma_async" in ptx and "red.release.gpu" in ptx  # the act / y counters
     if not arrived:  # arrival waits: relaxed polls, one acquire at system scope, the proxy fence for TMA

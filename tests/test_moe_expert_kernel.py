@@ -90,6 +90,43 @@ def check_against_reference(world, rank, e, c, h, f, cfg, arrived):
     print("ok", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
 
 
+def check_sizes(world, rank, e, c, h, f, cfg, arrived):
+    """Routed sizes: rows past sizes[s, e] are zero; the row blocks wholly past it are skipped, so
+    they are filled with NaN here (a computed one would turn its output rows into NaN) and the
+    outputs must still equal the experts of the zero-tailed slots, zeros past the sizes."""
+    import torch
+
+    from overlap_compile.templates.moe_fused import reference
+
+    torch.manual_seed(7 + c)
+    x = torch.randn(world, e, c, h)
+    sizes = torch.randint(0, c + 1, (world, e), dtype=torch.int32)
+    sizes[0, 0], sizes[-1, -1] = 0, c  # an empty expert, a full one
+    poisoned = x.clone()
+    for s in range(world):
+        for j in range(e):
+            n = int(sizes[s, j])
+            x[s, j, n:] = 0
+            poisoned[s, j, n:] = 0
+            poisoned[s, j, -(-n // cfg.block_m) * cfg.block_m:] = float("nan")
+    ws = _weights(e, h, f, torch.float32)
+    counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
+    if not arrived:
+        counters.arrival.view(torch.int32).fill_(1)
+    y = EK.swiglu_experts(poisoned, *ws, rank, cfg, programs=1, counters=counters, arrived=arrived, sizes=sizes)
+    EK.check_errors(counters.err)
+    assert not bool(y.isnan().any()), "a tile past the routed rows was computed"
+    for s in range(world):
+        want = reference.experts(x[s], *ws)
+        err = ((y[s] - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        assert err < 1e-5, (world, rank, e, c, h, f, s, err)
+        for j in range(e):
+            assert bool((y[s, j, int(sizes[s, j]):] == 0).all()), (s, j)
+    for name in ("arrival", "act_done", "y_done"):
+        assert int(getattr(counters, name).view(torch.int32).abs().sum()) == 0, name
+    print("ok sizes", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
+
+
 def check_missing_arrival():
     import torch
 
@@ -146,6 +183,8 @@ def main() -> None:
                                                      False))
     check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=True)
     check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16, tma=False), arrived=True)
+    check_sizes(2, 0, 3, 37, 40, 24, small, arrived=True)
+    check_sizes(3, 1, 2, 50, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=False)
     check_missing_arrival()
     check_half_precision()
     print("ALL OK")

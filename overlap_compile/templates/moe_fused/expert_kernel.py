@@ -101,12 +101,12 @@ if HAVE_TRITON:
     def _swiglu_experts_kernel(
         x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, tiles_ptr, n_tiles,
         x_desc, w1_desc, w3_desc, w2_desc,
-        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls,
+        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls, sizes_ptr,
         E, C, H, F,
         sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        X_TMA: tl.constexpr, W_TMA: tl.constexpr,
+        X_TMA: tl.constexpr, W_TMA: tl.constexpr, USE_SIZES: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
         last stride. See the module doc for the tiles and their signals.
@@ -115,7 +115,12 @@ if HAVE_TRITON:
         launcher sets it only when H and F are multiples of BLOCK_K, so no K step reads the next
         expert's rows). X_TMA: x through a descriptor over ``[W * E * C, H]`` (rows past C belong
         to the next slot and only feed rows that are never stored); after an arrival wait a
-        proxy fence orders those TMA reads after the acquire."""
+        proxy fence orders those TMA reads after the acquire.
+
+        USE_SIZES: ``sizes[s * E + e]`` rows of (source, expert) are routed, the rest are zero
+        (routed.py's sizes, in place once the chunk's arrival is seen): a tile whose rows all lie
+        past it computes nothing (a zero row's output is zero; its y rows are stored as zeros),
+        a tile across it computes its zero rows as the GEMM would (exact zeros)."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         m_blocks = (C + BLOCK_M - 1) // BLOCK_M
@@ -137,6 +142,12 @@ if HAVE_TRITON:
                                           USE_TIMER)
                     if X_TMA:  # the copy engine's data, read by TMA after the acquire
                         prim.fence_async_reads(landed, USE_ASM)
+            elif USE_SIZES and WAIT_ARRIVAL:  # the sizes land with the chunk: acquire it before reading them
+                prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+            live = True
+            if USE_SIZES:
+                live = mb * BLOCK_M < tl.load(sizes_ptr + se)
+            if (phase == 1) & live:
                 f_cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
                 f_mask = f_cols < F
                 x_rows = x_ptr + s.to(tl.int64) * sx_s + e.to(tl.int64) * sx_e + rows[:, None].to(tl.int64) * sx_c
@@ -168,9 +179,16 @@ if HAVE_TRITON:
                 act = (silu * u).to(act_ptr.dtype.element_ty)
                 dst = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
                 tl.store(dst + f_cols[None, :], act, mask=rmask[:, None] & f_mask[None, :])
+            if phase == 1:
                 # every thread's stores, then one release add for the CTA (GPU scope: the
-                # readers are this kernel's phase-2 tiles)
+                # readers are this kernel's phase-2 tiles); a tile past the routed rows too
                 prim.signal_add(act_done_ptr + se * m_blocks + mb, 1, False, USE_ASM)
+            elif live == 0:  # rows past the routed ones: zero outputs, nothing to compute or wait for
+                h_cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+                dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
+                tl.store(dst + h_cols[None, :], tl.zeros((BLOCK_M, BLOCK_H), y_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & (h_cols < H)[None, :])
+                prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
             else:
                 prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
                              timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
@@ -221,8 +239,10 @@ def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
            tiles: torch.Tensor, arrival: torch.Tensor, act_done: torch.Tensor, y_done: torch.Tensor,
            err: torch.Tensor, programs: int, cfg: ExpertTiles, wait_arrival: bool, timeout_ms: int,
-           max_polls: int = 1 << 20) -> None:
-    """One launch of the kernel over the tile table ``tiles`` ([T, 5] int32 on the device)."""
+           max_polls: int = 1 << 20, sizes: torch.Tensor | None = None) -> None:
+    """One launch of the kernel over the tile table ``tiles`` ([T, 5] int32 on the device);
+    ``sizes``: int32 [W * E], the routed rows of each (source, expert) (the rest zero): tiles past
+    them are skipped (kernel doc, USE_SIZES)."""
     w, e, c, h = x.shape
     f = w1.shape[2]
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
@@ -236,12 +256,12 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     _swiglu_experts_kernel[(programs,)](
         x, w1, w3, w2, act, y, tiles, tiles.shape[0], x_desc, w1_desc, w3_desc, w2_desc,
         arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
-        e, c, h, f,
+        sizes if sizes is not None else arrival, e, c, h, f,
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=SR._dot_precision(x.dtype),
-        X_TMA=x_desc is not None, W_TMA=w1_desc is not None,
+        X_TMA=x_desc is not None, W_TMA=w1_desc is not None, USE_SIZES=sizes is not None,
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 
@@ -303,11 +323,13 @@ def tile_table(order: tuple, device: torch.device) -> torch.Tensor:
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int,
                    cfg: ExpertTiles | None = None, programs: int | None = None, counters: Counters | None = None,
-                   arrived: bool = True, timeout_ms: int = 10000, max_polls: int = 1 << 20) -> torch.Tensor:
+                   arrived: bool = True, timeout_ms: int = 10000, max_polls: int = 1 << 20,
+                   sizes: torch.Tensor | None = None) -> torch.Tensor:
     """``y [W, E, C, H]`` = the SwiGLU experts of every source's slots ``x [W, E, C, H]``, rank
     ``rank``'s tile order. ``arrived``: every source's tokens are in place already (no arrival
     waits); otherwise the caller's copy stream sets ``counters.arrival[s * E + e]`` to 1 as
-    they land."""
+    they land. ``sizes`` (int32 [W * E] or [W, E]): rows past ``sizes[s, e]`` of x[s, e] are zero,
+    and their tiles are skipped (routed.routed_sizes gives them; in place before the arrival)."""
     cfg = cfg or ExpertTiles()
     w, e, c, h = x.shape
     f = w1.shape[2]
@@ -319,6 +341,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     act = x.new_empty(w, e, c, f)
     y = x.new_empty(w, e, c, h)
     launch(x, w1, w3, w2, act, y, tiles, counters.arrival.view(torch.int32), counters.act_done, counters.y_done,
-           counters.err, min(programs, len(order)), cfg, not arrived, timeout_ms, max_polls)
+           counters.err, min(programs, len(order)), cfg, not arrived, timeout_ms, max_polls,
+           None if sizes is None else sizes.reshape(-1).to(torch.int32))
     counters.reset()
     return y
