@@ -147,17 +147,20 @@ def _routed_vs_capacity(grouped_from: int, trimmed_from: float) -> list:
         routed.swiglu_packed = swiglu
 
 
-@pytest.mark.parametrize("grouped_from,trimmed_from", [
-    (1, 2.0), (99, 2.0),  # every piece packed: torch._grouped_mm / one mm per expert, routed rows only
-    (1, 0.0),             # every piece trimmed: bmm over [E, m, H]
-    (1, 0.8)])            # as shipped: each piece by its fill
-def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding(grouped_from, trimmed_from):
-    for results, routed_to_me, slots in run_distributed(_routed_vs_capacity, world_size=3,
-                                                        args=(grouped_from, trimmed_from), timeout_s=120):
-        for r in results:
-            assert max(r["errs"]) < 1e-5, r
-            if trimmed_from > 1:  # packed pieces: exactly the routed rows reach the experts
-                assert r["rows"] == routed_to_me < slots, (r, routed_to_me, slots)
+def _routed_vs_capacity_every_way() -> list:
+    # every piece packed (torch._grouped_mm / one mm per expert, routed rows only), every piece
+    # trimmed (bmm over [E, m, H]), and as shipped (each piece by its fill): one process group
+    return [(grouped_from, trimmed_from, _routed_vs_capacity(grouped_from, trimmed_from))
+            for grouped_from, trimmed_from in ((1, 2.0), (99, 2.0), (1, 0.0), (1, 0.8))]
+
+
+def test_routed_pipeline_equals_the_capacity_pipeline_and_skips_the_padding():
+    for per_way in run_distributed(_routed_vs_capacity_every_way, world_size=3, timeout_s=180):
+        for grouped_from, trimmed_from, (results, routed_to_me, slots) in per_way:
+            for r in results:
+                assert max(r["errs"]) < 1e-5, (grouped_from, trimmed_from, r)
+                if trimmed_from > 1:  # packed pieces: exactly the routed rows reach the experts
+                    assert r["rows"] == routed_to_me < slots, (r, routed_to_me, slots)
 
 
 def _nan_row_travels() -> float:
@@ -222,9 +225,14 @@ def _routed_backward_vs_capacity(trimmed_from: float) -> list:
     return [((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(got, want)]
 
 
-@pytest.mark.parametrize("trimmed_from", [0.0, 2.0, 0.8])  # every piece trimmed / packed / by its fill
-def test_routed_backward_equals_the_capacity_backward(trimmed_from):
+def _routed_backward_every_way() -> list:
+    return [(t, _routed_backward_vs_capacity(t)) for t in (0.0, 2.0, 0.8)]  # trimmed / packed / by fill
+
+
+def test_routed_backward_equals_the_capacity_backward():
     """moe_fused_backward's routed rounds: d_buf and the three weight gradients equal the capacity
-    pipeline's with ragged zero gradient tails, a peer that gets no gradient and a full expert."""
-    for errs in run_distributed(_routed_backward_vs_capacity, world_size=3, args=(trimmed_from,), timeout_s=120):
-        assert len(errs) == 4 and max(errs) < 1e-5, errs
+    pipeline's with ragged zero gradient tails, a peer that gets no gradient and a full expert,
+    every piece trimmed, every piece packed, and each by its fill."""
+    for per_way in run_distributed(_routed_backward_every_way, world_size=3, timeout_s=180):
+        for trimmed_from, errs in per_way:
+            assert len(errs) == 4 and max(errs) < 1e-5, (trimmed_from, errs)
