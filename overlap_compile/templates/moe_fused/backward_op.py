@@ -48,7 +48,9 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
-    if p.config.get("payload") == "routed" and not (grad_buf.is_cuda and torch.cuda.is_current_stream_capturing()):
+    from .routed import runs_routed
+
+    if runs_routed(p.config, grad_buf.device):
         return backward_reference.run_routed(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
     impl = backward_reference
     if grad_buf.device.type == "cuda":

@@ -29,8 +29,8 @@ def candidates(match: Any, profile: Any) -> list[dict]:
 
 
 def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
-    if (not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport", "payload"}
-            or config.get("payload", "capacity") not in ("capacity", "routed")):
+    # (spec.check_config has checked the payload's value before handing a backward match here)
+    if not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport", "payload"}:
         raise ValueError(f"moe_fused: the backward section runs by source over NCCL / functional collectives only "
                          f"({CONFIG}, optionally with 'transport': 'nccl' or 'payload': 'capacity' | 'routed'); "
                          f"got {config!r}")

@@ -36,9 +36,7 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     W = max(1, site.world)
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
-    routed = config.get("payload") == "routed" and ctx.mode != "cuda_graph"  # captured: the capacity pipeline runs
-    fill = routed_fill(profile) if routed else 1.0
-    setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
+    routed, fill, setup = _routed_terms(site, config, profile, ctx)
     events, end, nbytes = _pipeline(site, profile, ctx, p, source, gemm_ms(site, profile), fill=fill, setup_ms=setup)
     base = baseline(site, profile, ctx)
     how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
@@ -114,15 +112,23 @@ def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: 
     data = dataclasses.replace(site, gemms=site.gemms[:3])
     grads = dataclasses.replace(site, gemms=site.gemms[3:])
     W = max(1, site.world)
-    routed = config.get("payload") == "routed" and ctx.mode != "cuda_graph"  # captured: the capacity pipeline runs
-    fill = routed_fill(profile) if routed else 1.0
-    setup = routed_setup_ms(site, profile, ctx) if routed else 0.0
+    routed, fill, setup = _routed_terms(site, config, profile, ctx)
     events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile),
                                     fill=fill, setup_ms=setup)
     base = baseline(site, profile, ctx)
     how = f", routed rows only (assumed {fill:.0%} of the slots)" if routed else ""
     return Schedule(end, events, base.bound_ms if base else None,
                     f"backward: {W} source pieces (own first) of {nbytes / 2**20:.1f} MiB{how}, weight gradients last")
+
+
+def _routed_terms(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> tuple[bool, float, float]:
+    """(routed, fill, setup ms) of a config in either direction: the routed payload scales the
+    pieces by the expected fill after its setup; under CUDA graphs the capacity pipeline runs
+    (no host read inside a capture), so it is priced as that."""
+    routed = config.get("payload") == "routed" and ctx.mode != "cuda_graph"
+    if not routed:
+        return False, 1.0, 0.0
+    return True, routed_fill(profile), routed_setup_ms(site, profile, ctx)
 
 
 def routed_fill(profile: HardwareProfile) -> float:

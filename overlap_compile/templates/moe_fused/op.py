@@ -52,7 +52,9 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
     """Which implementation a call runs: "routed" (routed.py, only the routed rows: any device, not
     under CUDA-graph capture), "p2p" (kernels.py, copy engine), "nccl" (kernels_nccl.py, CUDA
     streams) or "reference" (CPU, or no usable GPU path)."""
-    if plan.config.get("payload") == "routed" and not _capturing(device):
+    from .routed import runs_routed
+
+    if runs_routed(plan.config, device):
         return "routed"  # under CUDA-graph capture (no host synchronisation): the capacity pipeline
     if device.type != "cuda":
         return "reference"
@@ -63,10 +65,6 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
     if kernels_nccl.usable(group_name, device):
         return "nccl"
     return "reference"
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @moe_fused.register_fake

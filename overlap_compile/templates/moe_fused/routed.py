@@ -52,6 +52,14 @@ from . import reference as ref
 c10d = torch.ops._c10d_functional
 
 
+def runs_routed(config: dict, device: torch.device) -> bool:
+    """Whether a call with this plan config takes the routed rounds here: a ``"payload": "routed"``
+    plan does, but under CUDA-graph capture (no host read of the sizes inside a capture), where
+    the capacity pipeline runs with the same outputs. Both ops (op.py, backward_op.py) ask this."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return config.get("payload") == "routed" and not capturing
+
+
 def routed_sizes(slots: torch.Tensor) -> torch.Tensor:
     """``[..., C, H]`` -> int32 ``[...]``: 1 + the index of the last row with a non-zero entry (0
     when every row is zero); routed_sizes.py (a top-down scan on CUDA)."""
@@ -262,15 +270,10 @@ class _IndexMaps:
 
 @dataclasses.dataclass
 class Routing:
-    """One call's routing, what a piece's computation needs to read its rows: ``sent_rows[d][j]``
-    (my rows for rank d's expert j), ``got_rows[s][j]`` (source s's rows for my expert j), their
-    device twins ``sizes`` / ``arrivals`` [W, E], ``offsets`` [2, W, E] (their running sums,
-    int32, for grouped GEMMs) and the packed pieces' index maps."""
+    """What a piece's computation needs to read its rows: ``got_rows[s][j]`` (source s's rows for
+    my expert j), ``offsets[1]`` [W, E] (their running sums, int32, for grouped GEMMs) and the
+    packed pieces' index maps."""
 
-    rank: int
-    sizes: torch.Tensor
-    arrivals: torch.Tensor
-    sent_rows: list[list[int]]
     got_rows: list[list[int]]
     offsets: torch.Tensor
     maps: _IndexMaps
@@ -295,8 +298,7 @@ def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable,
     arrivals = link.exchange_sizes(sizes)                          # [W, E]: what source s sends mine
     offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
     sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
-    routing = Routing(rank, sizes, arrivals, sent_rows, got_rows, offsets,
-                      _IndexMaps(w, e, c, buf.device, sizes, arrivals, sent_rows, got_rows))
+    routing = Routing(got_rows, offsets, _IndexMaps(w, e, c, buf.device, sizes, arrivals, sent_rows, got_rows))
     out = buf.new_zeros(w, e, c, h)  # zeros where no routed row lands (one memset, few host calls)
 
     def outgoing(d: int) -> torch.Tensor:
