@@ -13,7 +13,7 @@ host-launched ("eager") and in a CUDA graph (10 calls). Every kernel result is c
 bmm in the same run (``correct``: relative max error <= 2e-2, a few bf16 ulps of the stored
 activation). ``--routing uniform|skewed``: x holds the slots demo.moe's routing fills (zeros past
 each expert's tokens) and the kernel also runs with their routed sizes (``fused_sized``: tiles
-past them skipped, no host round trip), first tile config only. Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
+past them skipped, no host round trip), first two tile configs only (the two schedules). Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
 table with the ratios last.
 """
 from __future__ import annotations
@@ -36,7 +36,10 @@ from overlap_compile.templates.moe_fused import reference  # noqa: E402
 
 # 1x H200 2026-11-23: pointer loads 0.74-0.83x of bmm; with TMA 128x128x256x64 s3 0.94-1.05x,
 # smaller tiles 0.60-0.92x (benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma.json)
-CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 8, 4),
+# The first two differ only in how programs take tiles (the dynamic ticket, the default since
+# 2026-11-24, and the static p, p + P, ... before it), so every run compares the two.
+CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 8, 3, schedule="static"),
+           EK.ExpertTiles(128, 128, 256, 64, 8, 4),
            EK.ExpertTiles(128, 128, 128, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 4, 3),
            EK.ExpertTiles(128, 128, 256, 64, 8, 3, tma_waits=False),  # x by pointers when tiles wait
            EK.ExpertTiles(128, 128, 128, 64, 8, 3, tma=False)]  # pointer loads only, as before TMA
@@ -65,7 +68,10 @@ def main() -> None:
     ap.add_argument("--routing", default="random", choices=("random", "uniform", "skewed"),
                     help="random: every slot holds a token (as before); uniform / skewed: the slots demo.moe's "
                          "routing fills (zeros past each expert's tokens), and the kernel also runs with the "
-                         "routed sizes (fused_sized: tiles past them skipped), first config only")
+                         "routed sizes (fused_sized: tiles past them skipped), first two configs only: the two schedules")
+    ap.add_argument("--configs", type=int, default=0, help="time only the first N tile configs (0: all; "
+                    "--routing uniform|skewed times the first two: the two schedules)")
+    ap.add_argument("--suffix", default="", help="appended to the result file's name (runs of one day apart)")
     args = ap.parse_args()
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
@@ -111,10 +117,11 @@ def main() -> None:
                  "cuda_graph": do_bench_cudagraph(bmm, return_mode="median")}
         for mode, ms in t_bmm.items():
             rows.append({**base, "method": "bmm", "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
-        for cfg in CONFIGS if sizes is None else CONFIGS[:1]:
+        for cfg in CONFIGS[: args.configs or (len(CONFIGS) if sizes is None else 2)]:
             counters = EK.Counters.make(w, e, c, cfg.block_m, dev)
             label = (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                     + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits"))
+                     + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits")
+                     + ("" if cfg.schedule == "dynamic" else f" {cfg.schedule}"))
             try:
                 got = EK.swiglu_experts(x, *ws, 0, cfg, counters=counters)
                 EK.check_errors(counters.err)
@@ -160,7 +167,7 @@ def main() -> None:
               flush=True)
         del x, ws, out
         torch.cuda.empty_cache()
-    path = write_rows(rows, args.out, "moe_experts", device, 1, date=date)
+    path = write_rows(rows, args.out, "moe_experts", device, 1, date=date, suffix=args.suffix)
     print(f"\nwrote {path}\n{'shape':>16} {'W':>2} {'E':>3} {'C':>6} {'bmm ms':>8} {'fused':>8} {'x':>6} "
           f"{'+waits' if args.routing == 'random' else 'sized':>8} {'x':>6}")
     for case, tb, best in table:
@@ -169,6 +176,13 @@ def main() -> None:
             b = best.get(m)
             cells += [f"{b['ms']:8.3f}", f"{b['speedup_vs_bmm']:6.2f}"] if b else ["       -", "     -"]
         print(f"{case['name']:>16} {case['world']:>2} {case['e']:>3} {case['c']:>6} {tb:8.3f} " + " ".join(cells))
+    by_config: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("mode") == "cuda_graph" and r.get("correct") and r["method"] != "bmm":
+            by_config.setdefault((r["method"], r["config"]), []).append(r["speedup_vs_bmm"])
+    for (m, label), ratios in sorted(by_config.items()):
+        print(f"{m:>12} {label:<36} vs bmm (CUDA graph, {len(ratios)} cases): geomean "
+              f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, min {min(ratios):.3f}")
     for m in ("fused", "fused_sized"):
         ratios = [best[m]["speedup_vs_bmm"] for _, _, best in table if m in best]
         if ratios:

@@ -107,6 +107,7 @@ def test_signal_reorder_signalling_gemm(kind, signal_at, dtype, bias, kmajor):
 
 @pytest.mark.parametrize("tiles,arrived,sized", [({}, False, False), ({}, True, False),
                                                  ({"block_f": 64, "block_h": 128, "tma": False}, False, False),
+                                                 ({"schedule": "static"}, True, False),
                                                  ({}, False, True)])  # sized: routed sizes skip tiles
 def test_expert_kernel(tiles, arrived, sized):
     from overlap_compile.templates.moe_fused import expert_kernel as EK
@@ -122,12 +123,17 @@ def test_expert_kernel(tiles, arrived, sized):
         EK.swiglu_experts(x, *ws, 1, cfg, arrived=arrived, sizes=sizes)
     (done,) = _assert_built(builds, "_swiglu_experts_kernel")
     assert done.constexprs["W_TMA"] == cfg.tma and done.constexprs["X_TMA"] == cfg.tma
+    assert done.constexprs["A_TMA"] == cfg.tma  # phase 2's act rows
     assert done.constexprs["USE_SIZES"] == sized
+    assert done.constexprs["DYNAMIC"] == (cfg.schedule == "dynamic")
     ptx = _ptx(done)
     assert "wgmma.mma_async" in ptx and "red.release.gpu" in ptx  # the act / y counters
-    if not arrived:  # arrival waits: relaxed polls, one acquire at system scope, the proxy fence for TMA
+    # the ticket: one relaxed atomic add per tile taken (none under the static schedule)
+    assert ("atom.global.gpu.relaxed.add" in ptx) == (cfg.schedule == "dynamic")
+    # TMA reads of data other agents wrote (act rows; x after an arrival wait) follow a proxy fence
+    assert ("fence.proxy.async.global" in ptx) == cfg.tma
+    if not arrived:  # arrival waits: relaxed polls, one acquire at system scope
         assert "ld.relaxed.sys" in ptx and "ld.acquire.sys" in ptx and "%globaltimer" in ptx
-        assert ("fence.proxy.async.global" in ptx) == cfg.tma
 
 
 # ---- tile_fused: GEMM with tile signals, push / reduce / gather, barriers ------------------------

@@ -42,6 +42,8 @@ def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank,
 def test_block_sizes_are_checked():
     with pytest.raises(ValueError, match="block_f must be a power of two >= 16"):
         EK.ExpertTiles(block_f=48)
+    with pytest.raises(ValueError, match=r"schedule must be one of \('dynamic', 'static'\), got 'greedy'"):
+        EK.ExpertTiles(schedule="greedy")
 
 
 def test_kernel_under_interpreter():
@@ -65,10 +67,10 @@ def _weights(e, h, f, dtype):
 def _interp_operands(e, c, h, f):
     import torch
 
-    return (torch.randn(2, e, c, h), *_weights(e, h, f, torch.float32))
+    return (torch.randn(2, e, c, h), *_weights(e, h, f, torch.float32), torch.empty(2, e, c, f))
 
 
-def check_against_reference(world, rank, e, c, h, f, cfg, arrived):
+def check_against_reference(world, rank, e, c, h, f, cfg, arrived, programs=1):
     import torch
 
     from overlap_compile.templates.moe_fused import reference
@@ -79,15 +81,15 @@ def check_against_reference(world, rank, e, c, h, f, cfg, arrived):
     counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
     if not arrived:  # what the copy stream does as each (source, expert) lands
         counters.arrival.view(torch.int32).fill_(1)
-    y = EK.swiglu_experts(x, *ws, rank, cfg, programs=1, counters=counters, arrived=arrived)
+    y = EK.swiglu_experts(x, *ws, rank, cfg, programs=programs, counters=counters, arrived=arrived)
     EK.check_errors(counters.err)
     for s in range(world):
         want = reference.experts(x[s], *ws)
         err = ((y[s] - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, (world, rank, e, c, h, f, s, err)
-    for name in ("arrival", "act_done", "y_done"):
+    for name in ("arrival", "act_done", "y_done", "ticket"):
         assert int(getattr(counters, name).view(torch.int32).abs().sum()) == 0, name  # back at zero
-    print("ok", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
+    print("ok", world, rank, e, c, h, f, cfg.schedule, programs, "arrived" if arrived else "arrival waits")
 
 
 def check_sizes(world, rank, e, c, h, f, cfg, arrived):
@@ -122,7 +124,7 @@ def check_sizes(world, rank, e, c, h, f, cfg, arrived):
         assert err < 1e-5, (world, rank, e, c, h, f, s, err)
         for j in range(e):
             assert bool((y[s, j, int(sizes[s, j]):] == 0).all()), (s, j)
-    for name in ("arrival", "act_done", "y_done"):
+    for name in ("arrival", "act_done", "y_done", "ticket"):
         assert int(getattr(counters, name).view(torch.int32).abs().sum()) == 0, name
     print("ok sizes", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
 
@@ -177,8 +179,14 @@ def main() -> None:
     check_against_reference(2, 1, 2, 37, 40, 24, small, arrived=False)
     check_against_reference(3, 2, 1, 20, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=False)
     check_against_reference(4, 1, 3, 5, 16, 17, small, arrived=True)
-    # H, F multiples of block_k: weights (and x, with no arrival waits) through TMA descriptors;
-    # C = 37 is no multiple of block_m, so x's descriptor reads rows of the next slot
+    # the interpreter runs programs one after another: under the dynamic schedule the first
+    # takes every tile and the others find the ticket past the table; the static schedule with
+    # one program takes them in table order too
+    check_against_reference(2, 1, 2, 37, 40, 24, small, arrived=False, programs=3)
+    check_against_reference(2, 1, 2, 37, 40, 24, EK.ExpertTiles(16, 16, 16, 16, schedule="static"), arrived=False)
+    # H, F multiples of block_k: weights (and x, with no arrival waits, and act) through TMA
+    # descriptors; C = 37 is no multiple of block_m, so x's and act's descriptors read rows of
+    # the next slot
     assert all(d is not None for d in EK._tma_views(*_interp_operands(2, 37, 32, 48), EK.ExpertTiles(16, 32, 16, 16),
                                                      False))
     check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=True)

@@ -157,7 +157,11 @@ def test_configs_transports_and_paths():
     fused = {"split": "source", "transport": "p2p", "experts": "fused"}
     check_config(fused)
     check_config({**fused, "tiles": {"block_m": 64, "num_warps": 4}})
+    check_config({**fused, "skip_padding": True, "tiles": {"schedule": "static"}})
     for bad, why in (({"split": "source", "experts": "fused"}, "with 'transport': 'p2p'"),
+                     ({"split": "source", "transport": "p2p", "skip_padding": True}, "goes with 'experts': 'fused'"),
+                     ({**fused, "skip_padding": "yes"}, r"'skip_padding' \(true or false\)"),
+                     ({**fused, "tiles": {"schedule": "greedy"}}, "schedule must be one of"),
                      ({**fused, "experts": "cutlass"}, "must be one of"),
                      ({**fused, "experts": "bmm", "tiles": {}}, "goes with 'experts': 'fused'"),
                      ({**fused, "tiles": {"block_m": 48}}, "power of two"),

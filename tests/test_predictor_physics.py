@@ -207,6 +207,15 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
     assert labels.index("experts own (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
     push = next(e for e in t_fast.events if e.label == "push 1")
     assert t_fast.total_ms > push.end  # nothing after the last piece's experts hides its push
+    # skip_padding: the scan of the padding first, then the kernel's GEMMs scaled by the fill
+    skewed = h200(moe={"expert_kernel_vs_bmm": 0.8, "routed_fill": 0.25})
+    plain = moe_model.moe_fused(site, cfg, skewed, ctx)
+    skipping = moe_model.moe_fused(site, {**cfg, "skip_padding": True}, skewed, ctx)
+    assert skipping.events[0].label == "stage peer slots + sizes scan + handshake"
+    assert skipping.events[0].end > plain.events[0].end
+    experts = [e for e in skipping.events if e.label.startswith("experts")]
+    plain_experts = [e for e in plain.events if e.label.startswith("experts")]
+    assert sum(e.end - e.start for e in experts) < 0.5 * sum(e.end - e.start for e in plain_experts)
 
 
 def test_a_training_sections_saved_intermediates_are_charged():

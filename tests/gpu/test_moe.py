@@ -1,6 +1,7 @@
 """moe_fused's CUDA paths against its reference: kernels_nccl.py (NCCL, both ways of cutting the
 pieces) and kernels.py (copy engine over symmetric memory, by source; experts by bmm and by the
-persistent expert kernel, odd tile counts: C = 96 rows in blocks of 32, H = 256, F = 384), fp32 (TF32 off), world 2
+persistent expert kernel, odd tile counts: C = 96 rows in blocks of 32, H = 256, F = 384; and the
+kernel skipping the tiles past the routed rows, zero tails of new lengths each call), fp32 (TF32 off), world 2
 and 4, eager (the copy-engine path 20 calls back to back on new inputs: a flag protocol race
 shows as a moving error) and captured in a CUDA graph (replayed on new inputs). Until these pass
 and win on GPUs, spec.gpu_implemented stays False."""
@@ -40,12 +41,21 @@ def _kernels_vs_reference() -> list[str]:
     ws = [torch.randn(E_LOCAL, H, F_, device=dev) / 16, torch.randn(E_LOCAL, H, F_, device=dev) / 16,
           torch.randn(E_LOCAL, F_, H, device=dev) / 20]
     fused = {**p2p, "experts": "fused", "tiles": {"block_m": 32, "block_f": 32, "block_h": 64, "block_k": 32}}
-    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}, p2p, fused):
+    skipping = {**fused, "skip_padding": True}
+    for config in ({"split": "source"}, {"pieces": 1}, {"pieces": 3}, p2p, fused, skipping):
         impl = kernels if config.get("transport") == "p2p" else kernels_nccl
         plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, config)
         one_shot = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"pieces": 1})
         for call in range(20 if impl is kernels else 1):
             buf = torch.randn(w * E_LOCAL * CAP, H, device=dev)
+            if config is skipping:  # routed rows then zeros, new sizes every call (0 and CAP among them):
+                # a size read before it landed, or left from the last call, skips live tiles
+                sizes = torch.randint(0, CAP + 1, (w, E_LOCAL), generator=torch.Generator().manual_seed(call * 8 + rank))
+                sizes[0, 0], sizes[-1, -1] = 0, CAP
+                slots = buf.view(w, E_LOCAL, CAP, H)
+                for d in range(w):
+                    for j in range(E_LOCAL):
+                        slots[d, j, int(sizes[d, j]):] = 0
             want = reference.run(buf, *ws, group, one_shot)
             got = impl.run(buf, *ws, group, plan)
             err = ((got - want).norm() / want.norm()).item()

@@ -51,6 +51,7 @@ TEMPLATE = "moe_fused"
 PHASE_ACT, PHASE_OUT = 1, 2
 # err[1] codes of this kernel's waits (primitives.WAIT_* are 1..3; the kernel writes them as literals)
 WAIT_ARRIVAL, WAIT_ACT = 4, 5
+SCHEDULES = ("dynamic", "static")
 WAIT_NAMES = {WAIT_ARRIVAL: "tokens of (source, expert) index", WAIT_ACT: "activation rows (source, expert, row block) index"}
 
 
@@ -69,12 +70,18 @@ class ExpertTiles:
     # descriptors where the shapes allow it (launch: _tma_views); pointer loads otherwise
     tma: bool = True
     tma_waits: bool = True  # x through TMA also when tiles wait on arrivals (proxy fence after the wait)
+    # how programs take tiles: "dynamic", the next tile of the table from a ticket counter as a
+    # program comes free (tiles of unequal cost: skipped rows, Mixtral's long phase-2 K loop);
+    # "static", program p takes p, p + P, ... (a slow tile delays every later tile of its program)
+    schedule: str = "dynamic"
 
     def __post_init__(self) -> None:
         for f in ("block_m", "block_f", "block_h", "block_k"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"ExpertTiles.{f} must be a power of two >= 16, got {v}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ExpertTiles.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,13 +107,14 @@ if HAVE_TRITON:
     @triton.jit
     def _swiglu_experts_kernel(
         x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, tiles_ptr, n_tiles,
-        x_desc, w1_desc, w3_desc, w2_desc,
-        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls, sizes_ptr,
+        x_desc, w1_desc, w3_desc, w2_desc, act_desc,
+        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls, sizes_ptr, ticket_ptr,
         E, C, H, F,
         sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        X_TMA: tl.constexpr, W_TMA: tl.constexpr, USE_SIZES: tl.constexpr,
+        X_TMA: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_SIZES: tl.constexpr,
+        DYNAMIC: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
         last stride. See the module doc for the tiles and their signals.
@@ -115,7 +123,14 @@ if HAVE_TRITON:
         launcher sets it only when H and F are multiples of BLOCK_K, so no K step reads the next
         expert's rows). X_TMA: x through a descriptor over ``[W * E * C, H]`` (rows past C belong
         to the next slot and only feed rows that are never stored); after an arrival wait a
-        proxy fence orders those TMA reads after the acquire.
+        proxy fence orders those TMA reads after the acquire. A_TMA: phase 2 reads act through a
+        descriptor over ``[W * E * C, F]`` the same way (its rows were stored by other programs:
+        the act_done acquire, then the proxy fence; columns past F read as zeros).
+
+        DYNAMIC: a program takes its next tile from ``*ticket_ptr`` (an atomic add), so tiles are
+        taken in table order by whichever program is free; otherwise program p takes p, p + P, ...
+        Either way a tile is taken only after every earlier tile was, which is what keeps the
+        waits from depending on a tile nobody runs.
 
         USE_SIZES: ``sizes[s * E + e]`` rows of (source, expert) are routed, the rest are zero
         (routed.py's sizes, in place once the chunk's arrival is seen): a tile whose rows all lie
@@ -127,7 +142,11 @@ if HAVE_TRITON:
         f_blocks = (F + BLOCK_F - 1) // BLOCK_F
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
-        for t in range(pid, n_tiles, programs):
+        if DYNAMIC:
+            t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+        else:
+            t = pid
+        while t < n_tiles:
             phase = tl.load(tiles_ptr + 5 * t)
             s = tl.load(tiles_ptr + 5 * t + 1)
             e = tl.load(tiles_ptr + 5 * t + 2)
@@ -190,8 +209,10 @@ if HAVE_TRITON:
                          mask=rmask[:, None] & (h_cols < H)[None, :])
                 prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
             else:
-                prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
-                             timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
+                done = prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
+                                    timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
+                if A_TMA:  # rows other programs stored, read by TMA after the acquire
+                    prim.fence_async_reads(done, USE_ASM)
                 h_cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
                 h_mask = h_cols < H
                 a_rows = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
@@ -200,7 +221,10 @@ if HAVE_TRITON:
                 for k0 in range(0, F, BLOCK_K):
                     ks = k0 + offs_k
                     kmask = ks < F
-                    a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    if A_TMA:
+                        a = act_desc.load([(se * C + mb * BLOCK_M).to(tl.int32), k0])
+                    else:
+                        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     if W_TMA:
                         w = w2_desc.load([(e * F + k0).to(tl.int32), nb * BLOCK_H])
                     else:
@@ -210,6 +234,10 @@ if HAVE_TRITON:
                 dst = y_ptr + s.to(tl.int64) * sy_s + e.to(tl.int64) * sy_e + rows[:, None].to(tl.int64) * sy_c
                 tl.store(dst + h_cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & h_mask[None, :])
                 prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
+            if DYNAMIC:
+                t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+            else:
+                t += programs
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -218,14 +246,15 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, cfg: ExpertTiles,
-               wait_arrival: bool) -> tuple:
-    """(x, w1, w3, w2) descriptors for the kernel's X_TMA / W_TMA paths, None where a path does
-    not apply: weights only when H and F are multiples of block_k (a K step never crosses into
-    the next expert's rows) and each 2-D view is one TMA accepts; x when it is contiguous (and
-    ``cfg.tma_waits`` or no tile waits on an arrival)."""
+def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor,
+               cfg: ExpertTiles, wait_arrival: bool) -> tuple:
+    """(x, w1, w3, w2, act) descriptors for the kernel's X_TMA / W_TMA / A_TMA paths, None where a
+    path does not apply: weights only when H and F are multiples of block_k (a K step never
+    crosses into the next expert's rows) and each 2-D view is one TMA accepts; x when it is
+    contiguous (and ``cfg.tma_waits`` or no tile waits on an arrival); act when it is contiguous
+    (its K steps run along F, whose end TMA pads with zeros)."""
     if not cfg.tma or SR.TensorDescriptor is None:
-        return None, None, None, None
+        return None, None, None, None, None
     e, h, f = w1.shape
     views = ((w1.view(e * h, f), cfg.block_f), (w3.view(e * h, f), cfg.block_f), (w2.view(e * f, h), cfg.block_h))
     w_ok = h % cfg.block_k == 0 and f % cfg.block_k == 0 and all(SR._tma_ok(v) for v, _ in views)
@@ -233,16 +262,21 @@ def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     x_desc = None
     if (cfg.tma_waits or not wait_arrival) and x.is_contiguous() and SR._tma_ok(x.view(-1, x.shape[-1])):
         x_desc = SR.TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.block_m, cfg.block_k])
-    return (x_desc, *w_descs)
+    act_desc = None
+    if act.is_contiguous() and SR._tma_ok(act.view(-1, f)):
+        act_desc = SR.TensorDescriptor.from_tensor(act.view(-1, f), [cfg.block_m, cfg.block_k])
+    return (x_desc, *w_descs, act_desc)
 
 
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
            tiles: torch.Tensor, arrival: torch.Tensor, act_done: torch.Tensor, y_done: torch.Tensor,
            err: torch.Tensor, programs: int, cfg: ExpertTiles, wait_arrival: bool, timeout_ms: int,
-           max_polls: int = 1 << 20, sizes: torch.Tensor | None = None) -> None:
+           max_polls: int = 1 << 20, sizes: torch.Tensor | None = None, ticket: torch.Tensor | None = None) -> None:
     """One launch of the kernel over the tile table ``tiles`` ([T, 5] int32 on the device);
     ``sizes``: int32 [W * E], the routed rows of each (source, expert) (the rest zero): tiles past
-    them are skipped (kernel doc, USE_SIZES)."""
+    them are skipped (kernel doc, USE_SIZES); ``ticket``: int32 [1], zero at the launch, the
+    dynamic schedule's tile counter (``cfg.schedule == "dynamic"`` needs it; the caller zeroes it
+    after the kernel)."""
     w, e, c, h = x.shape
     f = w1.shape[2]
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
@@ -251,17 +285,21 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     for name, t in (("x", x), ("act", act), ("y", y)):
         if t.stride(-1) != 1:
             raise ValueError(f"{TEMPLATE} expert kernel: {name} needs a unit last stride, got {t.stride()}")
+    dynamic = cfg.schedule == "dynamic"
+    if dynamic and ticket is None:
+        raise ValueError(f"{TEMPLATE} expert kernel: the dynamic schedule needs a ticket counter (Counters.ticket)")
     gpu = _on_gpu(x)
-    x_desc, w1_desc, w3_desc, w2_desc = _tma_views(x, w1, w3, w2, cfg, wait_arrival)
+    x_desc, w1_desc, w3_desc, w2_desc, act_desc = _tma_views(x, w1, w3, w2, act, cfg, wait_arrival)
     _swiglu_experts_kernel[(programs,)](
-        x, w1, w3, w2, act, y, tiles, tiles.shape[0], x_desc, w1_desc, w3_desc, w2_desc,
+        x, w1, w3, w2, act, y, tiles, tiles.shape[0], x_desc, w1_desc, w3_desc, w2_desc, act_desc,
         arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
-        sizes if sizes is not None else arrival, e, c, h, f,
+        sizes if sizes is not None else arrival, ticket if ticket is not None else arrival, e, c, h, f,
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=SR._dot_precision(x.dtype),
-        X_TMA=x_desc is not None, W_TMA=w1_desc is not None, USE_SIZES=sizes is not None,
+        X_TMA=x_desc is not None, W_TMA=w1_desc is not None, A_TMA=act_desc is not None,
+        USE_SIZES=sizes is not None, DYNAMIC=dynamic,
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 
@@ -270,12 +308,14 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 class Counters:
     """The kernel's signals for one (world, E, C) and device: arrival [W * E] (uint32, so stream
     memory operations can write it; the kernel reads it as int32), act_done [W * E * row
-    blocks], y_done [W], err [5]. All zero between calls."""
+    blocks], y_done [W], err [5], ticket [1] (the dynamic schedule's next tile). All zero
+    between calls."""
 
     arrival: torch.Tensor
     act_done: torch.Tensor
     y_done: torch.Tensor
     err: torch.Tensor
+    ticket: torch.Tensor
 
     @staticmethod
     def make(world: int, e_local: int, capacity: int, block_m: int, device: torch.device,
@@ -287,13 +327,17 @@ class Counters:
                else torch.zeros(prim.ERR_WORDS, dtype=torch.int32, device=device))
         return Counters(torch.zeros(world * e_local, dtype=torch.uint32, device=device),
                         torch.zeros(world * e_local * mb, dtype=torch.int32, device=device),
-                        torch.zeros(world, dtype=torch.int32, device=device), err)
+                        torch.zeros(world, dtype=torch.int32, device=device), err,
+                        torch.zeros(1, dtype=torch.int32, device=device))
 
-    def reset(self) -> None:
-        """After the kernel, in stream order (the error record stays for check_errors)."""
+    def reset(self, y_done: bool = True) -> None:
+        """After the kernel, in stream order (the error record stays for check_errors).
+        ``y_done=False``: leave y_done to the caller (kernels.py's waits consume it)."""
         self.arrival.view(torch.int32).zero_()
         self.act_done.zero_()
-        self.y_done.zero_()
+        self.ticket.zero_()
+        if y_done:
+            self.y_done.zero_()
 
 
 def check_errors(err: torch.Tensor) -> None:
@@ -342,6 +386,6 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     y = x.new_empty(w, e, c, h)
     launch(x, w1, w3, w2, act, y, tiles, counters.arrival.view(torch.int32), counters.act_done, counters.y_done,
            counters.err, min(programs, len(order)), cfg, not arrived, timeout_ms, max_polls,
-           None if sizes is None else sizes.reshape(-1).to(torch.int32))
+           None if sizes is None else sizes.reshape(-1).to(torch.int32), counters.ticket)
     counters.reset()
     return y

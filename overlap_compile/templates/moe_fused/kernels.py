@@ -10,6 +10,11 @@ STATUS: written 2026-11-23 while no multi-GPU machine was lent; not yet run on G
 Experts: cuBLAS bmm per piece (default, below), or with ``"experts": "fused"`` one persistent
 Triton kernel over every source (expert_kernel.py; _fused_experts). With ``plan.saves`` (a
 training section) the bmm path also fills the intermediates backward reads (reference.Saved).
+``"skip_padding": true`` (fused experts only): each rank scans its slots for their routed rows
+(routed_sizes.py, on the device) and publishes them with the slots; the receiver lands a source's
+sizes before its arrival flags, and the kernel skips the tiles past them (their rows are zero,
+and so are their outputs). Every slot still travels (the copy engine takes host-known lengths);
+nothing waits on the host, so the call stays capturable.
 
 Rank r, world W, rows = E_local * C per slot; buf = [W, rows, H] (slot d: tokens for rank d's
 experts). Sources in round order src_k = (r - k) % W, k = 1..W-1 (reference.round_peers)::
@@ -41,6 +46,7 @@ import torch
 from ...runtime import comm, peer_flags, spin_wait, symm
 from ..plans import MoePlan
 from . import reference as ref
+from . import routed_sizes
 
 TEMPLATE = "moe_fused"
 
@@ -84,6 +90,7 @@ class _Call:
     srcs: list[int]
     compute: torch.cuda.Stream
     copier: torch.cuda.Stream
+    sizes: symm.SymmBuffer | None = None  # [W, E] int32: my routed rows per (destination, expert)
 
     @property
     def rows(self) -> int:
@@ -109,10 +116,14 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                  peer_flags.PeerFlags(TEMPLATE, group_name, f"combine/{tag}", w, dev, plan.timeout_ms, "moe combine"),
                  [ref.round_peers(r, w, k)[1] for k in range(1, w)],
                  torch.cuda.current_stream(dev), peer_flags.copy_stream(dev))
+    if plan.config.get("skip_padding"):
+        call.sizes = symm.symm_buffer(group_name, f"{TEMPLATE}/sizes", (w, e), torch.int32, dev)
 
     def stage():  # the peers' slots into my symmetric buffer, where they pull them from
         for q in call.srcs:
             send.local[q].copy_(call.slots[q])
+        if call.sizes is not None:  # published with the slots: read before the pull releases them
+            call.sizes.local.copy_(routed_sizes.sizes(call.slots.view(w, e, c, h)))
 
     call.fd.publish_and_meet(call.srcs, stage)  # before any GEMM of this call holds the SMs
     call.copier.wait_stream(call.compute)
@@ -190,12 +201,18 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
     y = call.slots.new_empty(w, e, c, h)
     act = call.slots.new_empty(w, e, c, w1.shape[2])
     flags = counters.arrival
+    # the routed rows of every (source, expert), each source's landing before its arrival flags
+    sizes = None if call.sizes is None else torch.empty(w, e, dtype=torch.int32, device=dev)
     with torch.cuda.stream(call.copier):
         x[r].copy_(call.slots[r].view(e, c, h))  # a local copy: the kernel reads one tensor
+        if sizes is not None:
+            sizes[r].copy_(call.sizes.local[r])
         for j in range(e):
             symm.write_value32(flags, r * e + j, 1)
         for src in call.srcs:
             piece = call.send.peer(src)[r].view(e, c, h)
+            if sizes is not None:
+                sizes[src].copy_(call.sizes.peer(src)[r])
             for j in range(e):
                 x[src, j].copy_(piece[j])
                 symm.write_value32(flags, src * e + j, 1)
@@ -205,7 +222,8 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
 
     def launch() -> None:
         EK.launch(x, w1, w3, w2, act, y, EK.tile_table(order, dev), flags.view(torch.int32), counters.act_done,
-                  counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms)
+                  counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms,
+                  sizes=None if sizes is None else sizes.view(-1), ticket=counters.ticket)
 
     try:
         launch()
@@ -224,12 +242,12 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
     # my own tokens' result: after the kernel, in stream order (nothing to wait for)
     out = torch.empty_like(call.slots)
     out[r].copy_(y[r].view(call.rows, h))
-    # arrival flags and row counters back to zero for the next call, after the kernel (the copy
-    # stream's waits consumed y_done[src] for every peer; mine is reset here)
-    counters.arrival.view(torch.int32).zero_()
-    counters.act_done.zero_()
+    used = [x, y, act] + ([sizes] if sizes is not None else [])
+    # arrival flags, row counters and the ticket back to zero for the next call, after the kernel
+    # (the copy stream's waits consumed y_done[src] for every peer; mine is reset here)
+    counters.reset(y_done=False)
     counters.y_done[r:r + 1].zero_()
-    return out, [x, y, act]
+    return out, used
 
 
 _counter_cache: dict[tuple, "object"] = {}

@@ -31,7 +31,9 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     if config.get("transport") == "p2p":
         if config.get("experts") == "fused":
             ratio = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
-            return moe_fused_copy_engine(site, profile, ctx, ratio) if ratio > 0 else None
+            if ratio <= 0:
+                return None
+            return moe_fused_copy_engine(site, profile, ctx, ratio, skip_padding=bool(config.get("skip_padding")))
         return moe_fused_copy_engine(site, profile, ctx)
     W = max(1, site.world)
     source = config.get("split") == "source"
@@ -162,8 +164,8 @@ def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
     return hbm_ms(profile, 2 * site.saved_bytes)
 
 
-def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None
-                          ) -> Schedule | None:
+def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None,
+                          skip_padding: bool = False) -> Schedule | None:
     """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
     pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
     buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
@@ -176,7 +178,10 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     persistent kernel, the own tokens whole and first (plus their local copy), a peer piece's
     tiles once it has landed (its per-expert chunks, which let tiles start earlier, are not
     credited), each piece's result pushed when its tiles are counted; the last push has nothing
-    left to hide behind.
+    left to hide behind. ``skip_padding``: the slots' sizes scanned first (at most one read of
+    the padding, ``1 - routed_fill`` of the buffer), then the kernel's GEMMs scaled by the
+    expected fill; it skips whole row blocks only, so this credits it with more than a
+    partly filled last block gives back (not offered among the candidates: force it).
     Not yet measured on a GPU."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
@@ -185,7 +190,12 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     e_piece = slice_ms(site, profile, max(1, site.m // W))
     sync = peer_sync_ms(profile)
     stage = hbm_ms(profile, 2 * (W - 1) * piece_bytes) + sync
-    events = [Event("compute", "stage peer slots + handshake", 0.0, stage)]
+    if skip_padding:
+        fill = routed_fill(profile)
+        stage += hbm_ms(profile, (1.0 - fill) * site.coll_bytes())
+        e_piece *= fill
+    events = [Event("compute", "stage peer slots" + (" + sizes scan" if skip_padding else "") + " + handshake",
+                    0.0, stage)]
     t_copy = stage
     pulled = []
     for k in range(1, W):

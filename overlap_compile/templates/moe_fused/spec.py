@@ -32,7 +32,8 @@ Its one configuration is ``{"split": "source"}`` (backward_spec.py, backward_ref
 forward's rounds, d_h of each piece sent home as soon as it is computed, the weight gradients
 once over all rows after the last piece). Configurations of the forward: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
-kernels.py, GPU profiles only) or ``{"pieces": p}`` (the capacity axis in p slices); see
+kernels.py, GPU profiles only, with ``"experts": "fused"`` the persistent expert kernel and then
+``"skip_padding": true`` its tiles past the routed rows skipped) or ``{"pieces": p}`` (the capacity axis in p slices); see
 reference.py. Latency model: model.py (both directions). kernels_nccl.py (NCCL on CUDA streams)
 passes its GPU tests on 2x H200 but measured 0.82-0.94x of the layer as written (forward,
 capacity pieces; benchmarks/results/moe-*-2026-11-23.json); kernels.py (copy engine) and
@@ -108,8 +109,11 @@ class MoeFusedSpec(TemplateSpec):
             from .expert_kernel import ExpertTiles
 
             bm = ExpertTiles(**config.get("tiles", {})).block_m
-            counters = (w * e + w * e * -(-c // bm) + w + 5) * 4
+            counters = (w * e + w * e * -(-c // bm) + w + 5 + 1) * 4  # arrival, act_done, y_done, err, ticket
             per_call = 2 * w * slot + w * e * c * f * item  # x, y, act
+            if config.get("skip_padding"):  # the published sizes (symmetric) and the landed ones
+                symmetric += w * e * 4
+                per_call += w * e * 4
             return {"persistent": symmetric + flags + counters, "per_call": per_call, "section_as_written": written}
         return {"persistent": symmetric + flags, "per_call": 2 * (w - 1) * slot, "section_as_written": written}
 
@@ -138,7 +142,7 @@ PAYLOADS = ("capacity", "routed")  # every slot travels / only the routed rows (
 def check_config(config: dict) -> None:
     pieces = config.get("pieces")
     by_source = (config.get("split") == "source"
-                 and set(config) <= {"split", "transport", "experts", "tiles", "payload"}
+                 and set(config) <= {"split", "transport", "experts", "tiles", "payload", "skip_padding"}
                  and config.get("transport", "nccl") in TRANSPORTS)
     if by_source and "payload" in config:
         if config["payload"] not in PAYLOADS or (config["payload"] == "routed" and
@@ -162,6 +166,10 @@ def check_config(config: dict) -> None:
                 ExpertTiles(**tiles)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"moe_fused: bad 'tiles' {tiles!r}: {e}") from None
+    if by_source and "skip_padding" in config and (config.get("experts") != "fused"
+                                                   or not isinstance(config["skip_padding"], bool)):
+        raise ValueError(f"moe_fused: 'skip_padding' (true or false) goes with 'experts': 'fused' (the persistent "
+                         f"expert kernel skips the tiles past each (source, expert)'s routed rows); got {config!r}")
     by_capacity = set(config) == {"pieces"} and isinstance(pieces, int) and not isinstance(pieces, bool) and pieces >= 1
     if not (by_source or by_capacity):
         raise ValueError(f"moe_fused: config must be {{'split': 'source'}} (optionally with 'transport' one of "
