@@ -13,7 +13,7 @@ host-launched ("eager") and in a CUDA graph (10 calls). Every kernel result is c
 bmm in the same run (``correct``: relative max error <= 2e-2, a few bf16 ulps of the stored
 activation). ``--routing uniform|skewed``: x holds the slots demo.moe's routing fills (zeros past
 each expert's tokens) and the kernel also runs with their routed sizes (``fused_sized``: tiles
-past them skipped, no host round trip), first two tile configs only (the two schedules). Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
+past them skipped, no host round trip), first three tile configs only (the tile orders). Rows go to <out>/moe_experts-<device>-w1-torch<v>-<date>.json (benchmarks/results_io.py); a
 table with the ratios last.
 """
 from __future__ import annotations
@@ -36,9 +36,11 @@ from overlap_compile.templates.moe_fused import reference  # noqa: E402
 
 # 1x H200 2026-11-23: pointer loads 0.74-0.83x of bmm; with TMA 128x128x256x64 s3 0.94-1.05x,
 # smaller tiles 0.60-0.92x (benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma.json)
-# The first two differ only in how programs take tiles (the dynamic ticket, the default since
-# 2026-11-24, and the static p, p + P, ... before it), so every run compares the two.
+# The first three differ only in how tiles are taken, defaults first (since 2026-11-24: the
+# dynamic ticket, row blocks in groups of 8), then the static p, p + P, ... and the row-major
+# order (group_m=1) they replaced, so every run compares them.
 CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 8, 3, schedule="static"),
+           EK.ExpertTiles(128, 128, 256, 64, 8, 3, group_m=1),
            EK.ExpertTiles(128, 128, 256, 64, 8, 4),
            EK.ExpertTiles(128, 128, 128, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 4, 3),
            EK.ExpertTiles(128, 128, 256, 64, 8, 3, tma_waits=False),  # x by pointers when tiles wait
@@ -68,9 +70,9 @@ def main() -> None:
     ap.add_argument("--routing", default="random", choices=("random", "uniform", "skewed"),
                     help="random: every slot holds a token (as before); uniform / skewed: the slots demo.moe's "
                          "routing fills (zeros past each expert's tokens), and the kernel also runs with the "
-                         "routed sizes (fused_sized: tiles past them skipped), first two configs only: the two schedules")
+                         "routed sizes (fused_sized: tiles past them skipped), first three configs only: the tile orders")
     ap.add_argument("--configs", type=int, default=0, help="time only the first N tile configs (0: all; "
-                    "--routing uniform|skewed times the first two: the two schedules)")
+                    "--routing uniform|skewed times the first three: the tile orders)")
     ap.add_argument("--suffix", default="", help="appended to the result file's name (runs of one day apart)")
     args = ap.parse_args()
     import triton
@@ -117,11 +119,12 @@ def main() -> None:
                  "cuda_graph": do_bench_cudagraph(bmm, return_mode="median")}
         for mode, ms in t_bmm.items():
             rows.append({**base, "method": "bmm", "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
-        for cfg in CONFIGS[: args.configs or (len(CONFIGS) if sizes is None else 2)]:
+        for cfg in CONFIGS[: args.configs or (len(CONFIGS) if sizes is None else 3)]:
             counters = EK.Counters.make(w, e, c, cfg.block_m, dev)
             label = (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                      + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits")
-                     + ("" if cfg.schedule == "dynamic" else f" {cfg.schedule}"))
+                     + ("" if cfg.schedule == "dynamic" else f" {cfg.schedule}")
+                     + ("" if cfg.group_m == 8 else f" group_m={cfg.group_m}"))
             try:
                 got = EK.swiglu_experts(x, *ws, 0, cfg, counters=counters)
                 EK.check_errors(counters.err)

@@ -20,10 +20,12 @@ from overlap_compile.templates.moe_fused import expert_kernel as EK
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 8])
 @pytest.mark.parametrize("world,rank,e,c,f,h,bm,bf,bh", [
-    (2, 0, 2, 37, 24, 40, 16, 16, 16), (3, 1, 1, 20, 48, 32, 16, 32, 16), (4, 3, 3, 5, 16, 16, 16, 16, 16)])
-def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank, e, c, f, h, bm, bf, bh):
-    order = EK.tile_order(world, rank, e, c, f, h, bm, bf, bh)
+    (2, 0, 2, 37, 24, 40, 16, 16, 16), (3, 1, 1, 20, 48, 32, 16, 32, 16), (4, 3, 3, 5, 16, 16, 16, 16, 16),
+    (2, 1, 2, 100, 64, 32, 16, 16, 16)])
+def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank, e, c, f, h, bm, bf, bh, group_m):
+    order = EK.tile_order(world, rank, e, c, f, h, bm, bf, bh, group_m)
     mb, fb, hb = -(-c // bm), -(-f // bf), -(-h // bh)
     want = {(EK.PHASE_ACT, s, x, m, n) for s in range(world) for x in range(e) for m in range(mb) for n in range(fb)}
     want |= {(EK.PHASE_OUT, s, x, m, n) for s in range(world) for x in range(e) for m in range(mb) for n in range(hb)}
@@ -37,11 +39,16 @@ def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank,
         if phase == EK.PHASE_ACT and s not in firsts:
             firsts.append(s)
     assert firsts == [rank] + [(rank - k) % world for k in range(1, world)]  # arrival order
+    if group_m > 1 and -(-c // bm) > 1 and -(-f // bf) > 1:  # a group goes column by column
+        first = [(m, n) for phase, s, x, m, n in order if (phase, s, x) == (EK.PHASE_ACT, rank, 0)]
+        assert first[:2] == [(0, 0), (1, 0)], first[:4]
 
 
 def test_block_sizes_are_checked():
     with pytest.raises(ValueError, match="block_f must be a power of two >= 16"):
         EK.ExpertTiles(block_f=48)
+    with pytest.raises(ValueError, match="group_m must be an int >= 1, got 0"):
+        EK.ExpertTiles(group_m=0)
     with pytest.raises(ValueError, match=r"schedule must be one of \('dynamic', 'static'\), got 'greedy'"):
         EK.ExpertTiles(schedule="greedy")
 
@@ -184,6 +191,7 @@ def main() -> None:
     # one program takes them in table order too
     check_against_reference(2, 1, 2, 37, 40, 24, small, arrived=False, programs=3)
     check_against_reference(2, 1, 2, 37, 40, 24, EK.ExpertTiles(16, 16, 16, 16, schedule="static"), arrived=False)
+    check_against_reference(2, 0, 2, 70, 40, 48, EK.ExpertTiles(16, 16, 16, 16, group_m=3), arrived=False)
     # H, F multiples of block_k: weights (and x, with no arrival waits, and act) through TMA
     # descriptors; C = 37 is no multiple of block_m, so x's and act's descriptors read rows of
     # the next slot

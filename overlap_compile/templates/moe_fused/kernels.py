@@ -217,7 +217,7 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
                 x[src, j].copy_(piece[j])
                 symm.write_value32(flags, src * e + j, 1)
             call.fd.release(src)
-    order = EK.tile_order(w, r, e, c, w1.shape[2], h, cfg.block_m, cfg.block_f, cfg.block_h)
+    order = EK.tile_order(w, r, e, c, w1.shape[2], h, cfg.block_m, cfg.block_f, cfg.block_h, cfg.group_m)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     def launch() -> None:
