@@ -44,7 +44,9 @@ CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256
            EK.ExpertTiles(128, 128, 256, 64, 8, 4),
            EK.ExpertTiles(128, 128, 128, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 4, 3),
            EK.ExpertTiles(128, 128, 256, 64, 8, 3, tma_waits=False),  # x by pointers when tiles wait
-           EK.ExpertTiles(128, 128, 128, 64, 8, 3, tma=False)]  # pointer loads only, as before TMA
+           EK.ExpertTiles(128, 128, 128, 64, 8, 3, tma=False),  # pointer loads only, as before TMA
+           EK.ExpertTiles(128, 128, 256, 64, 8, 3, group_m=4), EK.ExpertTiles(128, 128, 256, 64, 8, 3, group_m=16),
+           EK.ExpertTiles(128, 128, 256, 64, 8, 4, group_m=16)]
 
 
 def cases(world_sizes: list[int]) -> list[dict]:
