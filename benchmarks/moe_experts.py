@@ -49,6 +49,14 @@ CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256
            EK.ExpertTiles(128, 128, 256, 64, 8, 4, group_m=16)]
 
 
+def config_label(cfg: EK.ExpertTiles) -> str:
+    """A row's ``config``: the tile sizes, warps and stages, then what differs from the defaults."""
+    return (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits")
+            + ("" if cfg.schedule == "dynamic" else f" {cfg.schedule}")
+            + ("" if cfg.group_m == 8 else f" group_m={cfg.group_m}"))
+
+
 def cases(world_sizes: list[int]) -> list[dict]:
     from overlap_compile.demo.moe import capacity
 
@@ -123,10 +131,7 @@ def main() -> None:
             rows.append({**base, "method": "bmm", "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
         for cfg in CONFIGS[: args.configs or (len(CONFIGS) if sizes is None else 3)]:
             counters = EK.Counters.make(w, e, c, cfg.block_m, dev)
-            label = (f"{cfg.block_m}x{cfg.block_f}x{cfg.block_h}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                     + ("" if cfg.tma else " ptr") + ("" if cfg.tma_waits or not cfg.tma else " xptr-waits")
-                     + ("" if cfg.schedule == "dynamic" else f" {cfg.schedule}")
-                     + ("" if cfg.group_m == 8 else f" group_m={cfg.group_m}"))
+            label = config_label(cfg)
             try:
                 got = EK.swiglu_experts(x, *ws, 0, cfg, counters=counters)
                 EK.check_errors(counters.err)

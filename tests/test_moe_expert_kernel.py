@@ -39,8 +39,16 @@ def test_tile_order_covers_every_tile_once_and_waits_only_backwards(world, rank,
         if phase == EK.PHASE_ACT and s not in firsts:
             firsts.append(s)
     assert firsts == [rank] + [(rank - k) % world for k in range(1, world)]  # arrival order
+    if world > 1 and (e > 1 or -(-c // bm) > 1):  # own tokens on both sides of the peers': the
+        # second half's tiles all after the last peer's outputs (they run while those travel home)
+        last_peer = firsts[-1]
+        last_out = max(i for i, t in enumerate(order) if t[:2] == (EK.PHASE_OUT, last_peer))
+        tail = order[last_out + 1:]
+        assert tail and all(t[1] == rank for t in tail) and tail[0][0] == EK.PHASE_ACT, order[-5:]
+        assert any(t[:2] == (EK.PHASE_ACT, rank) for t in order[:position[(EK.PHASE_ACT, last_peer, 0, 0, 0)]])
     if group_m > 1 and -(-c // bm) > 1 and -(-f // bf) > 1:  # a group goes column by column
-        first = [(m, n) for phase, s, x, m, n in order if (phase, s, x) == (EK.PHASE_ACT, rank, 0)]
+        source = firsts[-1]  # a peer's (or, alone, the own) rows whole: the own may be cut in two
+        first = [(m, n) for phase, s, x, m, n in order if (phase, s, x) == (EK.PHASE_ACT, source, 0)]
         assert first[:2] == [(0, 0), (1, 0)], first[:4]
 
 

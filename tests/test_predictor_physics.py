@@ -192,8 +192,8 @@ def test_moe_copy_engine_pipeline_hides_the_transfers_behind_the_experts():
 
 def test_moe_fused_expert_kernel_is_priced_only_once_measured():
     """``"experts": "fused"``: no prediction without the profile's measured kernel/bmm ratio;
-    with it, the experts scale by the ratio, the own tokens go first whole (after their local
-    copy) and the last push is exposed."""
+    with it, the experts scale by the ratio, after the own tokens' local copy, in the kernel's
+    tile order: own first half, the peer piece, own second half behind the last push."""
     E, C, H, F = 4, 2560, 2048, 1536
     m = E * 2 * C
     site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
@@ -204,9 +204,15 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
     t_fast, t_slow = moe_model.moe_fused(site, cfg, fast, ctx), moe_model.moe_fused(site, cfg, slow, ctx)
     assert t_fast.total_ms < t_slow.total_ms
     labels = [e.label for e in t_fast.events]
-    assert labels.index("experts own (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
+    assert (labels.index("experts own[0] (fused kernel)") < labels.index("experts 1") < labels.index("push 1")
+            < labels.index("experts own[1]"))
     push = next(e for e in t_fast.events if e.label == "push 1")
-    assert t_fast.total_ms > push.end  # nothing after the last piece's experts hides its push
+    own_last = next(e for e in t_fast.events if e.label == "experts own[1]")
+    assert own_last.start < push.end  # the own second half runs beside the last push
+    bmm = moe_model.moe_fused(site, {"split": "source", "transport": "p2p"}, fast, ctx)
+    own_copy = models.hbm_ms(fast, 2 * site.coll_bytes() / 2)
+    kernel_first, bmm_first = (next(e for e in s.events if e.label.startswith("experts own[0]")) for s in (t_fast, bmm))
+    assert kernel_first.start == pytest.approx(bmm_first.start + own_copy)  # the kernel's local copy
     # skip_padding: the scan of the padding first, then the kernel's GEMMs scaled by the fill
     skewed = h200(moe={"expert_kernel_vs_bmm": 0.8, "routed_fill": 0.25})
     plain = moe_model.moe_fused(site, cfg, skewed, ctx)

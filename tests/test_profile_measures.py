@@ -46,6 +46,15 @@ def test_values_from_rows():
     assert epi["group_end"] == pytest.approx(math.sqrt(1.05 * 1.02) - 1)
     assert epi["next_tile"] == pytest.approx(math.sqrt(1.01 * 1.0) - 1)
     assert PM.expert_kernel_ratio(_expert_rows()) == pytest.approx(math.sqrt(0.8 / 1.0 * 2.2 / 2.0))
+    # a file with the default config's rows: those count, not a faster other config
+    from benchmarks.moe_experts import config_label
+    from overlap_compile.templates.moe_fused.expert_kernel import ExpertTiles
+
+    labelled = [dict(r, config="other") for r in _expert_rows()]
+    for r in labelled:
+        if r["method"] == "fused_waits" and r["ms"] in (0.9, 2.5):
+            r["config"] = config_label(ExpertTiles())
+    assert PM.expert_kernel_ratio(labelled) == pytest.approx(math.sqrt(0.9 / 1.0 * 2.5 / 2.0))
     with pytest.raises(ValueError, match="no correct CUDA-graph fused_waits rows"):
         PM.update({"notes": []}, None, [r for r in _expert_rows() if r["method"] == "bmm"], {"experts": "x"})
 

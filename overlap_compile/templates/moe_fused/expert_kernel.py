@@ -18,22 +18,27 @@ Layers: ``_swiglu_experts_kernel`` (persistent: program p takes tiles p, p + P, 
 marks every source as arrived, resets the counters after the kernel).
 
 The tile table (``tile_order``, a lookup table on the device: TileLink's dynamic tile map) lists
-the sources in arrival order (own tokens first, then the ring rounds of reference.round_peers)
-and puts source i's phase-2 tiles after source i+1's phase-1 tiles, so a phase-2 tile's rows
-have had time to be finished. Every tile waits only on tiles earlier in the table, and programs
+the sources in arrival order (the first half of the own tokens, then the ring rounds of
+reference.round_peers) and puts unit i's phase-2 tiles after unit i+1's phase-1 tiles, so a
+phase-2 tile's rows have had time to be finished; the own second half comes last, whole, so it
+runs while the last peer's result travels home. Every tile waits only on tiles earlier in the table, and programs
 take their tiles in table order, so as long as all P programs are resident no wait can depend
 on a tile that is not running or done. Every wait is bounded (tile_fused.primitives.wait_ge):
 past its bound it records [failed, code, index, seen, target] in ``err`` and the kernel runs on;
 ``check_errors`` raises. Counters are zeroed after every call (stream order, a memset: no host
 state, capturable).
 
-STATUS (2026-11-23, 1x H200): correct against bmm on odd shapes, fp32 and bf16, 50 calls back
-to back, in a CUDA graph, and with the tokens landing (copy stream + cuStreamWriteValue32)
-while it runs (tests/gpu/test_moe_expert_kernel_gpu.py); the index math, the table order and
-the signal protocol also under Triton's interpreter (tests/test_moe_expert_kernel.py). Speed:
-1.00x of cuBLAS bmm with arrival waits (geomean of 8 shapes.json moe cases, CUDA graph; TMA
-loads, 128x128x256x64 tiles; 0.79x with pointer loads), benchmarks/moe_experts.py, results in
-benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma-waits.json.
+STATUS (2026-11-24, 1x H200 and 1x H100): correct against bmm on odd shapes, fp32 and bf16,
+both schedules, 50 calls back to back, in a CUDA graph, and with the tokens landing (copy
+stream + cuStreamWriteValue32) while it runs (tests/gpu/test_moe_expert_kernel_gpu.py); the
+index math, the table order and the signal protocol also under Triton's interpreter
+(tests/test_moe_expert_kernel.py). Speed with arrival waits over cuBLAS bmm, every shapes.json
+moe case at W = 2, CUDA graph (benchmarks/moe_experts.py, results/moe_experts-*-2026-11-24-*):
+0.97x on H200, 0.99x on H100 (Mixtral 0.94-0.96x: 0.71x before the row blocks were grouped,
+its 112 weight column blocks read again for every row block); with routed sizes, uniform
+routing 1.09x (H200) / 1.13x (H100), skewed 2.9x (H100). Under the static schedule uniform
+routing with sizes ran 0.87-0.95x (H100) / 0.97x (H200): skipped tiles leave some programs
+ahead of others, and a program's next tile waits behind its slow ones (our reading).
 """
 from __future__ import annotations
 
@@ -98,16 +103,28 @@ def tile_order(world: int, rank: int, e_local: int, capacity: int, ffn: int, hid
     a (phase, source, expert), groups of ``group_m`` row blocks, each group column by column."""
     mb = -(-capacity // block_m)
     fb, hb = -(-ffn // block_f), -(-hidden // block_h)
-    sources = [rank] + [ref.round_peers(rank, world, k)[1] for k in range(1, world)]
+    every = (range(e_local), 0, mb)
+    # the own tokens in two halves around the peers' (reference.own_parts: by experts, or by row
+    # blocks for one expert): the second half runs while the last peer's result travels home
+    if world == 1:
+        own = [every]
+    elif e_local >= 2:
+        own = [(range(e_local // 2), 0, mb), (range(e_local // 2, e_local), 0, mb)]
+    else:
+        own = [(range(1), 0, max(1, mb // 2)), (range(1), max(1, mb // 2), mb)]
+    units = [(rank, own[0])] + [(ref.round_peers(rank, world, k)[1], every) for k in range(1, world)]
 
-    def phase(p: int, s: int, blocks: int) -> list[tuple[int, int, int, int, int]]:
-        return [(p, s, e, m, n) for e in range(e_local) for g in range(0, mb, group_m) for n in range(blocks)
-                for m in range(g, min(g + group_m, mb))]
+    def phase(p: int, unit, blocks: int) -> list[tuple[int, int, int, int, int]]:
+        s, (experts, lo, hi) = unit
+        return [(p, s, e, m, n) for e in experts for g in range(lo, hi, group_m) for n in range(blocks)
+                for m in range(g, min(g + group_m, hi))]
 
-    order = phase(PHASE_ACT, sources[0], fb)
-    for prev, s in zip(sources, sources[1:]):
-        order += phase(PHASE_ACT, s, fb) + phase(PHASE_OUT, prev, hb)
-    order += phase(PHASE_OUT, sources[-1], hb)
+    order = phase(PHASE_ACT, units[0], fb)
+    for prev, unit in zip(units, units[1:]):
+        order += phase(PHASE_ACT, unit, fb) + phase(PHASE_OUT, prev, hb)
+    order += phase(PHASE_OUT, units[-1], hb)
+    for part in own[1:]:  # after the last peer's outputs are done, all of it behind their push
+        order += phase(PHASE_ACT, (rank, part), fb) + phase(PHASE_OUT, (rank, part), hb)
     return tuple(order)
 
 

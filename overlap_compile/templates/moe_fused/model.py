@@ -175,10 +175,9 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     Last, the W-1 returned pieces copied into the output (read + write) after one handshake.
 
     ``fused_ratio`` (``"experts": "fused"``, expert_kernel.py, its measured time over bmm's): one
-    persistent kernel, the own tokens whole and first (plus their local copy), a peer piece's
-    tiles once it has landed (its per-expert chunks, which let tiles start earlier, are not
-    credited), each piece's result pushed when its tiles are counted; the last push has nothing
-    left to hide behind. ``skip_padding``: the slots' sizes scanned first (at most one read of
+    persistent kernel in the same order (its tile table: the own tokens' first half, each peer
+    piece's tiles once it has landed, the own second half behind the last push), after the own
+    tokens' local copy; its per-expert chunks, which let tiles start earlier, are not credited. ``skip_padding``: the slots' sizes scanned first (at most one read of
     the padding, ``1 - routed_fill`` of the buffer), then the kernel's GEMMs scaled by the
     expected fill; it skips whole row blocks only, so this credits it with more than a
     partly filled last block gives back (not offered among the candidates: force it).
@@ -210,19 +209,17 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
         return end
 
     fused = fused_ratio is not None
-    if fused:
+    start = stage
+    if fused:  # one kernel: the own tokens' local copy first, every GEMM at the measured ratio
         e_piece *= fused_ratio
-        own_copy = hbm_ms(profile, 2 * piece_bytes)
-        t = experts("experts own (fused kernel)", stage + own_copy, e_piece)
-    else:
-        t = experts("experts own[0]", stage, e_piece / 2)
+        start += hbm_ms(profile, 2 * piece_bytes)
+    t = experts("experts own[0]" + (" (fused kernel)" if fused else ""), start, e_piece / 2)
     for k, ready in enumerate(pulled, start=1):
         t = experts(f"experts {k}", max(t, ready), e_piece)
         start = max(t, t_copy)
         events.append(Event("comm", f"push {k}", start, start + xfer))
         t_copy = start + xfer
-    if not fused:
-        t = experts("experts own[1]", t, e_piece / 2)
+    t = experts("experts own[1]", t, e_piece / 2)
     place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
