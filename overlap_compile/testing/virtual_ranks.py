@@ -9,7 +9,8 @@ address table (what ``runtime.symm`` hands out: ``symm_buffer`` / ``tensor_and_p
 rank's pushes, pulls and flag writes reach its "peers" exactly as they reach other GPUs' memory
 through the table on a real group. Every stream the templates keep one of per device (comm and
 copy streams, op_graphs' capture stream and pool) is kept per rank instead, as separate processes
-would; the process group is a stand-in answering ``rank()`` / ``size()``; the cross-rank plan
+would, and so is moe_fused's expert-kernel counter set; the process group is a stand-in
+answering ``rank()`` / ``size()``; the cross-rank plan
 agreement and the first-call host barrier are skipped (there is no NCCL group to run them on).
 
 What this shows: flags pair the right data, no call reads a slot before it is complete or after
@@ -133,6 +134,8 @@ def patch_everywhere(stack: contextlib.ExitStack, where: str, name: str, value: 
 def virtual_ranks(world: int, device: torch.device):
     from .. import templates
     from ..runtime import agreement, op_graphs, peer_flags, symm  # noqa: F401  (imported: patched below)
+    from ..templates.moe_fused import expert_kernel as _experts
+    from ..templates.moe_fused import kernels as _moe
     from ..templates.p2p_ring import kernels as _p2p  # noqa: F401
     from ..templates.tile_fused import kernels as _tile  # noqa: F401
 
@@ -167,6 +170,15 @@ def virtual_ranks(world: int, device: torch.device):
     def zeros_cached(key, n, dev):
         return mine(("zeros", key), lambda: torch.zeros(n, dtype=torch.int32, device=dev))
 
+    def moe_counters(w, e, c, block_m, dev):  # the expert kernel's signals: one set per rank, in the
+        # cache moe_fused checks for failed waits at each call
+        def make():  # fresh for each virtual group (an earlier group's failed call may have left counts)
+            made = _experts.Counters.make(w, e, c, block_m, dev, pinned_err=True)
+            _moe._counter_cache[(w, e, c, block_m, str(dev), "virtual rank", group.rank())] = made
+            return made
+
+        return mine(("moe counters", w, e, c, block_m), make)
+
     def high_priority_stream(dev):
         return mine(("stream", "comm"), lambda: torch.cuda.Stream(dev, priority=greatest))
 
@@ -185,6 +197,7 @@ def virtual_ranks(world: int, device: torch.device):
             (tf, "_comm_stream", high_priority_stream),
             (tf, "_zeros_cached", zeros_cached),
             (tf, "_first_call", lambda key, pg, dev, body: None),
+            ("overlap_compile.templates.moe_fused.kernels", "_counters", moe_counters),
             (f"{rt}.op_graphs", "_side_stream", lambda dev: mine(("stream", "capture"), lambda: torch.cuda.Stream(dev))),
             (f"{rt}.op_graphs", "_pool", lambda dev: mine(("pool",), torch.cuda.graph_pool_handle)),
         ):

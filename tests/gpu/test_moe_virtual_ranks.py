@@ -1,0 +1,121 @@
+"""moe_fused's copy-engine path (templates/moe_fused/kernels.py) with 2 virtual ranks on ONE GPU
+(overlap_compile.testing.virtual_ranks): the dispatch pulls, the combine pushes, the flag
+protocol between calls, and the persistent expert kernel's arrival waits (and, with
+``skip_padding``, the routed sizes landing before the arrival flags), call after call, with the
+inputs and the routed sizes changing every call. Each rank's result is compared with the
+experts of the rank that owns them, computed from every rank's inputs in one place.
+
+What it cannot show: ordering across an NVLink fabric (every "peer" shares one L2), which
+tests/gpu/test_moe.py checks on 2 GPUs. One GPU runs both ranks' expert kernels at once: the
+dynamic tile schedule is what keeps a rank whose programs are not all resident from waiting on
+a tile nobody runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+E_LOCAL, CAP, H, F_ = 2, 300, 512, 384  # 3 row blocks of 128, the last one partial
+CONFIGS = {
+    "bmm": {"split": "source", "transport": "p2p"},
+    "kernel": {"split": "source", "transport": "p2p", "experts": "fused"},
+    "kernel_skip": {"split": "source", "transport": "p2p", "experts": "fused", "skip_padding": True},
+}
+
+
+def _inputs(world: int, calls: int, skip: bool, dev: torch.device):
+    """Per call and rank a dispatch buffer [W * E * C, H]; with ``skip``, each (destination,
+    expert) slot group holds its routed rows then zeros, of new lengths every call (empty and
+    full among them)."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    sets = []
+    for call in range(calls):
+        bufs = []
+        for r in range(world):
+            buf = torch.randn(world * E_LOCAL * CAP, H, device=dev, generator=g).to(torch.bfloat16)
+            if skip:
+                sizes = torch.randint(0, CAP + 1, (world, E_LOCAL), generator=torch.Generator().manual_seed(call * 16 + r))
+                sizes[call % world, 0], sizes[(call + 1) % world, E_LOCAL - 1] = 0, CAP
+                slots = buf.view(world, E_LOCAL, CAP, H)
+                for d in range(world):
+                    for j in range(E_LOCAL):
+                        slots[d, j, int(sizes[d, j]):] = 0
+            bufs.append(buf)
+        sets.append(bufs)
+    return sets
+
+
+def loaded_race(config_name: str, world: int, calls: int) -> dict:
+    """Throwaway rounds first (2 calls, 3 s bounds, failures dropped, until one passes; at most
+    3) so that every kernel is compiled and loaded before the checked round: on one GPU both
+    ranks share a CUDA context, and a kernel loaded at its first launch can wait for the peer's
+    spinning wait kernel to finish, which itself waits for that launch (two GPUs, two contexts,
+    do not have this stall). 1x H100: the first round of a process timed out, the next passed."""
+    from overlap_compile.runtime import spin_wait
+    from overlap_compile.runtime.peer_flags import PeerWaitTimeoutError
+
+    for _ in range(3):
+        try:
+            race(config_name, world, 2, timeout_ms=3000)
+            break
+        except (PeerWaitTimeoutError, RuntimeError):
+            torch.cuda.synchronize()
+            spin_wait.clear(torch.device("cuda", 0))
+    return race(config_name, world, calls)
+
+
+def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace: int | None = None) -> dict:
+    from overlap_compile.templates.moe_fused import kernels, reference
+    from overlap_compile.templates.plans import MoePlan
+    from overlap_compile.testing.virtual_ranks import virtual_ranks
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    config = CONFIGS[config_name]
+    plan = MoePlan("moe_fused", world, E_LOCAL, CAP, H, F_, config, timeout_ms=timeout_ms)
+    g = torch.Generator(device=dev).manual_seed(9)
+    weights = [[(torch.randn(E_LOCAL, H, F_, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16),
+                (torch.randn(E_LOCAL, H, F_, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16),
+                (torch.randn(E_LOCAL, F_, H, device=dev, generator=g) / F_ ** 0.5).to(torch.bfloat16)]
+               for _ in range(world)]
+    sets = _inputs(world, calls, config.get("skip_padding", False), dev)
+
+    def expected(call: int, r: int) -> torch.Tensor:
+        """Rank r's tokens for rank d's experts, through rank d's experts, back in slot d."""
+        slots = sets[call][r].view(world, E_LOCAL, CAP, H)
+        return torch.cat([reference.experts(slots[d].float(), *(w.float() for w in weights[d])).reshape(-1, H)
+                          for d in range(world)])
+
+    want = [[expected(c, r) for r in range(world)] for c in range(calls)]
+    with virtual_ranks(world, dev) as group:
+        if pace:
+            group.PACE = pace
+
+        def calls_of(r: int) -> torch.Tensor:
+            errs = []
+            for i in range(calls):
+                got = kernels.run(sets[i][r], *weights[r], "virtual", plan)
+                errs.append((got.float() - want[i][r]).norm() / want[i][r].norm().clamp_min(1e-12))
+                if not group.pace(i):
+                    break
+            return torch.stack(errs)
+
+        errs = torch.stack(group.run(calls_of))
+        kernels.check_errors(dev)
+        kernels._check_expert_kernels()
+    return {"calls": calls, "wrong": int(((errs > 2e-2) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_every_call_right_with_two_virtual_ranks(config_name):
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    # a process of its own: a fresh CUDA context, no record of an earlier test's failed wait
+    (r,) = run_distributed(loaded_race, world_size=1, args=(config_name, 2, 40), timeout_s=400)
+    print(config_name, r)
+    assert r["wrong"] == 0, r
