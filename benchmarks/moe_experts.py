@@ -57,6 +57,46 @@ def config_label(cfg: EK.ExpertTiles) -> str:
             + ("" if cfg.group_m == 8 else f" group_m={cfg.group_m}"))
 
 
+def keep_rows(x, ws, w, e, c, h, f, base, flops, want, do_bench, do_bench_cudagraph) -> list[dict]:
+    """``bmm_keep``: the bmm experts copying tokens, gate, up and act into the saved expert-major
+    ``[E, W * C, *]`` tensors (kernels.py's bmm path); ``fused_keep``: the kernel (default tiles)
+    reading the tokens from and writing the three into that layout directly."""
+    saved = {r: x.new_empty(e, w * c, h if r == "tokens" else f) for r in ("tokens", "gate", "up", "act")}
+    by_source = {r: t.view(e, w, c, t.shape[-1]).permute(1, 0, 2, 3) for r, t in saved.items()}
+    out = torch.empty_like(x)
+    by_source["tokens"].copy_(x)
+    counters = EK.Counters.make(w, e, c, EK.ExpertTiles().block_m, x.device)
+
+    def bmm_keep():
+        for s in range(w):
+            reference.experts(x[s], *ws, out=out[s], keep={r: t[:, s * c:(s + 1) * c] for r, t in saved.items()})
+
+    def fused_keep():
+        return EK.swiglu_experts(by_source["tokens"], *ws, 0, counters=counters,
+                                 keep={r: by_source[r] for r in ("act", "gate", "up")})
+
+    fused_keep()
+    got = fused_keep()
+    EK.check_errors(counters.err)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    bmm_keep()
+    kept = {r: t.clone() for r, t in saved.items()}
+    fused_keep()
+    for r in ("gate", "up", "act"):
+        err = max(err, ((saved[r].float() - kept[r].float()).abs().max() / kept[r].float().abs().max()).item())
+    out_rows, t_ref = [], {}
+    for method, fn in (("bmm_keep", bmm_keep), ("fused_keep", fused_keep)):
+        for mode, bench in (("eager", do_bench), ("cuda_graph", do_bench_cudagraph)):
+            ms = bench(fn, return_mode="median")
+            t_ref.setdefault(mode, ms)
+            out_rows.append({**base, "method": method, "config": config_label(EK.ExpertTiles()), "mode": mode,
+                             "ms": ms, "tflops": flops / ms / 1e9, "correct": err <= 2e-2, "rel_err": err,
+                             "speedup_vs_bmm_keep": t_ref[mode] / ms})
+    print(f"{base['shape']} W={w} keep (CUDA graph): bmm {out_rows[1]['ms']:.3f} ms, fused {out_rows[3]['ms']:.3f} ms "
+          f"({out_rows[3]['speedup_vs_bmm_keep']:.2f}x), rel err {err:.3g}", flush=True)
+    return out_rows
+
+
 def cases(world_sizes: list[int]) -> list[dict]:
     from overlap_compile.demo.moe import capacity
 
@@ -83,6 +123,8 @@ def main() -> None:
                          "routed sizes (fused_sized: tiles past them skipped), first three configs only: the tile orders")
     ap.add_argument("--configs", type=int, default=0, help="time only the first N tile configs (0: all; "
                     "--routing uniform|skewed times the first three: the tile orders)")
+    ap.add_argument("--keep", action="store_true", help="also time a training section's experts (bmm_keep, "
+                    "fused_keep): the intermediates backward reads kept in their layout")
     ap.add_argument("--suffix", default="", help="appended to the result file's name (runs of one day apart)")
     args = ap.parse_args()
     import triton
@@ -165,6 +207,8 @@ def main() -> None:
                                  "tflops": flops / ms / 1e9, "correct": err <= 2e-2, "rel_err": err,
                                  "speedup_vs_bmm": t_bmm[mode] / ms})
             EK.check_errors(counters.err)
+        if args.keep:  # a training section: both keep what backward reads, in its layout
+            rows += keep_rows(x, ws, w, e, c, h, f, base, flops, want, do_bench, do_bench_cudagraph)
         best = {}
         for r in rows:
             if r.get("shape") == case["name"] and r.get("world") == w and r.get("method") in ("fused", "fused_waits", "fused_sized") \

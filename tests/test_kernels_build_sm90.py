@@ -136,6 +136,23 @@ def test_expert_kernel(tiles, arrived, sized):
         assert "ld.relaxed.sys" in ptx and "ld.acquire.sys" in ptx and "%globaltimer" in ptx
 
 
+def test_expert_kernel_keeping_training_intermediates():
+    """x and act/gate/up in the saved expert-major layout: TMA for x and act, two more stores."""
+    from overlap_compile.templates.moe_fused import expert_kernel as EK
+
+    w, e, c, h, f = 2, 2, 300, 1024, 768
+    x = torch.randn(e, w, c, h).bfloat16().permute(1, 0, 2, 3)
+    ws = [torch.randn(e, h, f).bfloat16(), torch.randn(e, h, f).bfloat16(), torch.randn(e, f, h).bfloat16()]
+    keep = {r: torch.empty(e, w, c, f).bfloat16().permute(1, 0, 2, 3) for r in ("act", "gate", "up")}
+    with building() as builds:
+        EK.swiglu_experts(x, *ws, 1, EK.ExpertTiles(), arrived=False, keep=keep,
+                          sizes=torch.tensor([[300, 17], [0, 128]], dtype=torch.int32))
+    (done,) = _assert_built(builds, "_swiglu_experts_kernel")
+    c_ = done.constexprs
+    assert c_["X_TMA"] and c_["A_TMA"] and c_["SAVE_GATE"] and c_["SAVE_UP"] and c_["WHOLE_ACT"]
+    assert "wgmma.mma_async" in _ptx(done)
+
+
 # ---- tile_fused: GEMM with tile signals, push / reduce / gather, barriers ------------------------
 
 @pytest.mark.parametrize("mode", ["rs", "ag"])

@@ -144,6 +144,52 @@ def check_sizes(world, rank, e, c, h, f, cfg, arrived):
     print("ok sizes", world, rank, e, c, h, f, "arrived" if arrived else "arrival waits")
 
 
+def check_keep(world, rank, e, c, h, f, cfg, sized):
+    """Training's intermediates: x and act/gate/up in the saved expert-major layout ([E, W, C, *]
+    permuted to the kernel's [W, E, C, *]), through TMA where the shapes allow; every saved
+    value equals reference.experts' keep, zeros past the routed rows (``sized``: skipped blocks
+    NaN-poisoned in x, so a computed one shows)."""
+    import torch
+
+    from overlap_compile.templates.moe_fused import reference
+
+    torch.manual_seed(11 + c)
+    x = torch.randn(world, e, c, h)
+    poisoned = x.clone()
+    sizes = None
+    if sized:
+        sizes = torch.randint(0, c + 1, (world, e), dtype=torch.int32)
+        sizes[0, 0], sizes[-1, -1] = 0, c
+        for s in range(world):
+            for j in range(e):
+                n = int(sizes[s, j])
+                x[s, j, n:] = 0
+                poisoned[s, j, n:] = 0
+                poisoned[s, j, -(-n // cfg.block_m) * cfg.block_m:] = float("nan")
+    ws = _weights(e, h, f, torch.float32)
+    tokens = torch.empty(e, world, c, h)
+    tokens.permute(1, 0, 2, 3).copy_(poisoned)
+    stores = {r: torch.full((e, world, c, f), float("nan")) for r in ("act", "gate", "up")}
+    views = {r: t.permute(1, 0, 2, 3) for r, t in stores.items()}
+    xin = tokens.permute(1, 0, 2, 3)
+    descs = EK._tma_views(xin, *ws, views["act"], cfg, False)
+    assert descs[0] is not None and descs[4] is not None, "the expert-major layout takes TMA"
+    counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
+    y = EK.swiglu_experts(xin, *ws, rank, cfg, programs=2, counters=counters, sizes=sizes, keep=views)
+    EK.check_errors(counters.err)
+    for s in range(world):
+        kept = {r: torch.empty(e, c, f) for r in ("gate", "up", "act")}
+        want = reference.experts(x[s], *ws, keep=kept)
+        scale = want.abs().max().clamp_min(1e-12)
+        assert ((y[s] - want).abs().max() / scale).item() < 1e-5, (s, "y")
+        for r in ("gate", "up", "act"):
+            got = views[r][s]
+            assert not bool(got.isnan().any()), (s, r, "rows left unwritten or computed from NaN")
+            err = ((got - kept[r]).abs().max() / kept[r].abs().max().clamp_min(1e-12)).item()
+            assert err < 1e-5, (s, r, err)
+    print("ok keep", world, rank, e, c, h, f, "sized" if sized else "full")
+
+
 def check_missing_arrival():
     import torch
 
@@ -209,6 +255,8 @@ def main() -> None:
     check_against_reference(2, 0, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16, tma=False), arrived=True)
     check_sizes(2, 0, 3, 37, 40, 24, small, arrived=True)
     check_sizes(3, 1, 2, 50, 32, 48, EK.ExpertTiles(16, 32, 16, 16), arrived=False)
+    check_keep(2, 1, 2, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16), sized=False)
+    check_keep(2, 0, 3, 37, 32, 48, EK.ExpertTiles(16, 32, 16, 16), sized=True)
     check_missing_arrival()
     check_half_precision()
     print("ALL OK")

@@ -110,3 +110,44 @@ def test_tokens_landing_while_the_kernel_runs(tma_waits):
         want = torch.stack([reference.experts(stage[s].float(), *(t.float() for t in ws)) for s in range(w)])
         assert not y.isnan().any(), f"call {call}: tiles read tokens before they landed"
         assert ((y.float() - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_keeps_training_intermediates_in_the_saved_layout(sized):
+    """x, act, gate and up in the saved expert-major layout ([E, W, C, *] seen as [W, E, C, *]),
+    read and written through TMA: y and every kept value equal the bmm experts', zeros past the
+    routed rows (``sized``), over 10 calls on new inputs."""
+    from overlap_compile.templates.moe_fused import expert_kernel as EK
+    from overlap_compile.templates.moe_fused import reference
+
+    w, e, c, h, f = 2, 3, 333, 512, 384
+    cfg = EK.ExpertTiles(64, 64, 128, 32, 4, 3)
+    counters = EK.Counters.make(w, e, c, cfg.block_m, torch.device("cuda"))
+    for call in range(10):
+        x, ws = _case(w, e, c, h, f, torch.bfloat16, 200 + call)
+        sizes = None
+        if sized:
+            sizes = torch.randint(0, c + 1, (w, e), dtype=torch.int32, generator=torch.Generator().manual_seed(call))
+            sizes[0, 0], sizes[-1, -1] = 0, c
+            for s in range(w):
+                for j in range(e):
+                    x[s, j, int(sizes[s, j]):] = 0
+            sizes = sizes.cuda()
+        tokens = torch.empty(e, w, c, h, device="cuda", dtype=torch.bfloat16)
+        tokens.permute(1, 0, 2, 3).copy_(x)
+        stores = {r: torch.full((e, w, c, f), float("nan"), device="cuda", dtype=torch.bfloat16)
+                  for r in ("act", "gate", "up")}
+        views = {r: t.permute(1, 0, 2, 3) for r, t in stores.items()}
+        assert all(d is not None for d in EK._tma_views(tokens.permute(1, 0, 2, 3), *ws, views["act"], cfg, False))
+        y = EK.swiglu_experts(tokens.permute(1, 0, 2, 3), *ws, 1, cfg, counters=counters, sizes=sizes, keep=views,
+                              timeout_ms=2000)
+        for s in range(w):
+            kept = {r: torch.empty(e, c, f, device="cuda") for r in ("gate", "up", "act")}
+            want = reference.experts(x[s].float(), *(t.float() for t in ws), keep=kept)
+            assert ((y[s].float() - want).abs().max() / want.abs().max()).item() < 2e-2, (call, s, "y")
+            for r in ("gate", "up", "act"):
+                got = views[r][s].float()
+                assert not bool(got.isnan().any()), (call, s, r)
+                assert ((got - kept[r]).abs().max() / kept[r].abs().max()).item() < 2e-2, (call, s, r)
+    torch.cuda.synchronize()
+    EK.check_errors(counters.err)

@@ -2,8 +2,9 @@
 (overlap_compile.testing.virtual_ranks): the dispatch pulls, the combine pushes, the flag
 protocol between calls, and the persistent expert kernel's arrival waits (and, with
 ``skip_padding``, the routed sizes landing before the arrival flags), call after call, with the
-inputs and the routed sizes changing every call. Each rank's result is compared with the
-experts of the rank that owns them, computed from every rank's inputs in one place.
+inputs and the routed sizes changing every call; with a training section's saves, the kept
+intermediates too. Each rank's result is compared with the experts of the rank that owns them,
+computed from every rank's inputs in one place.
 
 What it cannot show: ordering across an NVLink fabric (every "peer" shares one L2), which
 tests/gpu/test_moe.py checks on 2 GPUs. One GPU runs both ranks' expert kernels at once: the
@@ -21,10 +22,13 @@ pytestmark = [
 ]
 
 E_LOCAL, CAP, H, F_ = 2, 300, 512, 384  # 3 row blocks of 128, the last one partial
-CONFIGS = {
-    "bmm": {"split": "source", "transport": "p2p"},
-    "kernel": {"split": "source", "transport": "p2p", "experts": "fused"},
-    "kernel_skip": {"split": "source", "transport": "p2p", "experts": "fused", "skip_padding": True},
+SAVES = ("tokens", "gate", "up", "act")  # what a training section hands backward
+CONFIGS = {  # name -> (config, the plan's saves)
+    "bmm": ({"split": "source", "transport": "p2p"}, ()),
+    "kernel": ({"split": "source", "transport": "p2p", "experts": "fused"}, ()),
+    "kernel_skip": ({"split": "source", "transport": "p2p", "experts": "fused", "skip_padding": True}, ()),
+    "bmm_saves": ({"split": "source", "transport": "p2p"}, SAVES),
+    "kernel_skip_saves": ({"split": "source", "transport": "p2p", "experts": "fused", "skip_padding": True}, SAVES),
 }
 
 
@@ -76,8 +80,8 @@ def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    config = CONFIGS[config_name]
-    plan = MoePlan("moe_fused", world, E_LOCAL, CAP, H, F_, config, timeout_ms=timeout_ms)
+    config, saves = CONFIGS[config_name]
+    plan = MoePlan("moe_fused", world, E_LOCAL, CAP, H, F_, config, timeout_ms=timeout_ms, saves=saves)
     g = torch.Generator(device=dev).manual_seed(9)
     weights = [[(torch.randn(E_LOCAL, H, F_, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16),
                 (torch.randn(E_LOCAL, H, F_, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16),
@@ -85,11 +89,22 @@ def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace
                for _ in range(world)]
     sets = _inputs(world, calls, config.get("skip_padding", False), dev)
 
-    def expected(call: int, r: int) -> torch.Tensor:
-        """Rank r's tokens for rank d's experts, through rank d's experts, back in slot d."""
-        slots = sets[call][r].view(world, E_LOCAL, CAP, H)
-        return torch.cat([reference.experts(slots[d].float(), *(w.float() for w in weights[d])).reshape(-1, H)
-                          for d in range(world)])
+    def expected(call: int, r: int) -> list[torch.Tensor]:
+        """Rank r's tokens for rank d's experts, through rank d's experts, back in slot d; then
+        what rank r keeps for backward: every source's tokens for r's experts and their
+        intermediates, [E, W * C, *] (reference.Saved's layout)."""
+        slots = [sets[call][q].view(world, E_LOCAL, CAP, H).float() for q in range(world)]
+        ws = [[w.float() for w in weights[d]] for d in range(world)]
+        out = torch.cat([reference.experts(slots[r][d], *ws[d]).reshape(-1, H) for d in range(world)])
+        if not saves:
+            return [out]
+        kept = {role: [] for role in saves}
+        for q in range(world):  # source q's slot for me
+            values = {role: torch.empty(E_LOCAL, CAP, H if role == "tokens" else F_) for role in saves}
+            reference.experts(slots[q][r], *ws[r], keep=values)
+            for role in saves:
+                kept[role].append(values[role])
+        return [out] + [torch.cat(kept[role], dim=1) for role in saves]
 
     want = [[expected(c, r) for r in range(world)] for c in range(calls)]
     with virtual_ranks(world, dev) as group:
@@ -100,7 +115,9 @@ def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace
             errs = []
             for i in range(calls):
                 got = kernels.run(sets[i][r], *weights[r], "virtual", plan)
-                errs.append((got.float() - want[i][r]).norm() / want[i][r].norm().clamp_min(1e-12))
+                got = [got] if isinstance(got, torch.Tensor) else got
+                errs.append(torch.stack([(g.float() - x).norm() / x.norm().clamp_min(1e-12)
+                                         for g, x in zip(got, want[i][r], strict=True)]).max())
                 if not group.pace(i):
                     break
             return torch.stack(errs)

@@ -132,7 +132,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu_experts_kernel(
-        x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, tiles_ptr, n_tiles,
+        x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, gate_ptr, up_ptr, tiles_ptr, n_tiles,
         x_desc, w1_desc, w3_desc, w2_desc, act_desc,
         arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls, sizes_ptr, ticket_ptr,
         E, C, H, F,
@@ -140,7 +140,7 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         WAIT_ARRIVAL: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr, DOT_PRECISION: tl.constexpr,
         X_TMA: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_SIZES: tl.constexpr,
-        DYNAMIC: tl.constexpr,
+        DYNAMIC: tl.constexpr, SAVE_GATE: tl.constexpr, SAVE_UP: tl.constexpr, WHOLE_ACT: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
         last stride. See the module doc for the tiles and their signals.
@@ -152,6 +152,14 @@ if HAVE_TRITON:
         proxy fence orders those TMA reads after the acquire. A_TMA: phase 2 reads act through a
         descriptor over ``[W * E * C, F]`` the same way (its rows were stored by other programs:
         the act_done acquire, then the proxy fence; columns past F read as zeros).
+
+        SAVE_GATE / SAVE_UP: phase 1 also stores the gate / up GEMM results (as the layer rounds
+        them) into ``gate_ptr`` / ``up_ptr``, laid out as act (a training section saves them).
+        WHOLE_ACT (set with either, or when act itself is saved): a phase-1 tile past the routed
+        rows (USE_SIZES) stores zeros into act (and gate, up), so the saved intermediates are
+        whole. x and act may be any layout whose
+        (source, expert) slots are row blocks of one dense [rows, H|F] array (the saved
+        intermediates' expert-major one included): TMA rows are found from the strides.
 
         DYNAMIC: a program takes its next tile from ``*ticket_ptr`` (an atomic add), so tiles are
         taken in table order by whichever program is free; otherwise program p takes p, p + P, ...
@@ -203,7 +211,8 @@ if HAVE_TRITON:
                     ks = k0 + offs_k
                     kmask = ks < H
                     if X_TMA:
-                        xa = x_desc.load([(se * C + mb * BLOCK_M).to(tl.int32), k0])
+                        xa = x_desc.load([((s.to(tl.int64) * sx_s + e.to(tl.int64) * sx_e) // sx_c
+                                           + mb * BLOCK_M).to(tl.int32), k0])
                     else:
                         xa = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     if W_TMA:
@@ -222,8 +231,23 @@ if HAVE_TRITON:
                 u = up.to(act_ptr.dtype.element_ty).to(tl.float32)
                 silu = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)
                 act = (silu * u).to(act_ptr.dtype.element_ty)
-                dst = act_ptr + s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c
-                tl.store(dst + f_cols[None, :], act, mask=rmask[:, None] & f_mask[None, :])
+                offs = s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c + f_cols[None, :]
+                amask = rmask[:, None] & f_mask[None, :]
+                tl.store(act_ptr + offs, act, mask=amask)
+                if SAVE_GATE:
+                    tl.store(gate_ptr + offs, g.to(act_ptr.dtype.element_ty), mask=amask)
+                if SAVE_UP:
+                    tl.store(up_ptr + offs, u.to(act_ptr.dtype.element_ty), mask=amask)
+            elif (phase == 1) & WHOLE_ACT:  # rows past the routed ones: the saved values are zeros
+                f_cols = nb * BLOCK_F + tl.arange(0, BLOCK_F)
+                offs = s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e + rows[:, None].to(tl.int64) * sa_c + f_cols[None, :]
+                amask = rmask[:, None] & (f_cols < F)[None, :]
+                zero = tl.zeros((BLOCK_M, BLOCK_F), act_ptr.dtype.element_ty)
+                tl.store(act_ptr + offs, zero, mask=amask)
+                if SAVE_GATE:
+                    tl.store(gate_ptr + offs, zero, mask=amask)
+                if SAVE_UP:
+                    tl.store(up_ptr + offs, zero, mask=amask)
             if phase == 1:
                 # every thread's stores, then one release add for the CTA (GPU scope: the
                 # readers are this kernel's phase-2 tiles); a tile past the routed rows too
@@ -248,7 +272,8 @@ if HAVE_TRITON:
                     ks = k0 + offs_k
                     kmask = ks < F
                     if A_TMA:
-                        a = act_desc.load([(se * C + mb * BLOCK_M).to(tl.int32), k0])
+                        a = act_desc.load([((s.to(tl.int64) * sa_s + e.to(tl.int64) * sa_e) // sa_c
+                                             + mb * BLOCK_M).to(tl.int32), k0])
                     else:
                         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     if W_TMA:
@@ -276,48 +301,68 @@ def _tma_views(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
                cfg: ExpertTiles, wait_arrival: bool) -> tuple:
     """(x, w1, w3, w2, act) descriptors for the kernel's X_TMA / W_TMA / A_TMA paths, None where a
     path does not apply: weights only when H and F are multiples of block_k (a K step never
-    crosses into the next expert's rows) and each 2-D view is one TMA accepts; x when it is
-    contiguous (and ``cfg.tma_waits`` or no tile waits on an arrival); act when it is contiguous
-    (its K steps run along F, whose end TMA pads with zeros)."""
+    crosses into the next expert's rows) and each 2-D view is one TMA accepts; x when its slots
+    are row blocks of one dense array (``dense_rows``; and ``cfg.tma_waits`` or no tile waits on
+    an arrival); act likewise (its K steps run along F, whose end TMA pads with zeros)."""
     if not cfg.tma or SR.TensorDescriptor is None:
         return None, None, None, None, None
     e, h, f = w1.shape
     views = ((w1.view(e * h, f), cfg.block_f), (w3.view(e * h, f), cfg.block_f), (w2.view(e * f, h), cfg.block_h))
     w_ok = h % cfg.block_k == 0 and f % cfg.block_k == 0 and all(SR._tma_ok(v) for v, _ in views)
     w_descs = tuple(SR.TensorDescriptor.from_tensor(v, [cfg.block_k, cols]) if w_ok else None for v, cols in views)
+    x_rows, act_rows = dense_rows(x), dense_rows(act)
     x_desc = None
-    if (cfg.tma_waits or not wait_arrival) and x.is_contiguous() and SR._tma_ok(x.view(-1, x.shape[-1])):
-        x_desc = SR.TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.block_m, cfg.block_k])
+    if (cfg.tma_waits or not wait_arrival) and x_rows is not None and SR._tma_ok(x_rows):
+        x_desc = SR.TensorDescriptor.from_tensor(x_rows, [cfg.block_m, cfg.block_k])
     act_desc = None
-    if act.is_contiguous() and SR._tma_ok(act.view(-1, f)):
-        act_desc = SR.TensorDescriptor.from_tensor(act.view(-1, f), [cfg.block_m, cfg.block_k])
+    if act_rows is not None and SR._tma_ok(act_rows):
+        act_desc = SR.TensorDescriptor.from_tensor(act_rows, [cfg.block_m, cfg.block_k])
     return (x_desc, *w_descs, act_desc)
+
+
+def dense_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` ``[W, E, C, D]`` as the dense ``[W * E * C, D]`` array holding it, starting where ``t``
+    does, when its (source, expert) slots are row blocks of one (``[W, E]`` in either order: the
+    dispatch layout, or the saved intermediates' expert-major one); None otherwise. The kernel
+    finds a slot's first row as (s * stride_s + e * stride_e) / stride_c."""
+    if t.dim() != 4 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+        return None
+    lead = sorted((0, 1), key=lambda d: -t.stride(d))
+    dense = t.permute(*lead, 2, 3)
+    return dense.reshape(-1, t.shape[-1]) if dense.is_contiguous() else None
 
 
 def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, y: torch.Tensor,
            tiles: torch.Tensor, arrival: torch.Tensor, act_done: torch.Tensor, y_done: torch.Tensor,
            err: torch.Tensor, programs: int, cfg: ExpertTiles, wait_arrival: bool, timeout_ms: int,
-           max_polls: int = 1 << 20, sizes: torch.Tensor | None = None, ticket: torch.Tensor | None = None) -> None:
+           max_polls: int = 1 << 20, sizes: torch.Tensor | None = None, ticket: torch.Tensor | None = None,
+           gate: torch.Tensor | None = None, up: torch.Tensor | None = None, whole_act: bool = False) -> None:
     """One launch of the kernel over the tile table ``tiles`` ([T, 5] int32 on the device);
     ``sizes``: int32 [W * E], the routed rows of each (source, expert) (the rest zero): tiles past
     them are skipped (kernel doc, USE_SIZES); ``ticket``: int32 [1], zero at the launch, the
     dynamic schedule's tile counter (``cfg.schedule == "dynamic"`` needs it; the caller zeroes it
-    after the kernel)."""
+    after the kernel). ``gate`` / ``up``: where to save those GEMM results too (act's shape and
+    strides); ``whole_act``: act is saved, so skipped tiles store its zeros (kernel doc)."""
     w, e, c, h = x.shape
     f = w1.shape[2]
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
         if not t.is_contiguous():
             raise ValueError(f"{TEMPLATE} expert kernel: {name} must be contiguous, got strides {t.stride()}")
-    for name, t in (("x", x), ("act", act), ("y", y)):
-        if t.stride(-1) != 1:
+    for name, t in (("x", x), ("act", act), ("y", y), ("gate", gate), ("up", up)):
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{TEMPLATE} expert kernel: {name} needs a unit last stride, got {t.stride()}")
+    for name, t in (("gate", gate), ("up", up)):
+        if t is not None and (t.shape != act.shape or t.stride() != act.stride()):
+            raise ValueError(f"{TEMPLATE} expert kernel: {name} must have act's shape and strides "
+                             f"{tuple(act.shape)} {act.stride()}, got {tuple(t.shape)} {t.stride()}")
     dynamic = cfg.schedule == "dynamic"
     if dynamic and ticket is None:
         raise ValueError(f"{TEMPLATE} expert kernel: the dynamic schedule needs a ticket counter (Counters.ticket)")
     gpu = _on_gpu(x)
     x_desc, w1_desc, w3_desc, w2_desc, act_desc = _tma_views(x, w1, w3, w2, act, cfg, wait_arrival)
     _swiglu_experts_kernel[(programs,)](
-        x, w1, w3, w2, act, y, tiles, tiles.shape[0], x_desc, w1_desc, w3_desc, w2_desc, act_desc,
+        x, w1, w3, w2, act, y, act if gate is None else gate, act if up is None else up, tiles, tiles.shape[0],
+        x_desc, w1_desc, w3_desc, w2_desc, act_desc,
         arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
         sizes if sizes is not None else arrival, ticket if ticket is not None else arrival, e, c, h, f,
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
@@ -325,7 +370,8 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         WAIT_ARRIVAL=wait_arrival, USE_ASM=gpu, USE_TIMER=gpu, DOT_PRECISION=SR._dot_precision(x.dtype),
         X_TMA=x_desc is not None, W_TMA=w1_desc is not None, A_TMA=act_desc is not None,
-        USE_SIZES=sizes is not None, DYNAMIC=dynamic,
+        USE_SIZES=sizes is not None, DYNAMIC=dynamic, SAVE_GATE=gate is not None, SAVE_UP=up is not None,
+        WHOLE_ACT=sizes is not None and (whole_act or gate is not None or up is not None),
         **({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if gpu else {}),
     )
 
@@ -394,12 +440,14 @@ def tile_table(order: tuple, device: torch.device) -> torch.Tensor:
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int,
                    cfg: ExpertTiles | None = None, programs: int | None = None, counters: Counters | None = None,
                    arrived: bool = True, timeout_ms: int = 10000, max_polls: int = 1 << 20,
-                   sizes: torch.Tensor | None = None) -> torch.Tensor:
+                   sizes: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
     """``y [W, E, C, H]`` = the SwiGLU experts of every source's slots ``x [W, E, C, H]``, rank
     ``rank``'s tile order. ``arrived``: every source's tokens are in place already (no arrival
     waits); otherwise the caller's copy stream sets ``counters.arrival[s * E + e]`` to 1 as
     they land. ``sizes`` (int32 [W * E] or [W, E]): rows past ``sizes[s, e]`` of x[s, e] are zero,
-    and their tiles are skipped (routed.routed_sizes gives them; in place before the arrival)."""
+    and their tiles are skipped (routed.routed_sizes gives them; in place before the arrival).
+    ``keep``: "act", "gate", "up" -> ``[W, E, C, F]`` tensors (any layout ``dense_rows`` takes,
+    all three alike) the kernel fills with those intermediates, as reference.experts keeps them."""
     cfg = cfg or ExpertTiles()
     w, e, c, h = x.shape
     f = w1.shape[2]
@@ -408,10 +456,12 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     tiles = tile_table(order, x.device)
     if programs is None:
         programs = max(1, torch.cuda.get_device_properties(x.device).multi_processor_count - 2) if x.is_cuda else 1
-    act = x.new_empty(w, e, c, f)
+    keep = keep or {}
+    act = keep["act"] if "act" in keep else x.new_empty(w, e, c, f)
     y = x.new_empty(w, e, c, h)
     launch(x, w1, w3, w2, act, y, tiles, counters.arrival.view(torch.int32), counters.act_done, counters.y_done,
            counters.err, min(programs, len(order)), cfg, not arrived, timeout_ms, max_polls,
-           None if sizes is None else sizes.reshape(-1).to(torch.int32), counters.ticket)
+           None if sizes is None else sizes.reshape(-1).to(torch.int32), counters.ticket,
+           keep.get("gate"), keep.get("up"), "act" in keep)
     counters.reset()
     return y

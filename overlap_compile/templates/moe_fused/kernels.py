@@ -9,7 +9,7 @@ STATUS: written 2026-11-23 while no multi-GPU machine was lent; not yet run on G
 
 Experts: cuBLAS bmm per piece (default, below), or with ``"experts": "fused"`` one persistent
 Triton kernel over every source (expert_kernel.py; _fused_experts). With ``plan.saves`` (a
-training section) the bmm path also fills the intermediates backward reads (reference.Saved).
+training section) both fill the intermediates backward reads (reference.Saved).
 ``"skip_padding": true`` (fused experts only): each rank scans its slots for their routed rows
 (routed_sizes.py, on the device) and publishes them with the slots; the receiver lands a source's
 sizes before its arrival flags, and the kernel skips the tiles past them (their rows are zero,
@@ -132,10 +132,7 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             call.fc.wait_free(src)  # my results of src's previous call were read out there
     saved = ref.Saved(plan, buf)
     if plan.config.get("experts", "bmm") == "fused":
-        if plan.saves:
-            raise ValueError(f"{TEMPLATE}: the persistent expert kernel keeps no intermediates; a section that "
-                             f"saves {list(plan.saves)} for backward takes 'experts': 'bmm'")
-        out, used = _fused_experts(call, w1, w3, w2, plan)
+        out, used = _fused_experts(call, w1, w3, w2, plan, saved)
     else:
         out, used = _bmm_experts(call, w1, w3, w2, saved)
     for k, src in enumerate(call.srcs, start=1):  # the results of my tokens, back from every peer
@@ -186,20 +183,30 @@ def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved) -> tuple[torch.Tenso
     return out, recv + ys
 
 
-def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan, saved: ref.Saved) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One persistent kernel (expert_kernel.py) over every source's tokens: the copy stream pulls
     each (source, expert) chunk and sets its arrival flag, the kernel's tiles start as their chunk
     lands; once a source's output tiles are all counted (a bounded wait on the copy stream,
-    consuming the count) its result goes home. The kernel leaves two SMs free for those waits."""
+    consuming the count) its result goes home. The kernel leaves two SMs free for those waits.
+    A training section's intermediates are written in place: the tokens land in the saved
+    tokens' layout, and the kernel stores act, gate and up into theirs (no copies after)."""
     from . import expert_kernel as EK
 
     e, c, h, r, w = call.e, call.c, call.h, call.r, call.w
     dev = call.slots.device
     cfg = EK.ExpertTiles(**plan.config.get("tiles", {}))
     counters = _counters(w, e, c, cfg.block_m, dev)
-    x = call.slots.new_empty(w, e, c, h)
+
+    def by_source(role: str, width: int) -> torch.Tensor:  # [W, E, C, width], the saved tensor when kept
+        kept = saved.tensors.get(role)
+        if kept is None:
+            return call.slots.new_empty(w, e, c, width)
+        return kept.view(e, w, c, width).permute(1, 0, 2, 3)
+
+    x = by_source("tokens", h)
     y = call.slots.new_empty(w, e, c, h)
-    act = call.slots.new_empty(w, e, c, w1.shape[2])
+    act = by_source("act", w1.shape[2])
+    keep = {role: by_source(role, w1.shape[2]) for role in ("gate", "up") if role in saved.tensors}
     flags = counters.arrival
     # the routed rows of every (source, expert), each source's landing before its arrival flags
     sizes = None if call.sizes is None else torch.empty(w, e, dtype=torch.int32, device=dev)
@@ -223,7 +230,8 @@ def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan) -> tuple[torch.Tensor
     def launch() -> None:
         EK.launch(x, w1, w3, w2, act, y, EK.tile_table(order, dev), flags.view(torch.int32), counters.act_done,
                   counters.y_done, counters.err, min(sms - 2, len(order)), cfg, True, plan.timeout_ms,
-                  sizes=None if sizes is None else sizes.view(-1), ticket=counters.ticket)
+                  sizes=None if sizes is None else sizes.view(-1), ticket=counters.ticket,
+                  gate=keep.get("gate"), up=keep.get("up"), whole_act="act" in saved.tensors)
 
     try:
         launch()

@@ -72,7 +72,7 @@ class MoeFusedSpec(TemplateSpec):
             return backward_spec.candidates(match, profile)
         cap = getattr(match, "capacity", 1)
         copy_engine = [{"split": "source", "transport": "p2p"}] if gpu_profile(profile) else []
-        if copy_engine and expert_kernel_ratio(profile) is not None and not getattr(match, "saved_nodes", None):
+        if copy_engine and expert_kernel_ratio(profile) is not None:
             copy_engine.append({"split": "source", "transport": "p2p", "experts": "fused"})
         routed = [{"split": "source", "payload": "routed"}]
         return copy_engine + [{"split": "source"}] + routed + [{"pieces": p} for p in (2, 4) if p <= cap]
@@ -82,9 +82,6 @@ class MoeFusedSpec(TemplateSpec):
         if is_backward(match):
             return backward_spec.plan(self.name, match, config, timeout_ms)
         saves = tuple(getattr(match, "saved_nodes", {}))
-        if saves and config.get("experts") == "fused":
-            raise ValueError(f"moe_fused: this section saves {list(saves)} for backward; the persistent expert "
-                             "kernel keeps no intermediates ('experts': 'bmm' does)")
         return MoePlan(template=self.name, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
                        hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, saves=saves)
 
