@@ -226,7 +226,7 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
 
 def test_a_training_sections_saved_intermediates_are_charged():
     """A training MoE section's rewrite also copies out what backward saves: one read and one
-    write of those bytes, on every moe_fused path."""
+    write of those bytes, on every moe_fused bmm path; the kernel path writes them in place."""
     p = h200()
     E, C, H, F = 4, 1024, 4096, 2048
     m = E * 2 * C
@@ -236,3 +236,8 @@ def test_a_training_sections_saved_intermediates_are_charged():
     for cfg in ({"split": "source"}, {"pieces": 2}, {"split": "source", "transport": "p2p"}):
         extra = moe_model.moe_fused(saving, cfg, p, ctx).total_ms - moe_model.moe_fused(site, cfg, p, ctx).total_ms
         assert extra == pytest.approx(models.hbm_ms(p, 2 * saving.saved_bytes)), cfg
+    # the persistent expert kernel stores them where backward reads them: one write at most
+    measured = h200(moe={"expert_kernel_vs_bmm": 1.0})
+    fused = {"split": "source", "transport": "p2p", "experts": "fused"}
+    extra = moe_model.moe_fused(saving, fused, measured, ctx).total_ms - moe_model.moe_fused(site, fused, measured, ctx).total_ms
+    assert extra == pytest.approx(models.hbm_ms(measured, saving.saved_bytes))

@@ -100,7 +100,7 @@ def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace
             return [out]
         kept = {role: [] for role in saves}
         for q in range(world):  # source q's slot for me
-            values = {role: torch.empty(E_LOCAL, CAP, H if role == "tokens" else F_) for role in saves}
+            values = {role: torch.empty(E_LOCAL, CAP, H if role == "tokens" else F_, device=dev) for role in saves}
             reference.experts(slots[q][r], *ws[r], keep=values)
             for role in saves:
                 kept[role].append(values[role])

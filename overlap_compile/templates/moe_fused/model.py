@@ -224,7 +224,10 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
     base = baseline(site, profile, ctx)
-    return Schedule(start + place + moe_save_ms(site, profile), events, base.bound_ms if base else None,
+    # a training section's intermediates: the bmm path copies them out (a read and a write); the
+    # kernel stores them where backward reads them, at most one more write (gate and up)
+    save = moe_save_ms(site, profile) / (2 if fused else 1)
+    return Schedule(start + place + save, events, base.bound_ms if base else None,
                     f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
                     f"experts {e_piece:.4f} ms per piece")
 
