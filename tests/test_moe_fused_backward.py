@@ -281,14 +281,17 @@ def test_backward_configs_and_plan():
     from overlap_compile.templates.plans import MoePlan
 
     routed = {**BY_SOURCE, "payload": "routed"}
-    for profile in ("h200", "cpu-gloo"):  # by source, every slot or the routed rows, under GPU profiles too
-        assert SPEC.candidates(_Backward(), predictor.load_profile(profile)) == [BY_SOURCE, routed]
+    copy_engine = {**BY_SOURCE, "transport": "p2p"}
+    # by source, every slot or the routed rows; under GPU profiles over the copy engine too
+    assert SPEC.candidates(_Backward(), predictor.load_profile("h200")) == [copy_engine, BY_SOURCE, routed]
+    assert SPEC.candidates(_Backward(), predictor.load_profile("cpu-gloo")) == [BY_SOURCE, routed]
+    assert SPEC.plan(_Backward(), copy_engine, 1000).config == copy_engine
     assert SPEC.plan(_Backward(), routed, 1000).config == routed
     plan = SPEC.plan(_Backward(), BY_SOURCE, 1000)
     assert plan.direction == "backward" and plan.saves == () and MoePlan.from_json(plan.to_json()) == plan
     with pytest.raises(ValueError, match="'payload' must be one of"):
         SPEC.plan(_Backward(), {"split": "source", "payload": "all"}, 1000)
-    for bad in ({"pieces": 2}, {"split": "source", "transport": "p2p"}):
+    for bad in ({"pieces": 2}, {"split": "source", "transport": "p2p", "experts": "fused"}):
         with pytest.raises(ValueError, match="backward section runs by source"):
             SPEC.plan(_Backward(), bad, 1000)
     with pytest.raises(ValueError, match="direction"):
@@ -328,3 +331,10 @@ def test_backward_latency_model():
     first = models.comm_call_ms(site, prof, nb, ctx, launch=False)
     assert base.total_ms == pytest.approx(first + models.gemm_ms(site, prof) + models.comm_call_ms(site, prof, nb, ctx))
     assert moe_model.moe_fused(site, {"pieces": 2}, prof, ctx) is None  # no backward path
+    # over the copy engine: the own slots' data gradients first and whole, the peer piece's once
+    # pulled, its d_h pushed home beside the weight gradients
+    ce = moe_model.moe_fused(site, {**BY_SOURCE, "transport": "p2p"}, prof, ctx)
+    labels = [ev.label for ev in ce.events]
+    assert labels.index("experts own") < labels.index("experts 1") < labels.index("push 1") < labels.index("weight gradients")
+    push, tail = (next(ev for ev in ce.events if ev.label == x) for x in ("push 1", "weight gradients"))
+    assert tail.start < push.end < tail.end  # the last push hides behind the weight gradients

@@ -136,3 +136,85 @@ def test_every_call_right_with_two_virtual_ranks(config_name):
     (r,) = run_distributed(loaded_race, world_size=1, args=(config_name, 2, 40), timeout_s=400)
     print(config_name, r)
     assert r["wrong"] == 0, r
+
+
+def backward_race(world: int, calls: int, timeout_ms: int = 10000) -> dict:
+    """moe_fused_backward over the copy engine (backward_p2p.py), 2 virtual ranks: every call's
+    d_buf and weight gradients against backward_reference.swiglu_grad run on each owner's whole
+    gradient, gathered from every rank's slots in one place."""
+    from overlap_compile.templates.moe_fused import backward_p2p
+    from overlap_compile.templates.moe_fused.backward_reference import swiglu_grad
+    from overlap_compile.templates.plans import MoePlan
+    from overlap_compile.testing.virtual_ranks import virtual_ranks
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    e, c, h, f, wc = E_LOCAL, CAP, H, F_, world * CAP
+    plan = MoePlan("moe_fused", world, e, c, h, f, {"split": "source", "transport": "p2p"}, timeout_ms=timeout_ms,
+                   direction="backward")
+    g = torch.Generator(device=dev).manual_seed(13)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(torch.bfloat16)
+
+    # per rank: its experts' saved operands and weights (transposed, as backward reads them)
+    operands = [{"tokens_t": rnd(e, h, wc), "gate": rnd(e, wc, f), "up": rnd(e, wc, f), "act_t": rnd(e, f, wc),
+                 "w1t": rnd(e, f, h, scale=f ** -0.5), "w3t": rnd(e, f, h, scale=f ** -0.5),
+                 "w2t": rnd(e, h, f, scale=h ** -0.5)} for _ in range(world)]
+    grads = [[rnd(world * e * c, h) for _ in range(world)] for _ in range(calls)]
+
+    def expected(call: int) -> list[list[torch.Tensor]]:
+        out = [[None] * world for _ in range(world)]  # out[r][d]: rank r's d_h for slot d
+        wgrads = []
+        for d in range(world):  # owner d: every source's gradient slots for its experts
+            o = {k: t.float() for k, t in operands[d].items()}
+            gd = torch.cat([grads[call][q].view(world, e, c, h)[d].float() for q in range(world)], dim=1)
+            d_gate, d_up = torch.empty(e, wc, f, device=dev), torch.empty(e, wc, f, device=dev)
+            d_h = swiglu_grad(gd, o["gate"], o["up"], o["w1t"], o["w3t"], o["w2t"], d_gate, d_up)
+            for q in range(world):
+                out[q][d] = d_h[:, q * c:(q + 1) * c].reshape(-1, h)
+            wgrads.append([torch.bmm(o["tokens_t"], d_gate), torch.bmm(o["tokens_t"], d_up), torch.bmm(o["act_t"], gd)])
+        return [[torch.cat(out[r])] + wgrads[r] for r in range(world)]
+
+    want = [expected(i) for i in range(calls)]
+    with virtual_ranks(world, dev) as group:
+        def calls_of(r: int) -> torch.Tensor:
+            errs = []
+            for i in range(calls):
+                o = operands[r]
+                got = backward_p2p.run(grads[i][r], o["tokens_t"], o["gate"], o["up"], o["act_t"], o["w1t"],
+                                       o["w3t"], o["w2t"], "virtual", plan)
+                errs.append(torch.stack([(x.float() - y).norm() / y.norm().clamp_min(1e-12)
+                                         for x, y in zip(got, want[i][r], strict=True)]).max())
+                if not group.pace(i):
+                    break
+            return torch.stack(errs)
+
+        errs = torch.stack(group.run(calls_of))
+        from overlap_compile.templates.moe_fused import kernels
+
+        kernels.check_errors(dev)
+    return {"calls": calls, "wrong": int(((errs > 2e-2) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+
+
+def loaded_backward_race(world: int, calls: int) -> dict:
+    """backward_race after throwaway rounds, as loaded_race."""
+    from overlap_compile.runtime import spin_wait
+    from overlap_compile.runtime.peer_flags import PeerWaitTimeoutError
+
+    for _ in range(3):
+        try:
+            backward_race(world, 2, timeout_ms=3000)
+            break
+        except (PeerWaitTimeoutError, RuntimeError):
+            torch.cuda.synchronize()
+            spin_wait.clear(torch.device("cuda", 0))
+    return backward_race(world, calls)
+
+
+def test_backward_every_call_right_with_two_virtual_ranks():
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    (r,) = run_distributed(loaded_backward_race, world_size=1, args=(2, 30), timeout_s=400)
+    print("backward p2p", r)
+    assert r["wrong"] == 0, r

@@ -3,9 +3,11 @@ group_name, plan) -> [d_buf ``[W * E_local * C, H]`` (what the section's second 
 returned), dw1, dw3 ``[E_local, H, F]``, dw2 ``[E_local, F, H]``]: the backward MoE section of a
 training step (backward_reference.py says what each operand is).
 
-Dispatch: a ``"payload": "routed"`` plan runs backward_reference.run_routed (routed.py's rounds,
-functional collectives or NCCL streams) but under CUDA-graph capture; otherwise CUDA tensors on an
-NCCL group run backward_nccl.py; everything else runs backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
+Dispatch, as the forward's (op.path): a ``"payload": "routed"`` plan runs
+backward_reference.run_routed (routed.py's rounds, functional collectives or NCCL streams) but
+under CUDA-graph capture; ``"transport": "p2p"`` where the copy engine can run it runs
+backward_p2p.py; otherwise CUDA tensors on an NCCL group run backward_nccl.py; everything else
+runs backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
 Registered when op.py is imported (the registry imports ``<template>.op``)."""
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ def operand_shapes(p: MoePlan) -> dict[str, tuple[int, ...]]:
 
 
 def check_plan(p: MoePlan) -> None:
-    if p.direction != "backward" or not reference.by_source(p.config) or p.config.get("transport", "nccl") != "nccl" \
+    if p.direction != "backward" or not reference.by_source(p.config) or "experts" in p.config \
+            or p.config.get("transport", "nccl") not in ("nccl", "p2p") \
             or p.config.get("payload", "capacity") not in ("capacity", "routed"):
-        raise ValueError(f"moe_fused_backward: needs a backward plan by source over NCCL / functional collectives "
-                         f"(direction 'backward', config {{'split': 'source'}}); got direction {p.direction!r}, "
-                         f"config {p.config}")
+        raise ValueError(f"moe_fused_backward: needs a backward plan by source (direction 'backward', config "
+                         f"{{'split': 'source'}}, optionally 'transport' 'nccl' or 'p2p', or 'payload' 'routed'); "
+                         f"got direction {p.direction!r}, config {p.config}")
 
 
 @torch.library.custom_op(f"{LIB}::moe_fused_backward", mutates_args=())
@@ -48,16 +51,17 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
-    from .routed import runs_routed
+    from .op import path
 
-    if runs_routed(p.config, grad_buf.device):
+    how = path(group_name, grad_buf.device, p)
+    if how == "routed":
         return backward_reference.run_routed(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
-    impl = backward_reference
-    if grad_buf.device.type == "cuda":
-        from . import backward_nccl, kernels_nccl
-
-        if kernels_nccl.usable(group_name, grad_buf.device):
-            impl = backward_nccl
+    if how == "p2p":
+        from . import backward_p2p as impl
+    elif how == "nccl":
+        from . import backward_nccl as impl
+    else:
+        impl = backward_reference
     return impl.run(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
 
 

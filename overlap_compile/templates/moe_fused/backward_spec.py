@@ -2,10 +2,11 @@
 configuration, its plan and the buffers it holds. spec.py hands a backward match here.
 
 Configuration: ``{"split": "source"}`` (optionally ``"transport": "nccl"``): the forward's rounds
-by source (backward_reference.py); with ``"payload": "routed"`` only the gradient rows that reach
-a routed slot travel and meet the GEMMs (backward_reference.run_routed). The capacity pieces and the copy-engine transport have no
-backward path: such a config is refused with the reason (force_config then leaves the backward
-section as written and says so).
+by source (backward_reference.py); ``"transport": "p2p"`` moves them by copy engine
+(backward_p2p.py, GPU profiles only); with ``"payload": "routed"`` only the gradient rows that
+reach a routed slot travel and meet the GEMMs (backward_reference.run_routed). The capacity
+pieces and the persistent expert kernel have no backward path: such a config is refused with
+the reason (force_config then leaves the backward section as written and says so).
 """
 from __future__ import annotations
 
@@ -24,16 +25,21 @@ def is_backward(match: Any) -> bool:
 ROUTED = {"split": "source", "payload": "routed"}
 
 
+COPY_ENGINE = {"split": "source", "transport": "p2p"}
+
+
 def candidates(match: Any, profile: Any) -> list[dict]:
-    return [dict(CONFIG), dict(ROUTED)]
+    from ..base import gpu_profile
+
+    return ([dict(COPY_ENGINE)] if gpu_profile(profile) else []) + [dict(CONFIG), dict(ROUTED)]
 
 
 def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
-    # (spec.check_config has checked the payload's value before handing a backward match here)
-    if not by_source(config) or config.get("transport", "nccl") != "nccl" or set(config) - {"split", "transport", "payload"}:
-        raise ValueError(f"moe_fused: the backward section runs by source over NCCL / functional collectives only "
-                         f"({CONFIG}, optionally with 'transport': 'nccl' or 'payload': 'capacity' | 'routed'); "
-                         f"got {config!r}")
+    # (spec.check_config has checked the payload's and transport's values before handing a
+    # backward match here)
+    if not by_source(config) or set(config) - {"split", "transport", "payload"}:
+        raise ValueError(f"moe_fused: the backward section runs by source only ({CONFIG}, optionally with "
+                         f"'transport': 'nccl' | 'p2p' or 'payload': 'capacity' | 'routed'); got {config!r}")
     return MoePlan(template=template, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
                    hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, direction="backward")
 

@@ -40,6 +40,7 @@ allocated once per (group, shape, dtype); the op is stream work only (capturable
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -100,6 +101,21 @@ class _Call:
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
         plan: MoePlan) -> torch.Tensor:
     """The combined slots ``[W * rows, H]`` (what reference.run returns)."""
+    call = open_call(buf, group_name, plan)
+    saved = ref.Saved(plan, buf)
+    if plan.config.get("experts", "bmm") == "fused":
+        out, used = _fused_experts(call, w1, w3, w2, plan, saved)
+    else:
+        out, used = _bmm_experts(call, w1, w3, w2, saved)
+    finish_call(call, out, [buf, *used])
+    return saved.result(out.view(-1, call.h))
+
+
+def open_call(buf: torch.Tensor, group_name: str, plan: MoePlan) -> _Call:
+    """A call's start, either direction (``buf``: the dispatch slots, or backward's gradient
+    slots): the buffers and flags of this geometry, the peers' slots staged into my symmetric
+    buffer and the handshake (before any GEMM of the call holds the SMs), and, on the copy
+    stream, the wait until every peer has read out my results of the last call."""
     w, e, c, h = plan.world, plan.e_local, plan.capacity, plan.hidden
     rows, dev, dt = e * c, buf.device, buf.dtype
     check_errors(dev, synchronize=False)
@@ -125,24 +141,24 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
         if call.sizes is not None:  # published with the slots: read before the pull releases them
             call.sizes.local.copy_(routed_sizes.sizes(call.slots.view(w, e, c, h)))
 
-    call.fd.publish_and_meet(call.srcs, stage)  # before any GEMM of this call holds the SMs
+    call.fd.publish_and_meet(call.srcs, stage)
     call.copier.wait_stream(call.compute)
     with torch.cuda.stream(call.copier):
         for src in call.srcs:
             call.fc.wait_free(src)  # my results of src's previous call were read out there
-    saved = ref.Saved(plan, buf)
-    if plan.config.get("experts", "bmm") == "fused":
-        out, used = _fused_experts(call, w1, w3, w2, plan, saved)
-    else:
-        out, used = _bmm_experts(call, w1, w3, w2, saved)
-    for k, src in enumerate(call.srcs, start=1):  # the results of my tokens, back from every peer
+    return call
+
+
+def finish_call(call: _Call, out: torch.Tensor, used: list[torch.Tensor]) -> None:
+    """The results of my slots, back from every peer, into ``out`` [W, rows, H]; then the compute
+    stream joins the copy stream, and ``used`` stay allocated until the copy stream is done."""
+    for k, src in enumerate(call.srcs, start=1):
         call.fc.wait_ready(src, k)
-        out[src].copy_(comb.local[src])
+        out[src].copy_(call.comb.local[src])
         call.fc.release(src)
     call.compute.wait_stream(call.copier)
-    for t in (buf, *used):
+    for t in used:
         t.record_stream(call.copier)
-    return saved.result(out.view(w * rows, h))
 
 
 def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
@@ -154,33 +170,50 @@ def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
 
 
 def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """cuBLAS bmm per piece: each peer piece pulled whole (one copy, one event), its experts when
-    it has landed, its result pushed when they are done; the own tokens in two halves around
-    the peer pieces (reference.own_parts)."""
+    """cuBLAS bmm per piece (rounds below); the own tokens in two halves around the peer pieces
+    (reference.own_parts)."""
     e, c, h, r = call.e, call.c, call.h, call.r
-    recv = [call.slots.new_empty(call.rows, h) for _ in call.srcs]
+    out = torch.empty_like(call.slots)
+    own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
+    first, *rest = ref.own_parts(e, c)
+
+    def peer(src: int, got: torch.Tensor) -> torch.Tensor:
+        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src))
+
+    def last() -> None:
+        for part in rest:
+            ref.own_experts(own, w1, w3, w2, own_out, part, saved, r)
+
+    used = rounds(call, lambda: ref.own_experts(own, w1, w3, w2, own_out, first, saved, r), peer, last)
+    return out, used
+
+
+def rounds(call: _Call, own_first: Callable[[], None], peer: Callable[[int, torch.Tensor], torch.Tensor],
+           last: Callable[[], None]) -> list[torch.Tensor]:
+    """The pieces by source over the copy engine, either direction: each peer piece pulled whole
+    (one copy, one event), ``peer(src, piece)`` once it has landed, its result pushed home when
+    done; ``own_first()`` before the first peer piece, ``last()`` after the last (work that hides
+    the last push). Returns the tensors the copy stream still reads."""
+    r = call.r
+    recv = [call.slots.new_empty(call.rows, call.h) for _ in call.srcs]
     pulled = []
     with torch.cuda.stream(call.copier):
         for src, into in zip(call.srcs, recv):
             into.copy_(call.send.peer(src)[r])
             call.fd.release(src)
             pulled.append(_event(call.copier))
-    out = torch.empty_like(call.slots)
-    own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
-    first, *rest = ref.own_parts(e, c)
-    ref.own_experts(own, w1, w3, w2, own_out, first, saved, r)
+    own_first()
     ys = []
     for src, into, ev in zip(call.srcs, recv, pulled):
         call.compute.wait_event(ev)
-        y = ref.experts(into.view(e, c, h), w1, w3, w2, keep=saved.of_source(src))
+        y = peer(src, into)
         done = _event(call.compute)
         with torch.cuda.stream(call.copier):
             call.copier.wait_event(done)
             _push_result(call, src, y)
         ys.append(y)
-    for part in rest:
-        ref.own_experts(own, w1, w3, w2, own_out, part, saved, r)
-    return out, recv + ys
+    last()
+    return recv + ys
 
 
 def _fused_experts(call: _Call, w1, w3, w2, plan: MoePlan, saved: ref.Saved) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -108,11 +108,14 @@ def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: 
     (the last one then pays ``comm_slowdown`` too). Same bytes as the forward each way. Only
     ``{"split": "source"}`` over NCCL has a backward path; ``"payload": "routed"`` scales the
     pieces' bytes and GEMMs by the expected fill after the routed setup (the weight gradients
-    stay whole)."""
-    if config.get("split") != "source" or config.get("transport", "nccl") != "nccl":
+    stay whole). ``"transport": "p2p"`` (backward_p2p.py) is the forward's copy-engine schedule
+    with the own slots whole and first and the weight gradients after the last piece."""
+    if config.get("split") != "source" or config.get("transport", "nccl") not in ("nccl", "p2p"):
         return None
     data = dataclasses.replace(site, gemms=site.gemms[:3])
     grads = dataclasses.replace(site, gemms=site.gemms[3:])
+    if config.get("transport") == "p2p":  # backward_p2p.py: own slots whole first, weight gradients last
+        return moe_fused_copy_engine(data, profile, ctx, tail_ms=gemm_ms(grads, profile), own_split=False)
     W = max(1, site.world)
     routed, fill, setup = _routed_terms(site, config, profile, ctx)
     events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile),
@@ -165,7 +168,8 @@ def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
 
 
 def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None,
-                          skip_padding: bool = False) -> Schedule | None:
+                          skip_padding: bool = False, tail_ms: float = 0.0, own_split: bool = True
+                          ) -> Schedule | None:
     """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
     pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
     buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
@@ -181,6 +185,9 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     the padding, ``1 - routed_fill`` of the buffer), then the kernel's GEMMs scaled by the
     expected fill; it skips whole row blocks only, so this credits it with more than a
     partly filled last block gives back (not offered among the candidates: force it).
+    ``tail_ms``, ``own_split=False`` (the backward, backward_p2p.py): the own slots whole and
+    first, then ``tail_ms`` of GEMMs that need every piece (the weight gradients) after the last,
+    beside its push.
     Not yet measured on a GPU."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
@@ -213,13 +220,19 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     if fused:  # one kernel: the own tokens' local copy first, every GEMM at the measured ratio
         e_piece *= fused_ratio
         start += hbm_ms(profile, 2 * piece_bytes)
-    t = experts("experts own[0]" + (" (fused kernel)" if fused else ""), start, e_piece / 2)
+    if own_split:
+        t = experts("experts own[0]" + (" (fused kernel)" if fused else ""), start, e_piece / 2)
+    else:
+        t = experts("experts own", start, e_piece)
     for k, ready in enumerate(pulled, start=1):
         t = experts(f"experts {k}", max(t, ready), e_piece)
         start = max(t, t_copy)
         events.append(Event("comm", f"push {k}", start, start + xfer))
         t_copy = start + xfer
-    t = experts("experts own[1]", t, e_piece / 2)
+    if own_split:
+        t = experts("experts own[1]", t, e_piece / 2)
+    if tail_ms > 0:
+        t = experts("weight gradients", t, tail_ms)
     place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
