@@ -17,7 +17,7 @@ variant, one compile, timed on each routing:
   all-to-all of the forward and backward graphs replaced by a local copy of the same output shape,
   benchmarks/nocomm.py; the row carries ``nocomm_replaced``, and ``all_to_all_in_graphs`` = 0 with
   no site left for the overlap pass); ``moe_fused`` (forced: the piece pipeline, the predicted-best
-  configuration); on GPUs and forward only, each path forced: ``moe_fused_nccl`` (``{"split":
+  configuration); on GPUs, each path forced: ``moe_fused_nccl`` (``{"split":
   "source"}``, NCCL), ``moe_fused_p2p`` (``{"split": "source", "transport": "p2p"}``, copy engine,
   bmm experts), ``moe_fused_p2p_kernel`` (the same with the persistent expert kernel, ``"experts":
   "fused"``), ``moe_fused_p2p_kernel_skip`` (and the kernel skipping the tiles past the routed
@@ -25,8 +25,9 @@ variant, one compile, timed on each routing:
   rows travel and meet the experts, any device, both phases); ``overlap`` (the predictor's choice). In training, moe_fused takes the forward
   section (it also returns what backward saves) and the backward section goes to
   moe_fused_backward (d_h per source piece, sent home at once; the weight gradients once after the
-  last piece); only ``{"split": "source"}`` has a backward path, so another forced config leaves
-  the backward as written, with that reason in each row's ``sites``.
+  last piece, over NCCL or, with ``"transport": "p2p"``, the copy engine); the capacity pieces
+  and the expert kernel have no backward path, so those forced configs leave the backward as
+  written, with that reason in each row's ``sites``.
 * routing (``--routing``): ``uniform`` (the random router, inputs N(0, 1)) and ``skewed`` (one hot
   expert: inputs N(0, 1) + 1, still random and non-zero, and the router's row of expert 0 biased by
   SKEW_BIAS / H along the all-ones direction, so most tokens' first choice is expert 0). Each row
@@ -95,7 +96,7 @@ VARIANTS = {
     "moe_fused_routed": ("moe_fused", {"split": "source", "payload": "routed"}),
     "overlap": (None, None),
 }
-PATHS = ("moe_fused_nccl", "moe_fused_p2p", "moe_fused_p2p_kernel", "moe_fused_p2p_kernel_skip")  # GPUs, forward
+PATHS = ("moe_fused_nccl", "moe_fused_p2p", "moe_fused_p2p_kernel", "moe_fused_p2p_kernel_skip")  # GPUs only
 ROUTINGS = ("uniform", "skewed")
 MODES = ("default", "reduce-overhead")
 PHASES = ("forward", "train")
@@ -263,7 +264,7 @@ def mean_over_ranks(d: dict) -> dict:
 
 
 def variants_for(phase: str, wanted: list[str], dry: bool) -> list[str]:
-    return [v for v in wanted if not (v in PATHS and (dry or phase != "forward"))]
+    return [v for v in wanted if not (v in PATHS and dry)]
 
 
 def worker(args_dict: dict) -> list[dict]:

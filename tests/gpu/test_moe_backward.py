@@ -1,4 +1,5 @@
-"""moe_fused_backward on GPUs over NCCL: backward_nccl.py (the rounds on the high-priority comm
+"""moe_fused_backward on GPUs over NCCL and over the copy engine (backward_p2p.py, beside it in
+the same calls): backward_nccl.py (the rounds on the high-priority comm
 stream) against backward_reference.py (the same rounds with functional collectives on the same
 NCCL group) and the section as written, fp32 (TF32 off), odd tile counts (C = 96, H = 256,
 F = 384), three eager calls on new operands and one CUDA graph replayed on new operands; and a
@@ -26,7 +27,7 @@ def _nccl_vs_reference() -> list[str]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from overlap_compile.templates.moe_fused import backward_nccl, backward_reference, kernels_nccl
+    from overlap_compile.templates.moe_fused import backward_nccl, backward_p2p, backward_reference, kernels, kernels_nccl
     from overlap_compile.templates.plans import MoePlan
 
     rank, w = dist.get_rank(), dist.get_world_size()
@@ -36,6 +37,12 @@ def _nccl_vs_reference() -> list[str]:
     if not kernels_nccl.usable(group, dev):
         return [f"rank {rank}: kernels_nccl.usable() is False on an NCCL group"]
     plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"split": "source"}, direction="backward")
+    p2p_plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"split": "source", "transport": "p2p"},
+                       direction="backward")
+    why = kernels.usable(group, dev, p2p_plan)
+    if why is not None and w > 1:
+        return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
+    copy_engine = why is None  # (one rank has no peer to copy from)
     torch.manual_seed(rank)
 
     def operands() -> list[torch.Tensor]:  # as the backward graph hands them: transposed views
@@ -61,6 +68,10 @@ def _nccl_vs_reference() -> list[str]:
         compare(f"call {call} as written vs reference", backward_reference.run_as_written(*ops, group, plan), want)
         compare(f"call {call} nccl", backward_nccl.run(*ops, group, plan), want)
         compare(f"call {call} op", torch.ops.overlap_compile.moe_fused_backward(*ops, group, plan.to_json()), want)
+        if copy_engine:
+            compare(f"call {call} copy engine", backward_p2p.run(*ops, group, p2p_plan), want)
+            compare(f"call {call} op, copy engine",
+                    torch.ops.overlap_compile.moe_fused_backward(*ops, group, p2p_plan.to_json()), want)
     # CUDA graph: warm up on a side stream, capture, replay on new operands
     ops = operands()
     side = torch.cuda.Stream()
@@ -75,6 +86,19 @@ def _nccl_vs_reference() -> list[str]:
         t.copy_(new)
     graph.replay()
     compare("CUDA graph", captured, backward_reference.run(*ops, group, plan))
+    if copy_engine:  # the copy-engine path captured and replayed the same way
+        with torch.cuda.stream(side):
+            backward_p2p.run(*ops, group, p2p_plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = backward_p2p.run(*ops, group, p2p_plan)
+        for t, new in zip(ops, operands()):
+            t.copy_(new)
+        graph.replay()
+        compare("CUDA graph, copy engine", captured, backward_reference.run(*ops, group, plan))
+        torch.cuda.synchronize()
+        kernels.check_errors(dev)
     torch.cuda.synchronize()
     return fails
 
