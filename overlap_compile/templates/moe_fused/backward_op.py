@@ -3,7 +3,7 @@ group_name, plan) -> [d_buf ``[W * E_local * C, H]`` (what the section's second 
 returned), dw1, dw3 ``[E_local, H, F]``, dw2 ``[E_local, F, H]``]: the backward MoE section of a
 training step (backward_reference.py says what each operand is).
 
-Dispatch, as the forward's (op.path): a ``"payload": "routed"`` plan runs
+Dispatch, as the forward's (dispatch.path): a ``"payload": "routed"`` plan runs
 backward_reference.run_routed (routed.py's rounds, functional collectives or NCCL streams) but
 under CUDA-graph capture; ``"transport": "p2p"`` where the copy engine can run it runs
 backward_p2p.py; otherwise CUDA tensors on an NCCL group run backward_nccl.py; everything else
@@ -51,7 +51,7 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
-    from .op import path
+    from .dispatch import path
 
     how = path(group_name, grad_buf.device, p)
     if how == "routed":

@@ -14,6 +14,7 @@ import torch
 
 from ..base import LIB
 from ..plans import MoePlan
+from .dispatch import path  # which implementation a call runs (also read as op.path)
 from . import backward_op  # noqa: F401  (registers moe_fused_backward: the registry imports op.py)
 from . import reference
 
@@ -46,25 +47,6 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         impl = reference
     got = impl.run(buf, w1, w3, w2, group_name, p)
     return got if isinstance(got, list) else [got]
-
-
-def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
-    """Which implementation a call runs: "routed" (routed.py, only the routed rows: any device, not
-    under CUDA-graph capture), "p2p" (kernels.py, copy engine), "nccl" (kernels_nccl.py, CUDA
-    streams) or "reference" (CPU, or no usable GPU path)."""
-    from .routed import runs_routed
-
-    if runs_routed(plan.config, device):
-        return "routed"  # under CUDA-graph capture (no host synchronisation): the capacity pipeline
-    if device.type != "cuda":
-        return "reference"
-    from . import kernels, kernels_nccl
-
-    if plan.config.get("transport") == "p2p" and kernels.usable(group_name, device, plan) is None:
-        return "p2p"
-    if kernels_nccl.usable(group_name, device):
-        return "nccl"
-    return "reference"
 
 
 @moe_fused.register_fake

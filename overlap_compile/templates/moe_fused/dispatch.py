@@ -1,0 +1,26 @@
+"""Which implementation a moe_fused call runs, either direction (op.py's forward,
+backward_op.py's backward): one answer for both, so a plan's config means the same path."""
+from __future__ import annotations
+
+import torch
+
+from ..plans import MoePlan
+
+
+def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
+    """Which implementation a call runs: "routed" (routed.py, only the routed rows: any device, not
+    under CUDA-graph capture), "p2p" (kernels.py, copy engine), "nccl" (kernels_nccl.py, CUDA
+    streams) or "reference" (CPU, or no usable GPU path)."""
+    from .routed import runs_routed
+
+    if runs_routed(plan.config, device):
+        return "routed"  # under CUDA-graph capture (no host synchronisation): the capacity pipeline
+    if device.type != "cuda":
+        return "reference"
+    from . import kernels, kernels_nccl
+
+    if plan.config.get("transport") == "p2p" and kernels.usable(group_name, device, plan) is None:
+        return "p2p"
+    if kernels_nccl.usable(group_name, device):
+        return "nccl"
+    return "reference"
