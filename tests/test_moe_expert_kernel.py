@@ -107,6 +107,24 @@ def check_against_reference(world, rank, e, c, h, f, cfg, arrived, programs=1):
     print("ok", world, rank, e, c, h, f, cfg.schedule, programs, "arrived" if arrived else "arrival waits")
 
 
+def _routed(x, block_m):
+    """(x with zeros past random routed sizes, the same with the row blocks wholly past them NaN,
+    the sizes [W, E]): an empty expert and a full one among them."""
+    import torch
+
+    world, e, c, _ = x.shape
+    sizes = torch.randint(0, c + 1, (world, e), dtype=torch.int32)
+    sizes[0, 0], sizes[-1, -1] = 0, c
+    poisoned = x.clone()
+    for s in range(world):
+        for j in range(e):
+            n = int(sizes[s, j])
+            x[s, j, n:] = 0
+            poisoned[s, j, n:] = 0
+            poisoned[s, j, -(-n // block_m) * block_m:] = float("nan")
+    return x, poisoned, sizes
+
+
 def check_sizes(world, rank, e, c, h, f, cfg, arrived):
     """Routed sizes: rows past sizes[s, e] are zero; the row blocks wholly past it are skipped, so
     they are filled with NaN here (a computed one would turn its output rows into NaN) and the
@@ -116,16 +134,7 @@ def check_sizes(world, rank, e, c, h, f, cfg, arrived):
     from overlap_compile.templates.moe_fused import reference
 
     torch.manual_seed(7 + c)
-    x = torch.randn(world, e, c, h)
-    sizes = torch.randint(0, c + 1, (world, e), dtype=torch.int32)
-    sizes[0, 0], sizes[-1, -1] = 0, c  # an empty expert, a full one
-    poisoned = x.clone()
-    for s in range(world):
-        for j in range(e):
-            n = int(sizes[s, j])
-            x[s, j, n:] = 0
-            poisoned[s, j, n:] = 0
-            poisoned[s, j, -(-n // cfg.block_m) * cfg.block_m:] = float("nan")
+    x, poisoned, sizes = _routed(torch.randn(world, e, c, h), cfg.block_m)
     ws = _weights(e, h, f, torch.float32)
     counters = EK.Counters.make(world, e, c, cfg.block_m, x.device)
     if not arrived:
@@ -155,17 +164,9 @@ def check_keep(world, rank, e, c, h, f, cfg, sized):
 
     torch.manual_seed(11 + c)
     x = torch.randn(world, e, c, h)
-    poisoned = x.clone()
-    sizes = None
+    poisoned, sizes = x.clone(), None
     if sized:
-        sizes = torch.randint(0, c + 1, (world, e), dtype=torch.int32)
-        sizes[0, 0], sizes[-1, -1] = 0, c
-        for s in range(world):
-            for j in range(e):
-                n = int(sizes[s, j])
-                x[s, j, n:] = 0
-                poisoned[s, j, n:] = 0
-                poisoned[s, j, -(-n // cfg.block_m) * cfg.block_m:] = float("nan")
+        x, poisoned, sizes = _routed(x, cfg.block_m)
     ws = _weights(e, h, f, torch.float32)
     tokens = torch.empty(e, world, c, h)
     tokens.permute(1, 0, 2, 3).copy_(poisoned)

@@ -73,30 +73,25 @@ def _nccl_vs_reference() -> list[str]:
             compare(f"call {call} op, copy engine",
                     torch.ops.overlap_compile.moe_fused_backward(*ops, group, p2p_plan.to_json()), want)
     # CUDA graph: warm up on a side stream, capture, replay on new operands
-    ops = operands()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backward_nccl.run(*ops, group, plan)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backward_nccl.run(*ops, group, plan)
-    for t, new in zip(ops, operands()):
-        t.copy_(new)
-    graph.replay()
-    compare("CUDA graph", captured, backward_reference.run(*ops, group, plan))
-    if copy_engine:  # the copy-engine path captured and replayed the same way
+    def replayed(what: str, impl, how: MoePlan) -> None:
+        """Warm up on a side stream, capture, replay on new operands, compare."""
+        ops = operands()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            backward_p2p.run(*ops, group, p2p_plan)
+            impl.run(*ops, group, how)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = backward_p2p.run(*ops, group, p2p_plan)
+            captured = impl.run(*ops, group, how)
         for t, new in zip(ops, operands()):
             t.copy_(new)
         graph.replay()
-        compare("CUDA graph, copy engine", captured, backward_reference.run(*ops, group, plan))
+        compare(what, captured, backward_reference.run(*ops, group, plan))
+
+    replayed("CUDA graph", backward_nccl, plan)
+    if copy_engine:
+        replayed("CUDA graph, copy engine", backward_p2p, p2p_plan)
         torch.cuda.synchronize()
         kernels.check_errors(dev)
     torch.cuda.synchronize()

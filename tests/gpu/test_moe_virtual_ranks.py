@@ -54,23 +54,28 @@ def _inputs(world: int, calls: int, skip: bool, dev: torch.device):
     return sets
 
 
-def loaded_race(config_name: str, world: int, calls: int) -> dict:
-    """Throwaway rounds first (2 calls, 3 s bounds, failures dropped, until one passes; at most
-    3) so that every kernel is compiled and loaded before the checked round: on one GPU both
-    ranks share a CUDA context, and a kernel loaded at its first launch can wait for the peer's
-    spinning wait kernel to finish, which itself waits for that launch (two GPUs, two contexts,
-    do not have this stall). 1x H100: the first round of a process timed out, the next passed."""
+def loaded(check, *args, calls: int) -> dict:
+    """``check(*args, calls)`` after throwaway rounds (2 calls, 3 s bounds, failures dropped,
+    until one passes; at most 3), so that every kernel is compiled and loaded before the checked
+    round: on one GPU both ranks share a CUDA context, and a kernel loaded at its first launch
+    can wait for the peer's spinning wait kernel to finish, which itself waits for that launch
+    (two GPUs, two contexts, do not have this stall). 1x H100: the first round of a process
+    timed out, the next passed."""
     from overlap_compile.runtime import spin_wait
     from overlap_compile.runtime.peer_flags import PeerWaitTimeoutError
 
     for _ in range(3):
         try:
-            race(config_name, world, 2, timeout_ms=3000)
+            check(*args, 2, timeout_ms=3000)
             break
         except (PeerWaitTimeoutError, RuntimeError):
             torch.cuda.synchronize()
             spin_wait.clear(torch.device("cuda", 0))
-    return race(config_name, world, calls)
+    return check(*args, calls)
+
+
+def loaded_race(config_name: str, world: int, calls: int) -> dict:
+    return loaded(race, config_name, world, calls=calls)
 
 
 def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace: int | None = None) -> dict:
@@ -198,18 +203,7 @@ def backward_race(world: int, calls: int, timeout_ms: int = 10000) -> dict:
 
 
 def loaded_backward_race(world: int, calls: int) -> dict:
-    """backward_race after throwaway rounds, as loaded_race."""
-    from overlap_compile.runtime import spin_wait
-    from overlap_compile.runtime.peer_flags import PeerWaitTimeoutError
-
-    for _ in range(3):
-        try:
-            backward_race(world, 2, timeout_ms=3000)
-            break
-        except (PeerWaitTimeoutError, RuntimeError):
-            torch.cuda.synchronize()
-            spin_wait.clear(torch.device("cuda", 0))
-    return backward_race(world, calls)
+    return loaded(backward_race, world, calls=calls)
 
 
 def test_backward_every_call_right_with_two_virtual_ranks():
