@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .inductor_hook import make_pass
+from .inductor_hook import inductor_patches, make_pass
 from .report import Report
 
 
@@ -27,7 +27,7 @@ def overlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: s
         patches.update(torch._inductor.list_mode_options(mode))
     if options:
         patches.update(options)
-    patches["post_grad_custom_post_pass"] = make_pass(report=report)
+    patches.update(inductor_patches(make_pass(report=report)))
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

@@ -54,6 +54,10 @@ class Options:
     # buffers) instead of launching it piece by piece (runtime/op_graphs.py); read on a site's
     # first call
     op_graphs: bool = True
+    # every collective left as written gets the compute that does not lead to it moved between
+    # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
+    # data gradient's collective); not under force_template="baseline" (the graph as written)
+    defer_compute: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -68,7 +72,7 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 
 
 def _validate(o: Options) -> None:
-    for key in ("enabled", "host_pacing", "op_graphs"):
+    for key in ("enabled", "host_pacing", "op_graphs", "defer_compute"):
         if not isinstance(getattr(o, key), bool):
             _fail(key, getattr(o, key), "True or False")
     if not isinstance(o.templates, tuple) or not all(t in TEMPLATE_NAMES for t in o.templates):

@@ -90,6 +90,18 @@ def make_pass(options: oc_config.Options | None = None, report: Report | None = 
     return OverlapPass(options or oc_config.current(), report, chained=inductor_config.post_grad_custom_post_pass)
 
 
+def inductor_patches(p: OverlapPass) -> dict[str, Any]:
+    """The Inductor config a compile with pass ``p`` runs under: the pass itself and, where it may
+    move compute under collectives (passes/defer_compute.py), no peak-memory reordering of the
+    scheduler's nodes, which would put that compute back before the collectives (seen on the
+    Llama block's backward: the weight-gradient GEMMs returned ahead of the all-gather)."""
+    o = p.options
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": p}
+    if o.enabled and o.defer_compute and o.force_template != "baseline":
+        patches["reorder_for_peak_memory"] = False
+    return patches
+
+
 @contextlib.contextmanager
 def enable(report: Report | None = None, **overrides: Any) -> Iterator[OverlapPass]:
     """Run the overlap pass under the default inductor backend inside this block.
@@ -104,7 +116,7 @@ def enable(report: Report | None = None, **overrides: Any) -> Iterator[OverlapPa
 
     with oc_config.patch(**overrides) as opts:
         p = make_pass(opts, report)
-    patches = {"post_grad_custom_post_pass": p}
+    patches = inductor_patches(p)
     eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {}
     with inductor_config.patch(patches), functorch_config.patch(eager_bw):
         yield p

@@ -50,6 +50,8 @@ class GraphRecord:
     profile: str | None = None
     pass_seconds: float = 0.0  # wall time of find -> decide -> rewrite on this graph (compile-time cost)
     error: str | None = None  # the pass failed on this graph and left it unchanged (why)
+    # collectives left as written that got compute moved under them (passes/defer_compute.py)
+    deferred: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -97,14 +99,16 @@ class Report:
                 reason = f"{_gains(s.measured)}; {reason}"
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, reason])
         errors = [r.error for r in self.records if r.error]
+        deferred = [f"{r.name}: {d}" for r in self.records for d in r.deferred]
         if not rows:
-            return "\n".join(errors or ["overlap_compile: no GEMM/collective sites found"])
+            return "\n".join(errors + deferred or ["overlap_compile: no GEMM/collective sites found"])
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header) - 1)]
         lines = []
         for r in [header] + rows:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
         lines.insert(1, "-" * min(160, len(lines[0])))
         lines += errors
+        lines += [f"compute under a collective left as written, {d}" for d in deferred]
         profiles = sorted({r.profile for r in self.records if r.profile})
         if profiles:
             lines.append(f"profile: {', '.join(profiles)}")
@@ -115,7 +119,8 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
+            {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "deferred": r.deferred,
+                         "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
             indent=2,
             default=str,
         )

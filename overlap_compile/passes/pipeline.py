@@ -1,4 +1,5 @@
-"""The overlap pass on one graph: find -> decide -> rewrite, and the record of what happened."""
+"""The overlap pass on one graph: find -> decide -> rewrite, then the collectives left as written
+get independent compute under them (defer_compute.py); and the record of what happened."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ import torch.fx as fx
 from ..config import Options
 from ..report import GraphRecord, SiteReport
 from .decide import Decision, decide
+from .defer_compute import defer_independent_compute
 from .find import find
 from .matches import dtype_name
 from .rewrite import rewrite
@@ -48,9 +50,12 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms)
+    deferred = []
+    if options.defer_compute and options.force_template != "baseline":
+        deferred = [d.describe() for d in defer_independent_compute(graph)]
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
-                       pass_seconds=time.perf_counter() - start)
+                       pass_seconds=time.perf_counter() - start, deferred=deferred)
 
 
 def _site_report(d: Decision, graph_name: str) -> SiteReport:
