@@ -149,7 +149,8 @@ def _modified_backward(captured: torch.fx.Graph, name: str) -> dict:
         act_t = m.inputs["act_t"]
         extra = GraphEmitter(graph, before=output)(aten.bmm.default, d_act, act_t)  # [E, WC, WC]
         output.args = ((*output.args[0], extra),)
-    with oc.config.patch(force_template="moe_fused", force_config=BY_SOURCE):
+    # the site alone: defer_compute (which would move compute under the collectives) off
+    with oc.config.patch(force_template="moe_fused", force_config=BY_SOURCE, defer_compute=False):
         record = run_on_graph(graph, oc.config.current(), "backward")
     return {"unchanged": record.before == record.after, "sites": [(s.kind, s.rewritten, s.reason) for s in record.sites]}
 
