@@ -37,15 +37,21 @@ def _backward_like(flops_per_gemm_dim: int = 64):
     noise = _node(g, aten.rand_like.default, (x,), (d, d))
     dw2 = _node(g, aten.mm.default, (dy, x), (d, d))
     copied = _node(g, aten.copy_.default, (buf, dw2), (d, d))  # in place: stays, so dw2 stays
+    rs, rs_w, ag, ag_w, out = _chain(g, d, dy, w)
+    g.output((dw1, dw2, noise, out, copied))
+    return g, {n.name: n for n in g.nodes}
+
+
+def _chain(g: fx.Graph, d: int, dy: fx.Node, w: fx.Node):
+    """The data gradient -> reduce-scatter -> (its result) -> all-gather -> GEMM chain of a TP
+    block's backward: (rs, rs wait, ag, ag wait, the GEMM reading it)."""
     dx = _node(g, aten.mm.default, (dy, w), (d, d))
     rs = _node(g, c10d.reduce_scatter_tensor.default, (dx, "sum", 2, "0"), (d // 2, d))
     rs_w = _node(g, c10d.wait_tensor.default, (rs,), (d // 2, d))
     act = _node(g, aten.relu.default, (rs_w,), (d // 2, d))
     ag = _node(g, c10d.all_gather_into_tensor.default, (act, 2, "0"), (d, d))
     ag_w = _node(g, c10d.wait_tensor.default, (ag,), (d, d))
-    out = _node(g, aten.mm.default, (ag_w, w), (d, d))
-    g.output((dw1, dw2, noise, out, copied))
-    return g, {n.name: n for n in g.nodes}
+    return rs, rs_w, ag, ag_w, _node(g, aten.mm.default, (ag_w, w), (d, d))
 
 
 def _names(g: fx.Graph) -> list[str]:
@@ -76,13 +82,7 @@ def test_a_collective_takes_work_up_to_its_budget_and_leaves_the_rest_to_the_nex
     x, dy, w = (_placeholder(g, s, (d, d)) for s in ("x", "dy", "w"))
     dw1 = _node(g, aten.mm.default, (x, dy), (d, d))
     dw2 = _node(g, aten.mm.default, (dy, x), (d, d))
-    dx = _node(g, aten.mm.default, (dy, w), (d, d))
-    rs = _node(g, c10d.reduce_scatter_tensor.default, (dx, "sum", 2, "0"), (d // 2, d))
-    rs_w = _node(g, c10d.wait_tensor.default, (rs,), (d // 2, d))
-    act = _node(g, aten.relu.default, (rs_w,), (d // 2, d))
-    ag = _node(g, c10d.all_gather_into_tensor.default, (act, 2, "0"), (d, d))
-    ag_w = _node(g, c10d.wait_tensor.default, (ag,), (d, d))
-    out = _node(g, aten.mm.default, (ag_w, w), (d, d))
+    rs, rs_w, ag, ag_w, out = _chain(g, d, dy, w)
     g.output((dw1, dw2, out))
     assert comm_bytes(rs) == d * d * 4 / 2 and gemm_flops(dw1) == 2 * d ** 3
     done = defer_independent_compute(g, flops_per_byte=2 * d ** 3 / (d * d * 4 / 2))
