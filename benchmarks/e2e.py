@@ -148,10 +148,18 @@ def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
 
 
 def schema_keys(model: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, force: str | None) -> dict:
-    """The common benchmark schema's keys (DESIGN.md), beside this benchmark's own."""
+    """The common benchmark schema's keys (DESIGN.md), beside this benchmark's own. The overlap
+    variant's ``config`` names what differs from the backend's defaults: a forced template, and
+    ``defer_compute`` off (OVERLAP_COMPILE_DEFER_COMPUTE=0, to see what that pass gives)."""
+    from overlap_compile import config as oc_config
+
+    config = {}
+    if variant == "overlap":
+        config = {**({"force_template": force} if force else {}),
+                  **({} if oc_config.current().defer_compute else {"defer_compute": False})}
     return {"kind": model, "shape": shape["name"] + (" +ckpt" if ckpt else ""), "sizes": shape,
             "method": "inductor" if variant == "default" else variant,
-            "config": {"force_template": force} if (variant == "overlap" and force) else None,
+            "config": config or None,
             "mode": "cuda_graph" if compile_mode == "reduce-overhead" else "eager",
             "model": model, "variant": variant, "compile_mode": compile_mode, "ckpt": ckpt}
 

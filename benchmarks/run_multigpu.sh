@@ -4,7 +4,8 @@
 # device tool brings back at most 8), plus a short log on stdout.
 #   usage: STEPS=profile,predictor,tests,ops,host,moe,sweep,e2e bash benchmarks/run_multigpu.sh
 #   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS (or all), OPS_TEMPLATES (methods: templates, auto, async_tp),
-#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, MOE_ARGS (e.g. --time-budget 300
+#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, E2E_NODEFER_ARGS (the overlap
+#          variant again with defer_compute off), MOE_ARGS (e.g. --time-budget 300
 #          --routing uniform,skewed --modes default,reduce-overhead --experts-sweep 8,16,32,64), HOST_ARGS, SWEEP_ARGS,
 #          <STEP>_TIMEOUT (see each step)
 set -u
@@ -69,6 +70,12 @@ if has e2e; then
   step "e2e (world $W)"
   timeout ${E2E_TIMEOUT:-200} python3 benchmarks/e2e.py --world "$W" --out "$R" ${E2E_ARGS:-} > "$R/e2e.log" 2>&1
   grep -v Warn "$R/e2e.log" | tail -25
+  if [ -n "${E2E_NODEFER_ARGS:-}" ]; then  # the overlap variant again without defer_compute: rows *-nodefer.json
+    step "e2e without defer_compute (world $W)"
+    OVERLAP_COMPILE_DEFER_COMPUTE=0 timeout ${E2E_NODEFER_TIMEOUT:-200} python3 benchmarks/e2e.py --world "$W" --out "$R" \
+      ${E2E_NODEFER_ARGS} > "$R/e2e-nodefer.log" 2>&1
+    grep -v Warn "$R/e2e-nodefer.log" | tail -12
+  fi
 fi
 step "pack"
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"

@@ -67,12 +67,15 @@ class Options:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+_BOOLS = tuple(f.name for f in dataclasses.fields(Options) if f.type in (bool, "bool"))
+
+
 def _fail(key: str, value: Any, allowed: str) -> None:
     raise ValueError(f"overlap_compile option {key!r}: got {value!r}; allowed: {allowed}")
 
 
 def _validate(o: Options) -> None:
-    for key in ("enabled", "host_pacing", "op_graphs", "defer_compute"):
+    for key in _BOOLS:
         if not isinstance(getattr(o, key), bool):
             _fail(key, getattr(o, key), "True or False")
     if not isinstance(o.templates, tuple) or not all(t in TEMPLATE_NAMES for t in o.templates):
@@ -125,7 +128,7 @@ def _coerce(key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if key in ("enabled", "host_pacing", "op_graphs"):
+    if key in _BOOLS:
         low = text.lower()
         if low in ("1", "true", "yes", "on"):
             return True

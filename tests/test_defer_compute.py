@@ -166,3 +166,15 @@ def test_peak_memory_reordering_is_off_only_where_compute_may_move():
     for off in ({"defer_compute": False}, {"force_template": "baseline"}, {"enabled": False}):
         with config.patch(**off):
             assert "reorder_for_peak_memory" not in inductor_patches(make_pass()), off
+
+
+def test_the_option_reads_from_the_environment(monkeypatch):
+    """OVERLAP_COMPILE_DEFER_COMPUTE=0 is how the e2e run measures the overlap variant without
+    the pass (run_multigpu.sh's E2E_NODEFER_ARGS); a bad value names what is allowed."""
+    from overlap_compile import config
+
+    monkeypatch.setenv("OVERLAP_COMPILE_DEFER_COMPUTE", "0")
+    assert config.current().defer_compute is False
+    monkeypatch.setenv("OVERLAP_COMPILE_DEFER_COMPUTE", "sometimes")
+    with pytest.raises(ValueError, match="'defer_compute': got 'sometimes'; allowed: True or False"):
+        config.current()
