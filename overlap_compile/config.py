@@ -62,6 +62,12 @@ class Options:
     def __post_init__(self) -> None:
         _validate(self)
 
+    @property
+    def moves_compute(self) -> bool:
+        """Whether the pass may move compute under collectives left as written (defer_compute;
+        never when it is off or every site is forced to stay as written)."""
+        return self.enabled and self.defer_compute and self.force_template != "baseline"
+
     def to_json(self) -> str:
         """Stable text form: part of the compiler pass's cache key."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -95,9 +95,8 @@ def inductor_patches(p: OverlapPass) -> dict[str, Any]:
     move compute under collectives (passes/defer_compute.py), no peak-memory reordering of the
     scheduler's nodes, which would put that compute back before the collectives (seen on the
     Llama block's backward: the weight-gradient GEMMs returned ahead of the all-gather)."""
-    o = p.options
     patches: dict[str, Any] = {"post_grad_custom_post_pass": p}
-    if o.enabled and o.defer_compute and o.force_template != "baseline":
+    if p.options.moves_compute:
         patches["reorder_for_peak_memory"] = False
     return patches
 

@@ -30,11 +30,12 @@ rewrote are ops of their own and are not touched here.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
-from .graph_utils import c10d, is_call
+from .graph_utils import c10d, group_name_of, is_call, val, world_size_of
 
 _COLLECTIVES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"}
 
@@ -68,8 +69,6 @@ def _movable(n: fx.Node) -> bool:
         if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
             return False
         return target.namespace in ("aten", "prims")
-    import operator
-
     return target is operator.getitem
 
 
@@ -135,8 +134,6 @@ def _independent(start: fx.Node, region: list[fx.Node]) -> list[fx.Node]:
 def comm_bytes(start: fx.Node) -> float:
     """Bytes a rank sends in this collective (the larger of its input and output, times
     (W - 1) / W; twice that for an all-reduce)."""
-    from .graph_utils import group_name_of, val, world_size_of
-
     sizes = [v.numel() * v.element_size() for v in (val(start), val(start.args[0]))
              if isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)]
     if not sizes:
@@ -158,8 +155,6 @@ def comm_bytes(start: fx.Node) -> float:
 def gemm_flops(n: fx.Node) -> float:
     if not _gemm(n):
         return 0.0
-    from .graph_utils import val
-
     out, a = val(n), val(n.args[-2] if n.target._opname in ("addmm", "baddbmm") else n.args[0])
     if not (isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor)):
         return 0.0

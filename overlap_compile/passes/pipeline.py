@@ -50,9 +50,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms)
-    deferred = []
-    if options.defer_compute and options.force_template != "baseline":
-        deferred = [d.describe() for d in defer_independent_compute(graph)]
+    deferred = [d.describe() for d in defer_independent_compute(graph)] if options.moves_compute else []
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
                        pass_seconds=time.perf_counter() - start, deferred=deferred)

@@ -116,20 +116,30 @@ def race(config_name: str, world: int, calls: int, timeout_ms: int = 10000, pace
         if pace:
             group.PACE = pace
 
-        def calls_of(r: int) -> torch.Tensor:
-            errs = []
-            for i in range(calls):
-                got = kernels.run(sets[i][r], *weights[r], "virtual", plan)
-                got = [got] if isinstance(got, torch.Tensor) else got
-                errs.append(torch.stack([(g.float() - x).norm() / x.norm().clamp_min(1e-12)
-                                         for g, x in zip(got, want[i][r], strict=True)]).max())
-                if not group.pace(i):
-                    break
-            return torch.stack(errs)
-
-        errs = torch.stack(group.run(calls_of))
+        errs = _every_call(group, calls, lambda i, r: kernels.run(sets[i][r], *weights[r], "virtual", plan), want)
         kernels.check_errors(dev)
         kernels._check_expert_kernels()
+    return _tally(errs, calls)
+
+
+def _every_call(group, calls: int, call, want) -> torch.Tensor:
+    """Every rank's ``call(i, rank)`` for i < calls, each compared with ``want[i][rank]`` (a tensor
+    or a list of them): the worst relative error per call, [ranks, calls]."""
+    def calls_of(r: int) -> torch.Tensor:
+        errs = []
+        for i in range(calls):
+            got = call(i, r)
+            got = [got] if isinstance(got, torch.Tensor) else got
+            errs.append(torch.stack([(g.float() - x).norm() / x.norm().clamp_min(1e-12)
+                                     for g, x in zip(got, want[i][r], strict=True)]).max())
+            if not group.pace(i):
+                break
+        return torch.stack(errs)
+
+    return torch.stack(group.run(calls_of))
+
+
+def _tally(errs: torch.Tensor, calls: int) -> dict:
     return {"calls": calls, "wrong": int(((errs > 2e-2) | errs.isnan()).sum()), "max_rel": float(errs.max())}
 
 
@@ -183,23 +193,16 @@ def backward_race(world: int, calls: int, timeout_ms: int = 10000) -> dict:
 
     want = [expected(i) for i in range(calls)]
     with virtual_ranks(world, dev) as group:
-        def calls_of(r: int) -> torch.Tensor:
-            errs = []
-            for i in range(calls):
-                o = operands[r]
-                got = backward_p2p.run(grads[i][r], o["tokens_t"], o["gate"], o["up"], o["act_t"], o["w1t"],
-                                       o["w3t"], o["w2t"], "virtual", plan)
-                errs.append(torch.stack([(x.float() - y).norm() / y.norm().clamp_min(1e-12)
-                                         for x, y in zip(got, want[i][r], strict=True)]).max())
-                if not group.pace(i):
-                    break
-            return torch.stack(errs)
+        def call(i: int, r: int) -> list[torch.Tensor]:
+            o = operands[r]
+            return backward_p2p.run(grads[i][r], o["tokens_t"], o["gate"], o["up"], o["act_t"], o["w1t"],
+                                    o["w3t"], o["w2t"], "virtual", plan)
 
-        errs = torch.stack(group.run(calls_of))
+        errs = _every_call(group, calls, call, want)
         from overlap_compile.templates.moe_fused import kernels
 
         kernels.check_errors(dev)
-    return {"calls": calls, "wrong": int(((errs > 2e-2) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+    return _tally(errs, calls)
 
 
 def loaded_backward_race(world: int, calls: int) -> dict:

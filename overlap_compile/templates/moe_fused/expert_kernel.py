@@ -104,14 +104,11 @@ def tile_order(world: int, rank: int, e_local: int, capacity: int, ffn: int, hid
     mb = -(-capacity // block_m)
     fb, hb = -(-ffn // block_f), -(-hidden // block_h)
     every = (range(e_local), 0, mb)
-    # the own tokens in two halves around the peers' (reference.own_parts: by experts, or by row
-    # blocks for one expert): the second half runs while the last peer's result travels home
-    if world == 1:
-        own = [every]
-    elif e_local >= 2:
-        own = [(range(e_local // 2), 0, mb), (range(e_local // 2, e_local), 0, mb)]
-    else:
-        own = [(range(1), 0, max(1, mb // 2)), (range(1), max(1, mb // 2), mb)]
+    # the own tokens in two halves around the peers' (reference.own_parts over row blocks: by
+    # experts, or by row blocks for one expert): the second half runs while the last peer's
+    # result travels home
+    own = [every] if world == 1 else [(range(e_local)[ex], rows.start, rows.stop)
+                                      for ex, rows in ref.own_parts(e_local, mb)]
     units = [(rank, own[0])] + [(ref.round_peers(rank, world, k)[1], every) for k in range(1, world)]
 
     def phase(p: int, unit, blocks: int) -> list[tuple[int, int, int, int, int]]:
