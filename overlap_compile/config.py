@@ -58,6 +58,10 @@ class Options:
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
     # data gradient's collective); not under force_template="baseline" (the graph as written)
     defer_compute: bool = True
+    # a site kept as written whose predicted gain is under the bar by less than the model's error
+    # is timed once on its group (GPU groups only) and decided by the measured gain
+    # (passes/settle.py)
+    measure_uncertain: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -17,7 +17,7 @@ from .. import predictor, templates
 from ..config import Options
 from ..predictor import Candidate
 from ..templates.base import gpu_profile
-from . import host_pacing
+from . import host_pacing, settle
 from .decision import BASELINE, Decision, model_error, required_gain
 from .matches import Match
 
@@ -25,10 +25,12 @@ from .matches import Match
 def decide(matches: list[Match], options: Options, profile: Any = None, graph: Any = None) -> list[Decision]:
     """One Decision per match. Each site on its own first (``_decide_one``); then, for a
     host-launched ``graph``, the sites whose op host time would hide behind the GPU work queued
-    before them (passes/host_pacing.py)."""
+    before them (passes/host_pacing.py); then the sites kept as written whose predicted gain is
+    within the model's error of the bar, by measuring them on their group (passes/settle.py)."""
     decisions = [_decide_one(m, options, profile) for m in matches]
     if graph is not None and profile is not None:
         decisions = host_pacing.pace(graph, decisions, options, profile)
+    decisions = settle.settle(decisions, options, profile)
     if options.search == "measure" and profile is not None:
         for d in decisions:
             d.measured = _measure(d, options)

@@ -120,6 +120,19 @@ def defer_independent_compute(graph: fx.Graph, flops_per_byte: float = FLOPS_PER
     return done
 
 
+def deferrable(graph: fx.Graph, flops_per_byte: float = FLOPS_PER_BYTE) -> dict[str, list[fx.Node]]:
+    """What ``defer_independent_compute`` would move under each collective of ``graph`` if every
+    site were left as written: collective name -> the GEMM nodes (of ``graph``) it would get.
+    ``graph`` is not touched (the pass runs on a copy)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    by_name = {n.name: n for n in graph.nodes}
+    if any(n.name not in by_name for n in copy.nodes):  # names must map back one to one
+        return {}
+    return {d.collective: [by_name[m] for m in d.moved if _gemm(by_name[m])]
+            for d in defer_independent_compute(copy, flops_per_byte)}
+
+
 def _independent(start: fx.Node, region: list[fx.Node]) -> list[fx.Node]:
     """The nodes of ``region`` (before ``start``) that may move past it: movable, not feeding it,
     and not read by a node that stays."""

@@ -48,6 +48,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from .launch import launch_mode
 from .models import Ctx, Schedule, Site, baseline
 from .profile import (
     HardwareProfile,
@@ -147,16 +148,6 @@ def clear_cache() -> None:
 
 
 # ---- context of a decision ---------------------------------------------------------------------
-
-
-def launch_mode() -> str:
-    """"cuda_graph" when Inductor will capture the graph (mode="reduce-overhead"), else "eager"."""
-    try:
-        from torch._inductor import config as ic
-
-        return "cuda_graph" if ic.triton.cudagraphs else "eager"
-    except Exception:
-        return "eager"
 
 
 def group_spans_nodes(group_name: str, profile: HardwareProfile) -> bool:

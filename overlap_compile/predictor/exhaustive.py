@@ -7,7 +7,9 @@ rank the same candidates in the same order, so their collectives pair up):
 1. each rank builds random operands of the site's shapes on the group's device (CUDA for NCCL
    groups, CPU for gloo), runs the baseline (mm + the collective, as written) or the candidate's
    op (``torch.ops.overlap_compile.<template>_gemm_collective`` / ``_allgather_gemm`` with the
-   plan of that config) ``WARMUP`` + ``ITERS`` times and keeps the median (CUDA events on GPU);
+   plan of that config) ``WARMUP`` + ``ITERS`` times and keeps the median (CUDA events on GPU;
+   where Inductor captures the graph, mode="reduce-overhead", the calls are replays of one CUDA
+   graph capture, so the host's launch time counts as it will there: not at all);
 2. the group all-reduces the times with MAX (a step takes as long as its slowest rank), so every
    rank holds the same numbers;
 3. candidates are re-ranked by measured time; rank 0 broadcasts the index of its best and every
@@ -84,6 +86,7 @@ def _broadcast_choice(index: int, pg: Any, device: str, what: str) -> None:
 
 
 def _time(fn: Callable[[], Any], device: str) -> float:
+    """Median ms of ``fn`` launched from the host, each call from an idle GPU (CUDA events on GPU)."""
     import torch
 
     for _ in range(WARMUP):
@@ -106,7 +109,43 @@ def _time(fn: Callable[[], Any], device: str) -> float:
     return statistics.median(samples)
 
 
-def _real_measure(template: str, match: Any, config: dict | None, options: Any, device: str) -> float:
+def _time_graphed(fn: Callable[[], Any], pg: Any, device: str) -> float:
+    """Median ms of ``fn`` captured once into a CUDA graph and replayed: what a graph that
+    Inductor captures (mode="reduce-overhead") runs. Every rank captures (capturing runs
+    nothing, so a rank whose capture fails leaves no collective unpaired), then the group agrees
+    that all captured before any replays; if one rank could not, the item counts as failed on
+    every rank."""
+    import torch
+
+    graph = None
+    try:
+        for _ in range(WARMUP):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except Exception:
+        graph = None
+    if max(_agree_max([0.0 if graph is not None else 1.0], pg, device)) > 0:
+        return FAILED_MS
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(ITERS):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e))
+    return statistics.median(samples)
+
+
+def _real_measure(template: str, match: Any, config: dict | None, options: Any, device: str,
+                  pg: Any = None, graphed: bool = False) -> float:
+    """ms of the site as written ("baseline") or of ``template``'s op with ``config``, on random
+    operands of the site's shapes; ``graphed``: replayed from a CUDA graph (``_time_graphed``)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -121,8 +160,11 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
         def rnd(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt) * 0.1
 
+        def timed(fn: Callable[[], Any]) -> float:
+            return _time_graphed(fn, pg, device) if graphed else _time(fn, device)
+
         if match.kind == "moe":
-            return _time(_moe_call(template, match, config, options, rnd), device)
+            return timed(_moe_call(template, match, config, options, rnd))
         if match.kind == "allgather_gemm":
             shard = rnd(match.m // W, match.k)
             bs = [rnd(match.k, c.n) for c in match.consumers]
@@ -156,7 +198,7 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
 
                 def fn() -> Any:
                     return op(a, b, bias, g, plan)
-        return _time(fn, device)
+        return timed(fn)
 
 
 def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable) -> Callable[[], Any]:
@@ -184,8 +226,11 @@ def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd:
     return lambda: op(buf, w1, w3, w2, g, plan)
 
 
-def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any) -> list[float] | str:
-    """Measured ms per (template, config), agreed across the group; or the reason it was not measured."""
+def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
+                 gpu_only: bool = False) -> list[float] | str:
+    """Measured ms per (template, config), agreed across the group; or the reason it was not
+    measured. In the CUDA-graph launch mode (mode="reduce-overhead") GPU groups time CUDA-graph
+    replays, else host launches. ``gpu_only``: groups on CPU (gloo) are not measured either."""
     if _measure_hook is not None:
         return [float(_measure_hook(t, match, c, options)) for t, c in items]
     try:
@@ -196,12 +241,18 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any)
     if device is None:
         import torch.distributed as dist
 
-        return f"not measured: process-group backend {dist.get_backend(pg)!r} (exhaustive search needs nccl or gloo)"
+        return f"not measured: process-group backend {dist.get_backend(pg)!r} (measuring needs nccl or gloo)"
+    if gpu_only and not device.startswith("cuda"):
+        return "not measured: the group is on CPU (sites are settled by measuring on GPUs only)"
+    from .launch import launch_mode
+
+    graphed = device.startswith("cuda") and launch_mode() == "cuda_graph"  # read on the compiling thread
+
     def measure() -> list[float]:
         local = []
         for t, c in items:
             try:
-                local.append(_real_measure(t, match, c, options, device))
+                local.append(_real_measure(t, match, c, options, device, pg, graphed))
             except Exception:
                 local.append(FAILED_MS)
         return _agree_max(local, pg, device)
@@ -237,10 +288,11 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
     return box["value"]
 
 
-def measure_items(items: list[tuple[str, dict | None]], match: Any, options: Any) -> list[float] | str:
+def measure_items(items: list[tuple[str, dict | None]], match: Any, options: Any,
+                  gpu_only: bool = False) -> list[float] | str:
     """Measured ms of each (template, config) of ``match`` ("baseline": the site as written),
     agreed across the group (``FAILED_MS`` where it failed on some rank), or why not measured."""
-    return _measure_all(items, match, options)
+    return _measure_all(items, match, options, gpu_only)
 
 
 def measure_baseline(match: Any, options: Any) -> float | str:

@@ -1,0 +1,117 @@
+"""settle: a site the predictor cannot call is timed on its group and decided by what it measures.
+
+``decide`` rewrites a site when its predicted gain clears min_speedup x (1 + the profile's model
+error). The margin keeps a rewrite the model is merely optimistic about from losing, but it also
+keeps true wins out: on the Llama-3-8B TP+SP block on 2x H200 (reduce-overhead), three of ten
+sites were predicted 1.07x, 1.10x and 1.12x and stayed as written under a bar of 1.13x
+(``benchmarks/results/e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-23-reduce-overhead-run2.json``).
+
+So a site kept as written whose best predicted gain lies between min_speedup and the bar is
+measured once, on its own group, while the graph compiles: the site as written and each
+template's best predicted configuration that is predicted to clear min_speedup, on random
+operands of the site's shapes, replayed from a CUDA graph where Inductor captures the graph and
+launched from the host otherwise (predictor/exhaustive.py). Every rank of the group measures the
+same sites in the same order and takes the slowest rank's time, so all ranks decide the same.
+The fastest measured rewrite is taken when its measured gain clears min_speedup; either way the
+Report shows predicted beside measured gain.
+
+Only groups on GPUs are measured (on CPU, gloo, the reference implementations say nothing about
+a GPU); elsewhere the prediction stands and the site's ``measured`` note says why. Off with
+``measure_uncertain=False``, with ``force_template``, and under ``search`` other than "predict"
+("exhaustive" measures every candidate, "measure" reports without changing a decision).
+Measurements are cached per (group, site, mode, profile), so recompiles and repeated layers do not
+measure again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from .. import predictor
+from ..config import Options
+from ..predictor import Candidate
+from .decision import BASELINE, Decision, required_gain
+
+_cache: dict[tuple, list[float] | str] = {}
+_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def settle(decisions: list[Decision], options: Options, profile: Any) -> list[Decision]:
+    """``decisions`` with each site inside the model's error band decided by its measured gain."""
+    if (profile is None or not options.measure_uncertain or options.search != "predict"
+            or options.force_template is not None):
+        return decisions
+    needed = required_gain(options, profile)
+    return [_settle_one(d, options, profile, needed) for d in decisions]
+
+
+def uncertain(d: Decision, options: Options, needed: float) -> tuple[Candidate, list[Candidate]] | None:
+    """(baseline, rewrites to time) of a site kept as written whose best predicted gain is at
+    least min_speedup but under the bar ``needed``: each template's best predicted configuration
+    that is predicted to clear min_speedup, fastest first. None for any other site."""
+    if d.rewrites or d.match.unsupported or not d.candidates:
+        return None
+    base = d.candidates[0]
+    timed = sorted((c for c in d.candidates[1:] if c.predicted_ms), key=lambda c: c.predicted_ms)
+    if base.template != BASELINE or not base.predicted_ms or not timed:
+        return None
+    if not options.min_speedup <= base.predicted_ms / timed[0].predicted_ms < needed:
+        return None
+    per_template: dict[str, Candidate] = {}
+    for c in timed:
+        if base.predicted_ms / c.predicted_ms >= options.min_speedup:
+            per_template.setdefault(c.template, c)
+    return base, list(per_template.values())
+
+
+def _settle_one(d: Decision, options: Options, profile: Any, needed: float) -> Decision:
+    found = uncertain(d, options, needed)
+    if found is None:
+        return d
+    base, tries = found
+    got = _measured(d, tries, options, profile)
+    if isinstance(got, str):
+        return dataclasses.replace(d, measured={"note": f"within the model error; {got}"})
+    from ..predictor.exhaustive import FAILED_MS
+
+    base_ms, times = got[0], got[1:]
+    i = min(range(len(tries)), key=lambda j: (times[j], j))
+    best, ms = tries[i], times[i]
+    predicted_gain = base.predicted_ms / best.predicted_ms
+    ok = base_ms < FAILED_MS and ms < FAILED_MS
+    gain = base_ms / ms if ok else None
+    measured = {"baseline_ms": base_ms, "template": best.template, "config": best.config, "ms": ms,
+                "predicted_gain": predicted_gain, "measured_gain": gain, "settled": True,
+                "tried": {c.template: t for c, t in zip(tries, times)}}
+    band = (f"predicted {base.predicted_ms / tries[0].predicted_ms:.2f}x, under the bar {needed:.2f}x by less "
+            f"than the model error")
+    if gain is not None and gain >= options.min_speedup:
+        return Decision(d.match, best.template, best.config,
+                        f"{band}; measured on the group: {best.template} {gain:.2f}x ({ms:.3f} vs {base_ms:.3f} ms) "
+                        f">= min_speedup {options.min_speedup}", d.candidates, d.host_clock, measured)
+    what = ("failed to run on some rank" if gain is None else
+            f"measured on the group: {best.template} {gain:.2f}x ({ms:.3f} vs {base_ms:.3f} ms)")
+    return dataclasses.replace(d, reason=f"{d.reason}; {what}: kept as written", measured=measured)
+
+
+def _measured(d: Decision, tries: list[Candidate], options: Options, profile: Any) -> list[float] | str:
+    """[baseline ms, ms of each of ``tries``] measured on the site's group, or why not."""
+    from ..predictor import exhaustive
+
+    m = d.match
+    items = [(BASELINE, None)] + [(c.template, c.config) for c in tries]
+    key = (m.group_name, m.signature(), repr(items), predictor.launch_mode(), getattr(profile, "key", None),
+           options.op_graphs, options.signal_timeout_ms)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    got = exhaustive.measure_items(items, m, options, gpu_only=True)
+    with _lock:
+        _cache[key] = got
+    return got
