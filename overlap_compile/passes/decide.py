@@ -19,6 +19,7 @@ from ..predictor import Candidate
 from ..templates.base import gpu_profile
 from . import host_pacing, settle
 from .decision import BASELINE, Decision, model_error, required_gain
+from .defer_compute import deferrable, gemm_shape
 from .matches import Match
 
 
@@ -27,7 +28,8 @@ def decide(matches: list[Match], options: Options, profile: Any = None, graph: A
     host-launched ``graph``, the sites whose op host time would hide behind the GPU work queued
     before them (passes/host_pacing.py); then the sites kept as written whose predicted gain is
     within the model's error of the bar, by measuring them on their group (passes/settle.py)."""
-    decisions = [_decide_one(m, options, profile) for m in matches]
+    under = _deferred_gemms(matches, graph) if options.moves_compute and profile is not None else {}
+    decisions = [_decide_one(m, options, profile, under.get(id(m), [])) for m in matches]
     if graph is not None and profile is not None:
         decisions = host_pacing.pace(graph, decisions, options, profile)
     decisions = settle.settle(decisions, options, profile)
@@ -62,12 +64,35 @@ def _measure(d: Decision, options: Options) -> dict | None:
             "measured_gain": base_ms / ms if ok else None}
 
 
-def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
+def _deferred_gemms(matches: list[Match], graph: Any) -> dict[int, list[tuple[int, int, int, int]]]:
+    """id(match) -> (batch, M, N, K) of each GEMM that passes/defer_compute.py would put under the
+    site's collective were the site left as written (a backward's weight gradients)."""
+    if graph is None:
+        return {}
+    under = deferrable(graph)
+    out = {}
+    for m in matches:
+        if m.unsupported or m.kind == "moe":
+            continue
+        shapes = [gemm_shape(n) for n in under.get(m.anchor().name, [])]
+        if shapes and all(s is not None for s in shapes):
+            out[id(m)] = shapes
+    return out
+
+
+def _decide_one(match: Match, options: Options, profile: Any,
+                deferred: list[tuple[int, int, int, int]] | None = None) -> Decision:
     if match.unsupported:
         return Decision(match, BASELINE, None, match.unsupported, [])
     base_ms = predictor.predict_baseline(match, profile, options) if profile is not None else None
     base_host = predictor.site_host_ms(profile, predictor.launch_mode()) if base_ms is not None else 0.0
-    cands = [Candidate(BASELINE, None, base_ms, host_ms=base_host)]
+    hidden, note = 0.0, ""
+    if base_ms is not None and deferred:
+        hidden, alone = predictor.hidden_by_deferred(match, profile, deferred, options)
+        base_ms -= hidden
+        note = (f"as written, defer_compute puts {len(deferred)} independent GEMM(s) ({alone:.3f} ms) under its "
+                f"collective, hiding {hidden:.3f} ms of the site")
+    cands = [Candidate(BASELINE, None, base_ms, note, host_ms=base_host, hidden_ms=hidden)]
 
     forced = options.force_template
     if forced == BASELINE:
@@ -111,12 +136,13 @@ def _decide_one(match: Match, options: Options, profile: Any) -> Decision:
         why = f"min_speedup {options.min_speedup}" + (f" x (1 + the profile's model error {margin:.1%})" if margin else "")
         return Decision(
             match, BASELINE, None,
-            f"best rewrite {best.template} predicted {best.predicted_ms:.3f} ms vs baseline {base_ms:.3f} ms: "
-            f"gain {gain:.2f}x < {why}",
+            f"best rewrite {best.template} predicted {best.predicted_ms:.3f} ms vs baseline {base_ms:.3f} ms"
+            f"{f' ({note})' if note else ''}: gain {gain:.2f}x < {why}",
             cands,
         )
     return Decision(match, best.template, best.config,
-                    f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms)", cands)
+                    f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms"
+                    f"{f'; {note}' if note else ''})", cands)
 
 
 def _no_gpu_path(name: str, profile: Any) -> str | None:

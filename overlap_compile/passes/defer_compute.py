@@ -177,6 +177,19 @@ def gemm_flops(n: fx.Node) -> float:
         return 0.0
 
 
+def gemm_shape(n: fx.Node) -> tuple[int, int, int, int] | None:
+    """(batch, M, N, K) of a GEMM node with static shapes, else None."""
+    if not _gemm(n):
+        return None
+    out, a = val(n), val(n.args[-2] if n.target._opname in ("addmm", "baddbmm") else n.args[0])
+    if not (isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor)) or out.dim() not in (2, 3):
+        return None
+    dims = (*out.shape, a.shape[-1])
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return (1, *dims) if out.dim() == 2 else tuple(dims)  # type: ignore[return-value]
+
+
 def _ancestors(node: fx.Node, within: set) -> set:
     """The nodes of ``within`` that ``node`` reads, directly or through others of ``within``."""
     seen, stack = set(), list(node.all_input_nodes)

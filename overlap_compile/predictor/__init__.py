@@ -49,7 +49,7 @@ from types import ModuleType
 from typing import Any
 
 from .launch import launch_mode
-from .models import Ctx, Schedule, Site, baseline
+from .models import Ctx, Schedule, Site, baseline, hidden_beside
 from .profile import (
     HardwareProfile,
     ProfileError,
@@ -64,7 +64,7 @@ from .profile import (
 __all__ = [
     "load_profile", "predict_baseline", "rank_configs", "clear_cache", "HardwareProfile", "ProfileError",
     "site_of", "schedule_for", "launch_mode", "loaded_profile", "model_configs", "op_overhead_ms",
-    "site_host_ms", "host_calls", "Candidate", "template_model", "needs_peer_access",
+    "site_host_ms", "host_calls", "Candidate", "template_model", "needs_peer_access", "hidden_by_deferred",
 ]
 
 _lock = threading.RLock()
@@ -81,6 +81,9 @@ class Candidate:
     predicted_ms: float | None
     note: str = ""  # why a template is not a candidate, or how it was measured
     host_ms: float = 0.0  # the part of predicted_ms that is host time (host-launched; 0 in CUDA graphs)
+    # the baseline: ms already taken off predicted_ms for the independent GEMMs defer_compute puts
+    # under the site's collective (passes/decide.py); a measurement of the site alone lacks them
+    hidden_ms: float = 0.0
 
 
 # ---- profiles ---------------------------------------------------------------------------------
@@ -211,6 +214,22 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     with _lock:
         _cache[key] = ms
     return ms
+
+
+def hidden_by_deferred(match: Any, profile: HardwareProfile | None, gemms: list[tuple[int, int, int, int]],
+                       options: Any = None) -> tuple[float, float]:
+    """(ms of the site as written that independent GEMMs hide when passes/defer_compute.py puts
+    them between its collective's start and its wait, those GEMMs' ms alone). ``gemms``:
+    (batch, M, N, K) of each, in the site's dtype."""
+    if profile is None or not gemms or getattr(match, "unsupported", None):
+        return 0.0, 0.0
+    site = site_of(match, profile)
+    sched = baseline(site, profile, _ctx(_options(options)))
+    if sched is None:
+        return 0.0, 0.0
+    comm = sum(e.end - e.start for e in sched.events if e.lane == "comm")
+    compute = sum(b * profile.gemm.ms(m, n, k, site.dtype) for b, m, n, k in gemms)
+    return hidden_beside(comm, compute, profile), compute
 
 
 def op_overhead_ms(profile: HardwareProfile, template: str, mode: str, calls: int = 1,

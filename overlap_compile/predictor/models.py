@@ -244,6 +244,18 @@ def slowed(piece: float, beside: float, slow: float) -> float:
     return piece + beside * (1 - 1 / slow)
 
 
+def hidden_beside(comm: float, compute: float, profile: HardwareProfile) -> float:
+    """ms saved when ``compute`` ms of independent GEMMs run beside a collective of ``comm`` ms
+    instead of after it (passes/defer_compute.py): each slows the other while both run
+    (``comm_slowdown``, ``gemm_slowdown``), so the pair takes max(comm slowed, compute slowed for
+    as long as the collective lasts) where one after the other took comm + compute."""
+    if comm <= 0 or compute <= 0:
+        return 0.0
+    c = comm * profile.contention["comm_slowdown"]
+    both = max(c, slowed(compute, c, profile.contention["gemm_slowdown"]))
+    return max(0.0, comm + compute - both)
+
+
 def overlap_bound(g: float, c: float, first_compute: float, last_comm: float) -> float:
     """FlashOverlap §6.4 / ANCHORS "The limit": max(g, c) plus what cannot overlap: the last
     group's communication when g >= c, else the first group's GEMM."""
