@@ -32,6 +32,12 @@ class SiteReport:
     workspace: dict | None = None  # bytes the rewritten site holds (TemplateSpec.workspace_bytes)
     host_clock: dict | None = None  # host-launched graphs: the site on the simulated clocks (decide.Decision)
     measured: dict | None = None  # search="measure": measured vs predicted gain (passes.decision.Decision)
+    # predicted ms: the site's collective as written (all a rewrite can hide), the part of the site
+    # as written that defer_compute's GEMMs hide (already off predicted_ms["baseline"]), and what
+    # runs (the chosen candidate, or the site as written with that taken off)
+    comm_ms: float = 0.0
+    hidden_ms: float = 0.0
+    chosen_ms: float | None = None
 
     @property
     def rewritten(self) -> bool:

@@ -92,7 +92,8 @@ def _decide_one(match: Match, options: Options, profile: Any,
         base_ms -= hidden
         note = (f"as written, defer_compute puts {len(deferred)} independent GEMM(s) ({alone:.3f} ms) under its "
                 f"collective, hiding {hidden:.3f} ms of the site")
-    cands = [Candidate(BASELINE, None, base_ms, note, host_ms=base_host, hidden_ms=hidden)]
+    comm = predictor.baseline_comm_ms(match, profile, options) if base_ms is not None else 0.0
+    cands = [Candidate(BASELINE, None, base_ms, note, host_ms=base_host, hidden_ms=hidden, comm_ms=comm)]
 
     forced = options.force_template
     if forced == BASELINE:

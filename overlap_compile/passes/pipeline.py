@@ -69,8 +69,16 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
         world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
         comm_bytes=m.comm_bytes() if not m.unsupported else 0, host_clock=d.host_clock,
         output_fuses=bool(getattr(m, "output_fuses", False)),
-        workspace=_workspace(d), measured=d.measured,
+        workspace=_workspace(d), measured=d.measured, **_predicted_parts(d),
     )
+
+
+def _predicted_parts(d: Decision) -> dict:
+    base = d.candidates[0] if d.candidates and d.candidates[0].template == "baseline" else None
+    if base is None:
+        return {}
+    chosen = next((c for c in d.candidates if c.template == d.template and c.config == d.config), base)
+    return {"comm_ms": base.comm_ms, "hidden_ms": base.hidden_ms, "chosen_ms": chosen.predicted_ms}
 
 
 def _workspace(d: Decision) -> dict | None:

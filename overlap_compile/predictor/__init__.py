@@ -65,6 +65,7 @@ __all__ = [
     "load_profile", "predict_baseline", "rank_configs", "clear_cache", "HardwareProfile", "ProfileError",
     "site_of", "schedule_for", "launch_mode", "loaded_profile", "model_configs", "op_overhead_ms",
     "site_host_ms", "host_calls", "Candidate", "template_model", "needs_peer_access", "hidden_by_deferred",
+    "baseline_comm_ms",
 ]
 
 _lock = threading.RLock()
@@ -84,6 +85,7 @@ class Candidate:
     # the baseline: ms already taken off predicted_ms for the independent GEMMs defer_compute puts
     # under the site's collective (passes/decide.py); a measurement of the site alone lacks them
     hidden_ms: float = 0.0
+    comm_ms: float = 0.0  # the baseline: its collective's predicted ms as written (all a rewrite can hide)
 
 
 # ---- profiles ---------------------------------------------------------------------------------
@@ -216,6 +218,14 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     return ms
 
 
+def baseline_comm_ms(match: Any, profile: HardwareProfile | None, options: Any = None) -> float:
+    """The predicted ms of the site's collective(s) as written: what overlap can hide at most."""
+    if profile is None or getattr(match, "unsupported", None):
+        return 0.0
+    sched = baseline(site_of(match, profile), profile, _ctx(_options(options)))
+    return 0.0 if sched is None else sum(e.end - e.start for e in sched.events if e.lane == "comm")
+
+
 def hidden_by_deferred(match: Any, profile: HardwareProfile | None, gemms: list[tuple[int, int, int, int]],
                        options: Any = None) -> tuple[float, float]:
     """(ms of the site as written that independent GEMMs hide when passes/defer_compute.py puts
@@ -223,13 +233,9 @@ def hidden_by_deferred(match: Any, profile: HardwareProfile | None, gemms: list[
     (batch, M, N, K) of each, in the site's dtype."""
     if profile is None or not gemms or getattr(match, "unsupported", None):
         return 0.0, 0.0
-    site = site_of(match, profile)
-    sched = baseline(site, profile, _ctx(_options(options)))
-    if sched is None:
-        return 0.0, 0.0
-    comm = sum(e.end - e.start for e in sched.events if e.lane == "comm")
-    compute = sum(b * profile.gemm.ms(m, n, k, site.dtype) for b, m, n, k in gemms)
-    return hidden_beside(comm, compute, profile), compute
+    dtype = site_of(match, profile).dtype
+    compute = sum(b * profile.gemm.ms(m, n, k, dtype) for b, m, n, k in gemms)
+    return hidden_beside(baseline_comm_ms(match, profile, options), compute, profile), compute
 
 
 def op_overhead_ms(profile: HardwareProfile, template: str, mode: str, calls: int = 1,

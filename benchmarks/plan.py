@@ -1,0 +1,154 @@
+"""What the overlap pass would do to the end-to-end Llama blocks, on a CPU, at their real sizes.
+
+    python benchmarks/plan.py                                   # 8b and 70b, W=2, both modes, h200
+    python benchmarks/plan.py --shapes 8b --world 2,4,8 --modes reduce-overhead --profile h100
+
+Each block (the Megatron form of ``benchmarks/models/llama.py``: the same graphs e2e.py runs, on
+plain functional collectives) is built on the meta device on a fake process group and planned by
+``overlap_compile.plan``: traced, partitioned and passed through Inductor's post-grad passes as a
+GPU compile would be, in seconds and with no memory. Per site it prints the decision and its
+reason; per block, the forecast of the metric issue 19 measures on GPUs: of the time the sites'
+collectives take as written, how much the pass is predicted to hide (rewrites and the compute
+defer_compute puts under the collectives left as written). Sites inside the model's error band
+are measured on GPUs (passes/settle.py); here they keep their predicted decision, so the
+forecast also gives what they would add if measured as predicted.
+
+Rows (``benchmark: "plan"``, one per site, ``method`` the decision, ``predicted_ms`` what runs)
+go to ``--out`` as ``plan-<profile>-w<W>-torch<v>-<date>.json`` with a markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SHAPES = {"8b": "Llama-3-8B block, TP+SP", "70b": "Llama-3-70B block, TP+SP"}
+
+
+def e2e_sizes(key: str) -> dict:
+    with open(os.path.join(HERE, "shapes.json")) as f:
+        return next(s for s in json.load(f)["e2e"] if s["name"] == SHAPES[key])
+
+
+def plan_block(sizes: dict, world: int, mode: str, profile: str, **options) -> "object":
+    """The Report of the block's training step (forward and backward) as the pass would compile it."""
+    import torch
+
+    import overlap_compile as oc
+    from benchmarks.models.llama import MegatronLlamaBlock
+    from overlap_compile.demo.models import LlamaBlock
+    from overlap_compile.testing.fake_group import fake_process_group
+
+    torch._dynamo.reset()
+    with fake_process_group(world) as group:
+        full = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device="meta", dtype=torch.bfloat16)
+        block = MegatronLlamaBlock(full, 0, world, group)
+        x = torch.empty(sizes["batch"], sizes["seq"] // world, sizes["hidden"], device="meta", dtype=torch.bfloat16,
+                        requires_grad=True)
+        return oc.plan(block, x, backward=True, mode=mode, profile=profile, **options)
+
+
+def forecast(report) -> dict:
+    """Per graph and in all: the sites' collectives as written (ms), what the decisions are
+    predicted to hide of it, and what the sites inside the error band would add if they measure
+    as predicted."""
+    out: dict = {}
+    for s in report.sites:
+        g = out.setdefault(s.graph, {"comm_ms": 0.0, "hidden_ms": 0.0, "band_ms": 0.0, "sites": 0, "rewritten": 0})
+        base = s.predicted_ms.get("baseline")
+        if base is None or s.chosen_ms is None:
+            continue
+        as_written = base + s.hidden_ms  # the site alone, nothing under its collective
+        g["comm_ms"] += s.comm_ms
+        g["hidden_ms"] += min(s.comm_ms, as_written - s.chosen_ms)
+        g["sites"] += 1
+        g["rewritten"] += s.rewritten
+        note = (s.measured or {}).get("note", "")
+        if not s.rewritten and note.startswith("within the model error"):
+            best = min(v for k, v in s.predicted_ms.items() if k != "baseline" and v is not None)
+            g["band_ms"] += max(0.0, min(s.comm_ms, as_written - best) - (as_written - s.chosen_ms))
+    total = {k: sum(g[k] for g in out.values()) for k in ("comm_ms", "hidden_ms", "band_ms", "sites", "rewritten")}
+    out["all"] = total
+    for g in out.values():
+        g["hidden_share"] = g["hidden_ms"] / g["comm_ms"] if g["comm_ms"] else None
+        g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / g["comm_ms"] if g["comm_ms"] else None
+    return out
+
+
+def rows_of(report, shape: str, world: int, mode: str, profile: str) -> list[dict]:
+    import torch
+
+    rows = []
+    for s in report.sites:
+        rows.append({
+            "benchmark": "plan", "device": f"plan:{profile}", "world_size": world, "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "kind": s.kind, "shape": s.gemms, "model": shape,
+            "graph": s.graph, "method": s.template, "config": s.config,
+            "mode": "cuda_graph" if mode == "reduce-overhead" else "eager", "compile_mode": mode,
+            "ms": s.chosen_ms, "predicted_ms": s.chosen_ms, "baseline_ms": s.predicted_ms.get("baseline"),
+            "comm_ms": s.comm_ms, "hidden_by_defer_ms": s.hidden_ms, "reason": s.reason,
+        })
+    return rows
+
+
+def markdown(blocks: list[tuple[str, int, str, dict, list[dict]]]) -> str:
+    lines = ["| block | W | compile mode | sites rewritten | collectives as written ms | predicted hidden ms | share | "
+             "with the band measured as predicted |", "|---|---|---|---|---|---|---|---|"]
+    for shape, world, mode, fc, _ in blocks:
+        a = fc["all"]
+        lines.append(f"| {SHAPES[shape]} | {world} | {mode} | {a['rewritten']}/{a['sites']} | {a['comm_ms']:.3f} | "
+                     f"{a['hidden_ms']:.3f} | {a['hidden_share']:.0%} | {a['with_band_share']:.0%} |")
+    lines += ["", "| block | W | mode | graph | kind | GEMMs | decision | predicted ms (as written) | reason |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for shape, world, mode, _, rows in blocks:
+        for r in rows:
+            gemms = ", ".join("x".join(map(str, g)) for g in r["shape"])
+            lines.append(f"| {shape} | {world} | {mode} | {r['graph']} | {r['kind']} | {gemms} | {r['method']} | "
+                         f"{r['predicted_ms']:.3f} ({r['baseline_ms'] + r['hidden_by_defer_ms']:.3f}) | {r['reason']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="8b,70b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--world", default="2", help="comma list of world sizes")
+    ap.add_argument("--modes", default="default,reduce-overhead", help="comma list of default, reduce-overhead")
+    ap.add_argument("--profile", default="h200", help="a built-in profile name or a profile JSON path")
+    ap.add_argument("--out", default=None, help="directory for the rows and the table (default: print only)")
+    a = ap.parse_args(argv)
+    shapes, worlds, modes = a.shapes.split(","), [int(w) for w in a.world.split(",")], a.modes.split(",")
+    bad = [s for s in shapes if s not in SHAPES] + [m for m in modes if m not in ("default", "reduce-overhead")]
+    if bad:
+        raise SystemExit(f"unknown {bad}: --shapes takes {sorted(SHAPES)}, --modes default / reduce-overhead")
+    blocks = []
+    for shape in shapes:
+        for world in worlds:
+            for mode in modes:
+                report = plan_block(e2e_sizes(shape), world, mode, a.profile)
+                fc, rows = forecast(report), rows_of(report, shape, world, mode, a.profile)
+                blocks.append((shape, world, mode, fc, rows))
+                print(f"== {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
+                print(report)
+                all_ = fc["all"]
+                print(f"forecast: the sites' collectives take {all_['comm_ms']:.3f} ms as written; the pass is "
+                      f"predicted to hide {all_['hidden_ms']:.3f} ms ({all_['hidden_share']:.0%}); "
+                      f"{all_['with_band_share']:.0%} if the sites inside the error band measure as predicted\n")
+    if a.out:
+        from benchmarks.results_io import result_stem, write_rows
+
+        for world in worlds:
+            rows = [r for s, w, m, fc, rs in blocks if w == world for r in rs]
+            path = write_rows(rows, a.out, "plan", a.profile, world)
+            with open(result_stem(a.out, "plan", a.profile, world) + ".md", "w") as f:
+                f.write(markdown([b for b in blocks if b[1] == world]))
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
