@@ -37,7 +37,8 @@ def plan(model: Any, *inputs: Any, backward: bool = False, mode: str | None = No
         if mode and mode != "default":
             patches.update(torch._inductor.list_mode_options(mode))
         with inductor_config.patch(patches), no_compile_caches():
-            out = torch.compile(model, backend=_planning_backend())(*inputs)
+            # static shapes: a recompile of the same code (another size) must not turn them symbolic
+            out = torch.compile(model, backend=_planning_backend(), dynamic=False)(*inputs)
             if backward:
                 loss = _sum_outputs(out)
                 if loss is None:
