@@ -3,8 +3,9 @@
     python benchmarks/plan.py                                   # 8b and 70b, W=2, both modes, h200
     python benchmarks/plan.py --shapes 8b --world 2,4,8 --modes reduce-overhead --profile h100
 
-Each block (the Megatron form of ``benchmarks/models/llama.py``: the same graphs e2e.py runs, on
-plain functional collectives) is built on the meta device on a fake process group and planned by
+Each block (``--models``: llama_dtensor, the DTensor form e2e.py's headline rows run, or
+llama_megatron; ``benchmarks/models/llama.py``) is built on the meta device on a fake process group
+and planned by
 ``overlap_compile.plan``: traced, partitioned and passed through Inductor's post-grad passes as a
 GPU compile would be, in seconds and with no memory. Per site it prints the decision and its
 reason; per block, the forecast of the metric issue 19 measures on GPUs: of the time the sites'
@@ -35,21 +36,38 @@ def e2e_sizes(key: str) -> dict:
         return next(s for s in json.load(f)["e2e"] if s["name"] == SHAPES[key])
 
 
-def plan_block(sizes: dict, world: int, mode: str, profile: str, **options) -> "object":
+def _meta_block(model: str, sizes: dict, world: int, group: str):
+    """(block, input) of ``model`` on the meta device, rank 0 of a fake group of ``world``."""
+    import torch
+
+    from overlap_compile.demo.models import LlamaBlock
+
+    full = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device="meta", dtype=torch.bfloat16)
+    local = torch.empty(sizes["batch"], sizes["seq"] // world, sizes["hidden"], device="meta", dtype=torch.bfloat16,
+                        requires_grad=True)
+    if model == "llama_megatron":
+        from benchmarks.models.llama import MegatronLlamaBlock
+
+        return MegatronLlamaBlock(full, 0, world, group), local
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from overlap_compile.demo.models import parallelize_tp_sp
+
+    mesh = init_device_mesh("cpu", (world,))  # the fake group's mesh; the tensors stay on meta
+    return parallelize_tp_sp(full, mesh), DTensor.from_local(local, mesh, [Shard(1)])
+
+
+def plan_block(sizes: dict, world: int, mode: str, profile: str, model: str = "llama_dtensor", **options):
     """The Report of the block's training step (forward and backward) as the pass would compile it."""
     import torch
 
     import overlap_compile as oc
-    from benchmarks.models.llama import MegatronLlamaBlock
-    from overlap_compile.demo.models import LlamaBlock
     from overlap_compile.testing.fake_group import fake_process_group
 
     torch._dynamo.reset()
     with fake_process_group(world) as group:
-        full = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device="meta", dtype=torch.bfloat16)
-        block = MegatronLlamaBlock(full, 0, world, group)
-        x = torch.empty(sizes["batch"], sizes["seq"] // world, sizes["hidden"], device="meta", dtype=torch.bfloat16,
-                        requires_grad=True)
+        block, x = _meta_block(model, sizes, world, group)
         return oc.plan(block, x, backward=True, mode=mode, profile=profile, **options)
 
 
@@ -80,14 +98,14 @@ def forecast(report) -> dict:
     return out
 
 
-def rows_of(report, shape: str, world: int, mode: str, profile: str) -> list[dict]:
+def rows_of(report, shape: str, world: int, mode: str, profile: str, model: str) -> list[dict]:
     import torch
 
     rows = []
     for s in report.sites:
         rows.append({
             "benchmark": "plan", "device": f"plan:{profile}", "world_size": world, "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "kind": s.kind, "shape": s.gemms, "model": shape,
+            "date": datetime.date.today().isoformat(), "kind": s.kind, "shape": s.gemms, "model": model, "block": shape,
             "graph": s.graph, "method": s.template, "config": s.config,
             "mode": "cuda_graph" if mode == "reduce-overhead" else "eager", "compile_mode": mode,
             "ms": s.chosen_ms, "predicted_ms": s.chosen_ms, "baseline_ms": s.predicted_ms.get("baseline"),
@@ -96,16 +114,16 @@ def rows_of(report, shape: str, world: int, mode: str, profile: str) -> list[dic
     return rows
 
 
-def markdown(blocks: list[tuple[str, int, str, dict, list[dict]]]) -> str:
-    lines = ["| block | W | compile mode | sites rewritten | collectives as written ms | predicted hidden ms | share | "
-             "with the band measured as predicted |", "|---|---|---|---|---|---|---|---|"]
-    for shape, world, mode, fc, _ in blocks:
+def markdown(blocks: list[tuple[str, str, int, str, dict, list[dict]]]) -> str:
+    lines = ["| model | block | W | compile mode | sites rewritten | collectives as written ms | predicted hidden ms | "
+             "share | with the band measured as predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, shape, world, mode, fc, _ in blocks:
         a = fc["all"]
-        lines.append(f"| {SHAPES[shape]} | {world} | {mode} | {a['rewritten']}/{a['sites']} | {a['comm_ms']:.3f} | "
+        lines.append(f"| {model} | {SHAPES[shape]} | {world} | {mode} | {a['rewritten']}/{a['sites']} | {a['comm_ms']:.3f} | "
                      f"{a['hidden_ms']:.3f} | {a['hidden_share']:.0%} | {a['with_band_share']:.0%} |")
     lines += ["", "| block | W | mode | graph | kind | GEMMs | decision | predicted ms (as written) | reason |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for shape, world, mode, _, rows in blocks:
+    for _, shape, world, mode, _, rows in blocks:
         for r in rows:
             gemms = ", ".join("x".join(map(str, g)) for g in r["shape"])
             lines.append(f"| {shape} | {world} | {mode} | {r['graph']} | {r['kind']} | {gemms} | {r['method']} | "
@@ -115,37 +133,42 @@ def markdown(blocks: list[tuple[str, int, str, dict, list[dict]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama_dtensor", help="comma list of llama_dtensor, llama_megatron")
     ap.add_argument("--shapes", default="8b,70b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--world", default="2", help="comma list of world sizes")
     ap.add_argument("--modes", default="default,reduce-overhead", help="comma list of default, reduce-overhead")
     ap.add_argument("--profile", default="h200", help="a built-in profile name or a profile JSON path")
     ap.add_argument("--out", default=None, help="directory for the rows and the table (default: print only)")
     a = ap.parse_args(argv)
-    shapes, worlds, modes = a.shapes.split(","), [int(w) for w in a.world.split(",")], a.modes.split(",")
-    bad = [s for s in shapes if s not in SHAPES] + [m for m in modes if m not in ("default", "reduce-overhead")]
+    models, shapes, modes = a.models.split(","), a.shapes.split(","), a.modes.split(",")
+    worlds = [int(w) for w in a.world.split(",")]
+    bad = ([m for m in models if m not in ("llama_dtensor", "llama_megatron")] + [s for s in shapes if s not in SHAPES]
+           + [m for m in modes if m not in ("default", "reduce-overhead")])
     if bad:
-        raise SystemExit(f"unknown {bad}: --shapes takes {sorted(SHAPES)}, --modes default / reduce-overhead")
+        raise SystemExit(f"unknown {bad}: --models takes llama_dtensor / llama_megatron, --shapes {sorted(SHAPES)}, "
+                         "--modes default / reduce-overhead")
     blocks = []
-    for shape in shapes:
-        for world in worlds:
-            for mode in modes:
-                report = plan_block(e2e_sizes(shape), world, mode, a.profile)
-                fc, rows = forecast(report), rows_of(report, shape, world, mode, a.profile)
-                blocks.append((shape, world, mode, fc, rows))
-                print(f"== {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
-                print(report)
-                all_ = fc["all"]
-                print(f"forecast: the sites' collectives take {all_['comm_ms']:.3f} ms as written; the pass is "
-                      f"predicted to hide {all_['hidden_ms']:.3f} ms ({all_['hidden_share']:.0%}); "
-                      f"{all_['with_band_share']:.0%} if the sites inside the error band measure as predicted\n")
+    for model in models:
+        for shape in shapes:
+            for world in worlds:
+                for mode in modes:
+                    report = plan_block(e2e_sizes(shape), world, mode, a.profile, model)
+                    fc, rows = forecast(report), rows_of(report, shape, world, mode, a.profile, model)
+                    blocks.append((model, shape, world, mode, fc, rows))
+                    print(f"== {model}, {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
+                    print(report)
+                    all_ = fc["all"]
+                    print(f"forecast: the sites' collectives take {all_['comm_ms']:.3f} ms as written; the pass is "
+                          f"predicted to hide {all_['hidden_ms']:.3f} ms ({all_['hidden_share']:.0%}); "
+                          f"{all_['with_band_share']:.0%} if the sites inside the error band measure as predicted\n")
     if a.out:
         from benchmarks.results_io import result_stem, write_rows
 
         for world in worlds:
-            rows = [r for s, w, m, fc, rs in blocks if w == world for r in rs]
+            rows = [r for b in blocks if b[2] == world for r in b[5]]
             path = write_rows(rows, a.out, "plan", a.profile, world)
             with open(result_stem(a.out, "plan", a.profile, world) + ".md", "w") as f:
-                f.write(markdown([b for b in blocks if b[1] == world]))
+                f.write(markdown([b for b in blocks if b[2] == world]))
             print(f"wrote {path}")
     return 0
 
