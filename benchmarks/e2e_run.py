@@ -183,10 +183,13 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     if torch.cuda.is_available():
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if variant == "overlap":
-        # with OVERLAP_COMPILE_SEARCH=measure, each site also carries its measured and predicted gain
+        # "measured": the sites settled by measuring (passes/settle.py), or with
+        # OVERLAP_COMPILE_SEARCH=measure every site's measured and predicted gain; comm_ms /
+        # hidden_ms / chosen_ms: the predicted parts benchmarks/plan.py's forecast adds up
         row["sites"] = [{"graph": s.graph, "kind": s.kind, "template": s.template, "rewritten": s.rewritten,
                          "reason": s.reason, "gemms": s.gemms, "predicted_ms": s.predicted_ms,
-                         "measured": s.measured} for s in report.sites]
+                         "measured": s.measured, "comm_ms": s.comm_ms, "hidden_ms": s.hidden_ms,
+                         "chosen_ms": s.chosen_ms} for s in report.sites]
         row["rewritten"] = sum(s.rewritten for s in report.sites)
         row["pass_s"] = report.pass_seconds
         compile_s = row.get("compile_s", 0.0) + row.get("prefill_compile_s", 0.0)
