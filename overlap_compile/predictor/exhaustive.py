@@ -25,6 +25,7 @@ returns ms (template "baseline" for the site as written).
 """
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from typing import Any, Callable
@@ -244,9 +245,15 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
         return f"not measured: process-group backend {dist.get_backend(pg)!r} (measuring needs nccl or gloo)"
     if gpu_only and not device.startswith("cuda"):
         return "not measured: the group is on CPU (sites are settled by measuring on GPUs only)"
+    from ..runtime import agreement
     from .launch import launch_mode
 
     graphed = device.startswith("cuda") and launch_mode() == "cuda_graph"  # read on the compiling thread
+    tag = hashlib.sha1(repr((match.signature(), items, graphed)).encode()).hexdigest()[:20]
+    if not agreement.all_present(pg, tag):
+        return (f"not measured: not every rank of the group compiled this site within "
+                f"{agreement.PRESENCE_TIMEOUT_S:.0f} s "
+                "(a rank that loaded the graph from a compile cache never comes); the predictions stand")
 
     def measure() -> list[float]:
         local = []

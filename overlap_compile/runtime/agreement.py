@@ -6,7 +6,9 @@ exchange a hash of the op's plan; a mismatch raises a clear error instead of han
 """
 from __future__ import annotations
 
+import collections
 import threading
+import time
 
 import torch
 
@@ -14,6 +16,8 @@ from ..templates.plans import plan_digest
 
 _checked: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+_arrivals: collections.Counter = collections.Counter()  # tag -> times this process asked (keys stay fresh)
+PRESENCE_TIMEOUT_S = 120.0
 
 
 class DecisionMismatchError(RuntimeError):
@@ -45,3 +49,40 @@ def check_plan_agreement(group_name: str, plan_json: str, template: str) -> None
         )
     with _lock:
         _checked.add(key)
+
+
+def all_present(pg: object, tag: str, timeout_s: float | None = None) -> bool:
+    """Whether every rank of ``pg`` reached the point named ``tag`` (the same text on every rank)
+    within ``timeout_s`` of the first; every rank gets the same answer, and none waits longer.
+
+    Measurements taken while a graph compiles run collectives that pair up only if every rank
+    compiles that graph. A rank that loaded it from a compile cache instead never comes, and
+    a collective would then wait for it forever; this asks through the group's store (host
+    only, bounded) first. The first rank to see everyone sets the verdict "go", the first to
+    time out "abandon" (an atomic compare-and-set), and every rank, a late one too, takes the
+    verdict that was set. Without a store to ask, it answers True (as before it existed).
+    ``timeout_s`` defaults to ``PRESENCE_TIMEOUT_S``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = dist.get_world_size(pg)
+    if world <= 1:
+        return True
+    try:
+        store = distributed_c10d._get_default_store()
+    except Exception:
+        return True
+    with _lock:
+        _arrivals[tag] += 1
+        base = f"overlap_compile/present/{getattr(pg, 'group_name', '')}/{tag}/{_arrivals[tag]}"
+    count_key, verdict_key = base + "/count", base + "/verdict"
+    store.add(count_key, 1)
+    deadline = time.monotonic() + (PRESENCE_TIMEOUT_S if timeout_s is None else timeout_s)
+    while True:
+        if store.check([verdict_key]):
+            return store.get(verdict_key) == b"go"
+        if store.add(count_key, 0) >= world:
+            return store.compare_set(verdict_key, "", "go") == b"go"
+        if time.monotonic() > deadline:
+            return store.compare_set(verdict_key, "", "abandon") == b"go"
+        time.sleep(0.005)
