@@ -50,6 +50,13 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
                 r[k.replace("_ms", "_speedup")] = d[k] / r[k]
                 if b is not None and k in b and r is not b:
                     r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
+        if r.get("sites"):  # what the pass predicted it hides of the sites' collectives, per phase
+            from benchmarks.forecast import forecast
+
+            for phase in ("train", "prefill"):
+                sites = [s for s in r["sites"] if s.get("phase") == phase]
+                if sites:
+                    r[f"{phase}_forecast_hidden"] = forecast(sites)["all"]["hidden_share"]
         if d.get("compile_s") and "compile_s" in r:
             r["compile_overhead"] = r["compile_s"] / d["compile_s"] - 1
         if r.get("losses") and d.get("losses") and r["variant"] != "nocomm":
@@ -62,21 +69,23 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | shape | compile mode | variant | train ms | x default | tokens/s | prefill ms | x default | "
-             "gap closed train/prefill | compile s | pass s | FX cache hits | loss = default | sites rewritten | failure modes |",
-             "|" + "---|" * 16]
+             "gap closed train/prefill | predicted hidden train/prefill | compile s | pass s | FX cache hits | "
+             "loss = default | sites rewritten | failure modes |",
+             "|" + "---|" * 17]
     for r in rows:
         if "check" in r:
             continue
         head = f"| {r.get('model', '-')} | {r.get('shape', '-')} | {r.get('compile_mode', '-')} | {r.get('variant', '-')} |"
         if "ms" not in r:
             what = f"ERROR [{r.get('failure')}] {r['error']}" if "error" in r else f"skipped: {r.get('skipped', '')}"
-            lines.append(head + f" {what.splitlines()[0][:100]} |||||||||||")
+            lines.append(head + f" {what.splitlines()[0][:100]} ||||||||||||")
             continue
         f = lambda k, spec: format(r[k], spec) if r.get(k) is not None else "-"  # noqa: E731
         sites = f"{r['rewritten']}/{len(r['sites'])}" if "sites" in r else "-"
         gap = f"{f('train_gap_closed', '.0%')} / {f('prefill_gap_closed', '.0%')}"
+        hidden = f"{f('train_forecast_hidden', '.0%')} / {f('prefill_forecast_hidden', '.0%')}"
         lines.append(head + f" {f('train_ms', '.3f')} | {f('train_speedup', '.3f')} | {f('tokens_per_s', '.3g')} | "
-                     f"{f('prefill_ms', '.3f')} | {f('prefill_speedup', '.3f')} | {gap} | {f('compile_s', '.1f')} | "
+                     f"{f('prefill_ms', '.3f')} | {f('prefill_speedup', '.3f')} | {gap} | {hidden} | {f('compile_s', '.1f')} | "
                      f"{f('pass_s', '.2f')} | {r.get('fxgraph_cache_hit', '-')} | {r.get('loss_matches_default', '-')} | {sites} | "
                      f"{', '.join(r.get('failure_modes', [])) or '-'} |")
     return "\n".join(lines) + "\n"

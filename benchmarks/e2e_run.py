@@ -167,6 +167,7 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
             recompiles += watch.compiled_since_mark()
             row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
             row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
+        train_graphs = len(report.records)  # the graphs compiled so far are the training step's
         if "prefill" in phases:
             t0 = time.perf_counter()
             prefill()
@@ -186,10 +187,11 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
         # "measured": the sites settled by measuring (passes/settle.py), or with
         # OVERLAP_COMPILE_SEARCH=measure every site's measured and predicted gain; comm_ms /
         # hidden_ms / chosen_ms: the predicted parts benchmarks/plan.py's forecast adds up
-        row["sites"] = [{"graph": s.graph, "kind": s.kind, "template": s.template, "rewritten": s.rewritten,
-                         "reason": s.reason, "gemms": s.gemms, "predicted_ms": s.predicted_ms,
-                         "measured": s.measured, "comm_ms": s.comm_ms, "hidden_ms": s.hidden_ms,
-                         "chosen_ms": s.chosen_ms} for s in report.sites]
+        row["sites"] = [{"graph": s.graph, "phase": "train" if i < train_graphs else "prefill", "kind": s.kind,
+                         "template": s.template, "rewritten": s.rewritten, "reason": s.reason, "gemms": s.gemms,
+                         "predicted_ms": s.predicted_ms, "measured": s.measured, "comm_ms": s.comm_ms,
+                         "hidden_ms": s.hidden_ms, "chosen_ms": s.chosen_ms}
+                        for i, rec in enumerate(report.records) for s in rec.sites]
         row["rewritten"] = sum(s.rewritten for s in report.sites)
         row["pass_s"] = report.pass_seconds
         compile_s = row.get("compile_s", 0.0) + row.get("prefill_compile_s", 0.0)

@@ -28,6 +28,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.forecast import forecast  # noqa: E402
+
 SHAPES = {"8b": "Llama-3-8B block, TP+SP", "70b": "Llama-3-70B block, TP+SP"}
 
 
@@ -69,33 +71,6 @@ def plan_block(sizes: dict, world: int, mode: str, profile: str, model: str = "l
     with fake_process_group(world) as group:
         block, x = _meta_block(model, sizes, world, group)
         return oc.plan(block, x, backward=True, mode=mode, profile=profile, **options)
-
-
-def forecast(report) -> dict:
-    """Per graph and in all: the sites' collectives as written (ms), what the decisions are
-    predicted to hide of it, and what the sites inside the error band would add if they measure
-    as predicted."""
-    out: dict = {}
-    for s in report.sites:
-        g = out.setdefault(s.graph, {"comm_ms": 0.0, "hidden_ms": 0.0, "band_ms": 0.0, "sites": 0, "rewritten": 0})
-        base = s.predicted_ms.get("baseline")
-        if base is None or s.chosen_ms is None:
-            continue
-        as_written = base + s.hidden_ms  # the site alone, nothing under its collective
-        g["comm_ms"] += s.comm_ms
-        g["hidden_ms"] += min(s.comm_ms, as_written - s.chosen_ms)
-        g["sites"] += 1
-        g["rewritten"] += s.rewritten
-        note = (s.measured or {}).get("note", "")
-        if not s.rewritten and note.startswith("within the model error"):
-            best = min(v for k, v in s.predicted_ms.items() if k != "baseline" and v is not None)
-            g["band_ms"] += max(0.0, min(s.comm_ms, as_written - best) - (as_written - s.chosen_ms))
-    total = {k: sum(g[k] for g in out.values()) for k in ("comm_ms", "hidden_ms", "band_ms", "sites", "rewritten")}
-    out["all"] = total
-    for g in out.values():
-        g["hidden_share"] = g["hidden_ms"] / g["comm_ms"] if g["comm_ms"] else None
-        g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / g["comm_ms"] if g["comm_ms"] else None
-    return out
 
 
 def rows_of(report, shape: str, world: int, mode: str, profile: str, model: str) -> list[dict]:
@@ -153,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 for mode in modes:
                     report = plan_block(e2e_sizes(shape), world, mode, a.profile, model)
-                    fc, rows = forecast(report), rows_of(report, shape, world, mode, a.profile, model)
+                    fc, rows = forecast(report.sites), rows_of(report, shape, world, mode, a.profile, model)
                     blocks.append((model, shape, world, mode, fc, rows))
                     print(f"== {model}, {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
                     print(report)

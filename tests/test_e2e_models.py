@@ -57,6 +57,10 @@ def test_training_with_overlap_matches_default(results):
         assert ov["rewritten"] > 0 and ov["loss_matches_default"], (model, ov["losses"], by[(model, "default")]["losses"])
         assert {s["template"] for s in ov["sites"] if s["rewritten"]} == {FORCED}
         assert any(s["graph"].startswith("backward") for s in ov["sites"]), "backward graphs have sites too"
+        assert {s["phase"] for s in ov["sites"]} == {"train"}  # no prefill phase in this sweep
+        # forced onto every site, a rewrite can be predicted slower than the site: a negative share
+        assert isinstance(ov["train_forecast_hidden"], float) and ov["train_forecast_hidden"] <= 1, ov
+        assert "prefill_forecast_hidden" not in ov
         assert ov["losses"][0] != ov["losses"][-1], "AdamW steps must change the loss"
         assert ov["failure_modes"] == [] and ov["recompiles_timed"] == 0, ov["failure_modes"]
         # the common schema's keys, for benchmarks/plot.py

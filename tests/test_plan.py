@@ -72,6 +72,6 @@ def test_llama_8b_block_forecast():
     beside = [s for s in bwd if s.hidden_ms > 0]
     assert len(beside) == 3 and not any(s.rewritten for s in beside), report
     assert bwd[0].kind == "allgather_gemm" and bwd[0].hidden_ms == 0 and bwd[0].rewritten, report
-    fc = forecast(report)["all"]
+    fc = forecast(report.sites)["all"]
     assert 0.5 < fc["hidden_share"] <= fc["with_band_share"] <= 1.0, fc
     assert fc["sites"] == 8 and fc["rewritten"] >= 3, fc

@@ -81,3 +81,20 @@ def test_e2e_compare_carries_the_gap_and_leaves_nocomm_out_of_the_loss_check():
     ok, notes = e2e.verdict(rows, 1e-4)
     assert ok, notes
     assert "| 50% / -20% |" in e2e.markdown(rows)
+
+
+def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
+    """An overlap row's sites (as e2e_run keeps them, with their phase) give the share of their
+    collectives' time the pass predicted to hide, beside the measured gap closed."""
+    rows = _rows()
+    site = {"graph": "forward", "kind": "gemm_reducescatter", "rewritten": True, "measured": None,
+            "predicted_ms": {"baseline": 1.0, "p2p_ring": 0.9}, "comm_ms": 0.2, "hidden_ms": 0.0, "chosen_ms": 0.9}
+    kept = {**site, "graph": "backward", "rewritten": False, "predicted_ms": {"baseline": 0.85, "p2p_ring": 0.9},
+            "hidden_ms": 0.15, "chosen_ms": 0.85}
+    overlap = next(r for r in rows if r["variant"] == "overlap" and r["compile_mode"] == "default")
+    overlap["sites"] = [{**site, "phase": "train"}, {**kept, "phase": "train"}, {**site, "phase": "prefill"}]
+    overlap["rewritten"] = 2
+    rows = e2e.compare(rows, 1e-4)
+    assert overlap["train_forecast_hidden"] == pytest.approx((0.1 + 0.15) / 0.4)
+    assert overlap["prefill_forecast_hidden"] == pytest.approx(0.5)
+    assert "| 62% / 50% |" in e2e.markdown(rows)
