@@ -147,16 +147,23 @@ def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
 # ---- the sweep on every rank -------------------------------------------------------------------------
 
 
+# options on by default whose share of the gain a run can isolate by turning one off: option ->
+# the suffix of that run's results file (run_multigpu.sh's E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS)
+ATTRIBUTION = {"defer_compute": "nodefer", "measure_uncertain": "nosettle"}
+
+
 def schema_keys(model: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, force: str | None) -> dict:
     """The common benchmark schema's keys (DESIGN.md), beside this benchmark's own. The overlap
     variant's ``config`` names what differs from the backend's defaults: a forced template, and
-    ``defer_compute`` off (OVERLAP_COMPILE_DEFER_COMPUTE=0, to see what that pass gives)."""
+    each of ``ATTRIBUTION``'s options turned off (e.g. OVERLAP_COMPILE_DEFER_COMPUTE=0, to see
+    what that pass gives)."""
     from overlap_compile import config as oc_config
 
     config = {}
     if variant == "overlap":
+        opts = oc_config.current()
         config = {**({"force_template": force} if force else {}),
-                  **({} if oc_config.current().defer_compute else {"defer_compute": False})}
+                  **{name: False for name in ATTRIBUTION if not getattr(opts, name)}}
     return {"kind": model, "shape": shape["name"] + (" +ckpt" if ckpt else ""), "sizes": shape,
             "method": "inductor" if variant == "default" else variant,
             "config": config or None,

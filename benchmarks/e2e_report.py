@@ -116,9 +116,11 @@ def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
 
 def write(rows: list[dict], out: str) -> str:
     first = rows[0]
-    nodefer = any((r.get("config") or {}).get("defer_compute") is False for r in rows)
+    from benchmarks.e2e import ATTRIBUTION
+
+    off = [tag for name, tag in ATTRIBUTION.items() if any((r.get("config") or {}).get(name) is False for r in rows)]
     path = write_rows(rows, out, "e2e", first["device"], first["world_size"], first["torch"], first["date"],
-                      suffix="-nodefer" if nodefer else "")
+                      suffix="".join(f"-{tag}" for tag in off))
     stem = os.path.splitext(path)[0]
     with open(stem + ".md", "w") as f:
         f.write(markdown(rows))

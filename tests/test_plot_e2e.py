@@ -98,3 +98,19 @@ def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
     assert overlap["train_forecast_hidden"] == pytest.approx((0.1 + 0.15) / 0.4)
     assert overlap["prefill_forecast_hidden"] == pytest.approx(0.5)
     assert "| 62% / 50% |" in e2e.markdown(rows)
+
+
+@pytest.mark.parametrize("off,suffix", [({}, ""), ({"measure_uncertain": False}, "-nosettle"),
+                                        ({"defer_compute": False}, "-nodefer")])
+def test_rows_with_an_option_off_go_to_their_own_file(tmp_path, off, suffix):
+    """run_multigpu.sh's E2E_NOSETTLE_ARGS / E2E_NODEFER_ARGS runs: the overlap rows' config names
+    the option turned off, and the file says so, so they never overwrite the run with it on."""
+    from benchmarks import e2e_report
+    from overlap_compile import config
+
+    with config.patch(**off):
+        rows = [r for r in _rows() if "ms" in r]
+    assert [r["config"] for r in rows if r["variant"] == "overlap"] == [off or None] * 2
+    stem = e2e_report.write(e2e.compare(rows, 1e-4), str(tmp_path))
+    assert os.path.basename(stem) == f"e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-24{suffix}"
+    assert os.path.exists(stem + ".json") and os.path.exists(stem + ".md")
