@@ -51,7 +51,7 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
                 if b is not None and k in b and r is not b:
                     r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
         if r.get("sites"):  # what the pass predicted it hides of the sites' collectives, per phase
-            from benchmarks.forecast import forecast
+            from overlap_compile.report import forecast
 
             for phase in ("train", "prefill"):
                 sites = [s for s in r["sites"] if s.get("phase") == phase]

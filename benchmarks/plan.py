@@ -5,14 +5,14 @@
 
 Each block (``--models``: llama_dtensor, the DTensor form e2e.py's headline rows run, or
 llama_megatron; ``benchmarks/models/llama.py``) is built on the meta device on a fake process group
-and planned by
-``overlap_compile.plan``: traced, partitioned and passed through Inductor's post-grad passes as a
-GPU compile would be, in seconds and with no memory. Per site it prints the decision and its
-reason; per block, the forecast of the metric issue 19 measures on GPUs: of the time the sites'
-collectives take as written, how much the pass is predicted to hide (rewrites and the compute
-defer_compute puts under the collectives left as written). Sites inside the model's error band
-are measured on GPUs (passes/settle.py); here they keep their predicted decision, so the
-forecast also gives what they would add if measured as predicted.
+and planned by ``overlap_compile.plan``: traced, partitioned and passed through Inductor's
+post-grad passes as a GPU compile would be, in seconds and with no memory. Per site it prints the
+decision and its reason; per block, the forecast (``Report.forecast``) of the metric issue 19
+measures on GPUs: of the time the sites' collectives take as written, how much the pass is
+predicted to hide (rewrites and the compute defer_compute puts under the collectives left as
+written). Sites inside the model's error band are measured on GPUs (passes/settle.py); here they
+keep their predicted decision, so the forecast also gives what they would add if measured as
+predicted.
 
 Rows (``benchmark: "plan"``, one per site, ``method`` the decision, ``predicted_ms`` what runs)
 go to ``--out`` as ``plan-<profile>-w<W>-torch<v>-<date>.json`` with a markdown table beside it.
@@ -28,8 +28,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.forecast import forecast  # noqa: E402
-
 SHAPES = {"8b": "Llama-3-8B block, TP+SP", "70b": "Llama-3-70B block, TP+SP"}
 
 
@@ -40,24 +38,18 @@ def e2e_sizes(key: str) -> dict:
 
 def _meta_block(model: str, sizes: dict, world: int, group: str):
     """(block, input) of ``model`` on the meta device, rank 0 of a fake group of ``world``."""
+    from overlap_compile.demo.common import meta_block
+
+    block, x = meta_block(sizes, world)
+    if model == "llama_dtensor":
+        return block, x
     import torch
 
+    from benchmarks.models.llama import MegatronLlamaBlock
     from overlap_compile.demo.models import LlamaBlock
 
     full = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device="meta", dtype=torch.bfloat16)
-    local = torch.empty(sizes["batch"], sizes["seq"] // world, sizes["hidden"], device="meta", dtype=torch.bfloat16,
-                        requires_grad=True)
-    if model == "llama_megatron":
-        from benchmarks.models.llama import MegatronLlamaBlock
-
-        return MegatronLlamaBlock(full, 0, world, group), local
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from overlap_compile.demo.models import parallelize_tp_sp
-
-    mesh = init_device_mesh("cpu", (world,))  # the fake group's mesh; the tensors stay on meta
-    return parallelize_tp_sp(full, mesh), DTensor.from_local(local, mesh, [Shard(1)])
+    return MegatronLlamaBlock(full, 0, world, group), x.to_local()
 
 
 def plan_block(sizes: dict, world: int, mode: str, profile: str, model: str = "llama_dtensor", **options):
@@ -128,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 for mode in modes:
                     report = plan_block(e2e_sizes(shape), world, mode, a.profile, model)
-                    fc, rows = forecast(report.sites), rows_of(report, shape, world, mode, a.profile, model)
+                    fc, rows = report.forecast(), rows_of(report, shape, world, mode, a.profile, model)
                     blocks.append((model, shape, world, mode, fc, rows))
                     print(f"== {model}, {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
                     print(report)

@@ -66,14 +66,18 @@ class Report:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, record: GraphRecord) -> None:
+        """Keep ``record``; a name this report already has gets a suffix ("forward_1") on this
+        report's own copy, since the same record also goes to other reports (the process-wide
+        one) under the name it has there."""
         with self._lock:
             names = {r.name for r in self.records}
-            base, i = record.name, 1
-            while record.name in names:
-                record.name = f"{base}_{i}"
+            name, i = record.name, 1
+            while name in names:
+                name = f"{record.name}_{i}"
                 i += 1
-            for s in record.sites:
-                s.graph = record.name
+            if name != record.name:
+                record = dataclasses.replace(record, name=name,
+                                             sites=[dataclasses.replace(s, graph=name) for s in record.sites])
             self.records.append(record)
 
     @property
@@ -122,6 +126,10 @@ class Report:
 
     def __str__(self) -> str:
         return self.table()
+
+    def forecast(self) -> dict:
+        """The predicted share of the sites' collective time the pass hides (``forecast``)."""
+        return forecast(self.sites)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -189,3 +197,34 @@ def _gains(m: dict) -> str:
         return m["note"]
     meas = "failed" if m["measured_gain"] is None else f"{m['measured_gain']:.2f}x"
     return f"measured {meas} vs predicted {m['predicted_gain']:.2f}x ({m['template']})"
+
+
+def forecast(sites: list) -> dict:
+    """Per graph and in all (``"all"``): the sites' collectives as written (``comm_ms``), what
+    the decisions are predicted to hide of it (``hidden_ms``, ``hidden_share``), and what the
+    sites inside the model's error band would add if they measured as predicted (``band_ms``,
+    ``with_band_share``: where GPUs measure them, passes/settle.py, their decision already
+    says). ``sites``: SiteReports, or the dicts e2e.py's rows keep of them."""
+    out: dict = {}
+    for s in sites:
+        get = s.get if isinstance(s, dict) else lambda k, s=s: getattr(s, k, None)
+        g = out.setdefault(get("graph"), {"comm_ms": 0.0, "hidden_ms": 0.0, "band_ms": 0.0, "sites": 0, "rewritten": 0})
+        predicted = get("predicted_ms") or {}
+        base, chosen, comm = predicted.get("baseline"), get("chosen_ms"), get("comm_ms") or 0.0
+        if base is None or chosen is None:
+            continue
+        as_written = base + (get("hidden_ms") or 0.0)  # the site alone, nothing under its collective
+        g["comm_ms"] += comm
+        g["hidden_ms"] += min(comm, as_written - chosen)
+        g["sites"] += 1
+        g["rewritten"] += bool(get("rewritten"))
+        note = (get("measured") or {}).get("note", "")
+        if not get("rewritten") and note.startswith("within the model error"):
+            best = min(v for k, v in predicted.items() if k != "baseline" and v is not None)
+            g["band_ms"] += max(0.0, min(comm, as_written - best) - (as_written - chosen))
+    total = {k: sum(g[k] for g in out.values()) for k in ("comm_ms", "hidden_ms", "band_ms", "sites", "rewritten")}
+    out["all"] = total
+    for g in out.values():
+        g["hidden_share"] = g["hidden_ms"] / g["comm_ms"] if g["comm_ms"] else None
+        g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / g["comm_ms"] if g["comm_ms"] else None
+    return out

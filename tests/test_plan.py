@@ -63,7 +63,7 @@ def test_llama_8b_block_forecast():
     backward the three collectives with a weight gradient before them stay as written with it
     beside them, the first all-gather (nothing before it) is rewritten; the forecast lies between
     what the decisions hide and all of the collectives' time."""
-    from benchmarks.plan import e2e_sizes, forecast, plan_block
+    from benchmarks.plan import e2e_sizes, plan_block
 
     report = plan_block(e2e_sizes("8b"), 2, "reduce-overhead", "h200")
     fwd = [s for s in report.sites if s.graph.startswith("forward")]
@@ -72,6 +72,17 @@ def test_llama_8b_block_forecast():
     beside = [s for s in bwd if s.hidden_ms > 0]
     assert len(beside) == 3 and not any(s.rewritten for s in beside), report
     assert bwd[0].kind == "allgather_gemm" and bwd[0].hidden_ms == 0 and bwd[0].rewritten, report
-    fc = forecast(report.sites)["all"]
+    fc = report.forecast()["all"]
     assert 0.5 < fc["hidden_share"] <= fc["with_band_share"] <= 1.0, fc
     assert fc["sites"] == 8 and fc["rewritten"] >= 3, fc
+
+
+def test_cpu_demo_plans_its_block_at_scale():
+    """The CPU demo's last part: its own block planned at a given size as a GPU compile would
+    decide it (here a small size, to keep the suite fast): every site of both graphs."""
+    from overlap_compile.demo.run import plan_at_scale
+
+    sizes = {"hidden": 1024, "intermediate": 4096, "heads": 8, "batch": 1, "seq": 2048}
+    report = plan_at_scale(2, "h200", "reduce-overhead", sizes)
+    assert len(report.sites) == 8 and {s.graph for s in report.sites} == {"forward", "backward"}, report
+    assert report.forecast()["all"]["comm_ms"] > 0

@@ -31,6 +31,18 @@ def test_table_lists_every_site_with_reason(report):
     assert "baseline" in chosen.predicted_ms and len(chosen.predicted_ms) > 1  # every candidate's prediction
 
 
+def test_a_record_shared_with_another_report_keeps_its_name_there(report):
+    """The pass adds each record to the caller's report and to the process-wide one: a name taken
+    in one ("forward" there already) is suffixed on that report's copy only."""
+    (first,) = [r for r in report.records if r.name == "forward"]
+    mine = Report()
+    mine.add(first)
+    report.add(first)  # "forward" and "forward_1" taken here
+    assert mine.records[0].name == "forward" and {s.graph for s in mine.sites} == {"forward"}
+    assert report.records[-1].name == "forward_2" and report.records[-1].sites[0].graph == "forward_2"
+    assert first.name == "forward" and first.sites[0].graph == "forward"
+
+
 def test_dump_writes_graphs_report_and_timelines(report, tmp_path):
     report.dump(str(tmp_path))
     files = set(os.listdir(tmp_path))

@@ -30,6 +30,20 @@ def setup_block(sizes: dict, device: str, dtype: torch.dtype, seed: int = 0):
     return ref, blk, xr, xc
 
 
+def meta_block(sizes: dict, world: int) -> tuple:
+    """(block, input) on the meta device, TP+SP over the current (fake) default group of
+    ``world`` ranks, as rank 0 holds them: for planning a real-size block without memory
+    (``overlap_compile.plan``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))  # the group's mesh; the tensors stay on meta
+    block = LlamaBlock(sizes["hidden"], sizes["intermediate"], sizes["heads"]).to(device="meta", dtype=torch.bfloat16)
+    local = torch.empty(sizes["batch"], sizes["seq"] // world, sizes["hidden"], device="meta", dtype=torch.bfloat16,
+                        requires_grad=True)
+    return parallelize_tp_sp(block, mesh), DTensor.from_local(local, mesh, [Shard(1)])
+
+
 def max_err(a: Any, b: Any) -> float:
     """max |a - b| of this rank's shards (DTensors) or of plain tensors, in fp32."""
     a = a.to_local() if hasattr(a, "to_local") else a

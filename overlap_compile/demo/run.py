@@ -5,7 +5,9 @@
   the correctness check and the measured step times.
 * otherwise: 2 CPU processes over gloo, a small block; prints the Report of the predictor's
   choices, then runs each template forced on every site it supports, and says whether outputs
-  and gradients match eager.
+  and gradients match eager; then plans the Llama-3-8B block at its real size as 2x H200 would
+  compile it (``overlap_compile.plan``, meta tensors) and forecasts how much of its
+  communication the pass hides.
 """
 from __future__ import annotations
 
@@ -78,6 +80,37 @@ def check_moe_inference(setting: str, sizes: dict) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+# the Llama-3-8B TP+SP block of shapes.json's e2e set, planned at its real size on the CPU demo
+PLAN_SIZES = {"hidden": 4096, "intermediate": 14336, "heads": 32, "batch": 1, "seq": 8192}
+
+
+def plan_at_scale(world: int, profile: str, mode: str, sizes: dict = PLAN_SIZES) -> "object":
+    """The Report of the demo's block at ``sizes`` over ``world`` ranks (training step), as a GPU
+    compile with ``profile`` in ``mode`` would decide it: planned on the meta device over a fake
+    process group (``overlap_compile.plan``), no GPU and no memory needed."""
+    import overlap_compile as oc
+
+    from ..testing.fake_group import fake_process_group
+    from .common import meta_block
+
+    with fake_process_group(world):
+        block, x = meta_block(sizes, world)
+        return oc.plan(block, x, backward=True, mode=mode, profile=profile)
+
+
+def print_plan(world: int, profile: str = "h200") -> None:
+    for mode in ("default", "reduce-overhead"):
+        report = plan_at_scale(world, profile, mode)
+        fc = report.forecast()["all"]
+        print(f"=== planned on this CPU: the Llama-3-8B block {PLAN_SIZES} on {world}x {profile.upper()}, "
+              f"torch.compile mode={mode!r} (profile {profile!r}; sites inside the model error are measured "
+              f"on GPUs) ===")
+        print(report)
+        print(f"forecast: the sites' collectives take {fc['comm_ms']:.2f} ms as written; the pass is predicted to "
+              f"hide {fc['hidden_share']:.0%} of it ({fc['with_band_share']:.0%} if the sites inside the model "
+              f"error measure as predicted)\n")
+
+
 def run_cpu_demo(world: int, settings: list[str]) -> bool:
     from ..testing.multiprocess import run_distributed
 
@@ -104,6 +137,7 @@ def run_cpu_demo(world: int, settings: list[str]) -> bool:
         grads = "inference: no gradients" if moe_only else f"max |grad - eager| = {gerr:.2e}"
         print(f"max |out - eager| = {err:.2e}, {grads} -> {'MATCH' if good else 'MISMATCH'}"
               f"  (compile + run {r0['seconds']:.1f}s)\n")
+    print_plan(world)
     return ok
 
 
