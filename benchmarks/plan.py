@@ -99,6 +99,8 @@ def markdown(blocks: list[tuple[str, str, int, str, dict, list[dict]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from overlap_compile.report import forecast_line
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="llama_dtensor", help="comma list of llama_dtensor, llama_megatron")
     ap.add_argument("--shapes", default="8b,70b", help=f"comma list of {sorted(SHAPES)}")
@@ -124,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     blocks.append((model, shape, world, mode, fc, rows))
                     print(f"== {model}, {SHAPES[shape]}, W={world}, {mode}, profile {a.profile}")
                     print(report)
-                    all_ = fc["all"]
-                    print(f"forecast: the sites' collectives take {all_['comm_ms']:.3f} ms as written; the pass is "
-                          f"predicted to hide {all_['hidden_ms']:.3f} ms ({all_['hidden_share']:.0%}); "
-                          f"{all_['with_band_share']:.0%} if the sites inside the error band measure as predicted\n")
+                    print(forecast_line(fc["all"]) + "\n")
     if a.out:
         from benchmarks.results_io import result_stem, write_rows
 

@@ -228,3 +228,10 @@ def forecast(sites: list) -> dict:
         g["hidden_share"] = g["hidden_ms"] / g["comm_ms"] if g["comm_ms"] else None
         g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / g["comm_ms"] if g["comm_ms"] else None
     return out
+
+
+def forecast_line(total: dict) -> str:
+    """One line of ``forecast(...)["all"]`` for a person."""
+    return (f"forecast: the sites' collectives take {total['comm_ms']:.3f} ms as written; the pass is predicted to "
+            f"hide {total['hidden_ms']:.3f} ms of it ({total['hidden_share']:.0%}); {total['with_band_share']:.0%} "
+            f"if the sites inside the model's error band measure as predicted (on GPUs they are measured)")

@@ -99,16 +99,15 @@ def plan_at_scale(world: int, profile: str, mode: str, sizes: dict = PLAN_SIZES)
 
 
 def print_plan(world: int, profile: str = "h200") -> None:
+    from ..report import forecast_line
+
     for mode in ("default", "reduce-overhead"):
         report = plan_at_scale(world, profile, mode)
-        fc = report.forecast()["all"]
         print(f"=== planned on this CPU: the Llama-3-8B block {PLAN_SIZES} on {world}x {profile.upper()}, "
               f"torch.compile mode={mode!r} (profile {profile!r}; sites inside the model error are measured "
               f"on GPUs) ===")
         print(report)
-        print(f"forecast: the sites' collectives take {fc['comm_ms']:.2f} ms as written; the pass is predicted to "
-              f"hide {fc['hidden_share']:.0%} of it ({fc['with_band_share']:.0%} if the sites inside the model "
-              f"error measure as predicted)\n")
+        print(forecast_line(report.forecast()["all"]) + "\n")
 
 
 def run_cpu_demo(world: int, settings: list[str]) -> bool:
