@@ -102,17 +102,23 @@ def allgather_gemm_dim1(g, w, batch=2, seq_local=3, k=12, n=20, form="split"):
     return fn, [(batch, seq_local, k), (k, n)]
 
 
-def allgather_gemm_batch1(g, w, seq_local=4, k=12, n=20):
+def allgather_gemm_batch1(g, w, seq_local=4, k=12, n=20, views=1):
     """What DTensor's Shard(1) all-gather becomes with batch 1: AG on dim 0 -> reshape [1, S, K]
-    -> reshape [S, K] -> mm (no split/cat; the views keep K, so the row order is the gather's)."""
+    -> reshape [S, K] -> mm (no split/cat; the views keep K, so the row order is the gather's).
+    ``views > 1``: an inference graph's form, one reshape [S, K] per GEMM (Q, K, V projections),
+    each GEMM with its own weight of ``n + i`` columns."""
 
-    def fn(x, b):
+    def fn(x, *bs):
         full = wait(c10d.all_gather_into_tensor.default(x, w, g))
         seq = aten.reshape.default(full, [1, w * seq_local, k])
-        y = aten.mm.default(aten.reshape.default(seq, [w * seq_local, k]), b)
-        return y
+        ys = [aten.mm.default(aten.reshape.default(seq, [w * seq_local, k]), b) for b in bs]
+        return ys[0] if len(ys) == 1 else tuple(ys)
 
-    return fn, [(1, seq_local, k), (k, n)]
+    return fn, [(1, seq_local, k)] + [(k, n + i) for i in range(views)]
+
+
+def allgather_gemm_batch1_views(g, w, seq_local=4, k=12, n=20):
+    return allgather_gemm_batch1(g, w, seq_local, k, n, views=3)
 
 
 def gemm_alltoall(g, w, m=None, n=20, k=12, equal=True):
@@ -150,6 +156,7 @@ GEMM_COLLECTIVE_CASES = {
     "allgather_gemm": allgather_gemm_dim0,
     "allgather_gemm_dim1": allgather_gemm_dim1,
     "allgather_gemm_batch1": allgather_gemm_batch1,
+    "allgather_gemm_batch1_views": allgather_gemm_batch1_views,
 }
 
 

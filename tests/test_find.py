@@ -93,6 +93,14 @@ def test_allgather_gemm_batch1_view_chain(fake_group):
     assert len(m.chain_nodes) == 2  # both reshapes belong to the site
 
 
+def test_allgather_gemm_one_flattening_view_per_gemm(fake_group):
+    # an inference graph flattens the gathered [1, S, K] once per projection: one site, three GEMMs
+    _, (m,) = build(gc.allgather_gemm_batch1_views, fake_group)
+    assert m.unsupported is None and (m.m, m.k) == (16, 12)
+    assert [c.n for c in m.consumers] == [20, 21, 22]
+    assert len(m.gathered_twins) == 2 and len(m.chain_nodes) == 4
+
+
 def test_alltoall_equal_and_unequal(fake_group):
     _, (m,) = build(gc.gemm_alltoall, fake_group)
     assert m.kind == "gemm_alltoall" and m.unsupported is None

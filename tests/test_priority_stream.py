@@ -271,7 +271,7 @@ def _rs_match(world=4, m=20, n=7, k=9, outer=1, cls=GemmReduceScatterMatch, stri
 def _ag_match(world=4, m=16, k=9, outer=1):
     return AllGatherGemmMatch(
         group_name="0", world_size=world, dtype=torch.float32, graph="forward", unsupported=None, ag_node=None,
-        wait_node=None, shard_node=None, chain_nodes=[], full_node=None, gathered_node=None,
+        wait_node=None, shard_node=None, chain_nodes=[], full_node=None, gathered_node=None, gathered_twins=[],
         gathered_shape=(m, k), gather_dim=0, consumers=[], m=m, k=k,
         stripes=RowStripes(outer, world, m // world // outer),
     )

@@ -59,6 +59,7 @@ def _verify(rows, world):
     assert ("gemm_reducescatter_dim1", "signal_reorder") in rewritten
     assert ("gemm_sum_reducescatter", "signal_reorder") in rewritten
     assert ("gemm_alltoall", "signal_reorder") in rewritten
+    assert ("allgather_gemm_batch1_views", "p2p_ring") in rewritten  # one flattening view per GEMM
 
 
 def random_case_kwargs(world: int, seed: int) -> list[dict]:

@@ -369,15 +369,16 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
     # The [M, K] matrix: the gathered tensor itself when 2-D, else reached through view/reshape
     # nodes that keep the last dim (K): such views keep the row-major row order, e.g. with batch 1
     # [W*S/W... , K] -> [1, S, K] -> [S, K].
-    matrix, flat_chain = _flatten_rows(gathered)
+    matrix, flat_chain, twins = _flatten_rows(gathered)
     if matrix is None:
         return None
     consumers = []
-    for u in matrix.users:
-        if is_call(u, MM_OPS) and mm_operands(u)[0] is matrix and mm_operands(u)[3] is None:
-            _, b, bias, _ = mm_operands(u)
-            shape = static_shape(u)
-            consumers.append(GemmConsumer(mm_node=u, b_node=b, bias_node=bias, n=shape[1] if shape else 0))
+    for view in (matrix, *twins):
+        for u in view.users:
+            if is_call(u, MM_OPS) and mm_operands(u)[0] is view and mm_operands(u)[3] is None:
+                _, b, bias, _ = mm_operands(u)
+                shape = static_shape(u)
+                consumers.append(GemmConsumer(mm_node=u, b_node=b, bias_node=bias, n=shape[1] if shape else 0))
     if not consumers:
         return None  # an all-gather that feeds no GEMM rows is not a site
 
@@ -417,6 +418,7 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
         chain_nodes=chain + flat_chain,
         full_node=gathered,
         gathered_node=matrix,
+        gathered_twins=twins,
         gathered_shape=gshape or (),
         gather_dim=gather_dim,
         consumers=consumers,
@@ -426,20 +428,29 @@ def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
     )
 
 
-def _flatten_rows(gathered: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    """Follow single views that keep the last dim from ``gathered`` down to a 2-D node."""
+def _flatten_rows(gathered: fx.Node) -> tuple[fx.Node | None, list[fx.Node], list[fx.Node]]:
+    """Follow views that keep the last dim from ``gathered`` down to a 2-D node: (the 2-D node,
+    the views on the way, its twins). Twins are further views to the same 2-D shape from the
+    same node: an inference graph flattens ``[1, S, K]`` once per GEMM (the Q, K and V
+    projections each read their own ``reshape(x, [S, K])``), a training graph once for all."""
     shape = static_shape(gathered)
     if shape is None:
-        return None, []
+        return None, [], []
     node, chain = gathered, []
     while len(shape) > 2:
         views = [u for u in node.users if is_call(u, VIEW_OPS) and static_shape(u) and static_shape(u)[-1] == shape[-1]]
-        if len(views) != 1 or (chain and len(node.users) != 1):
-            return None, []  # an intermediate view read elsewhere: not a plain flattening
+        if chain and len(node.users) != len(views):
+            return None, [], []  # an intermediate view read elsewhere: not a plain flattening
+        shapes = {tuple(static_shape(v)) for v in views}
+        if len(views) > 1 and len(shapes) == 1 and len(next(iter(shapes))) == 2:
+            chain.extend(views)
+            return views[0], chain, views[1:]
+        if len(views) != 1:
+            return None, [], []
         node = views[0]
         chain.append(node)
         shape = static_shape(node)
-    return node, chain
+    return node, chain, []
 
 
 def _prod(xs) -> int:

@@ -155,6 +155,7 @@ class AllGatherGemmMatch(Match):
     chain_nodes: list[fx.Node]  # split/getitem/cat/views between wait and the gathered matrix
     full_node: fx.Node  # the gathered tensor (wait, or the cat for dim > 0) before flattening
     gathered_node: fx.Node  # the [M, K] matrix (full_node itself when already 2-D)
+    gathered_twins: list[fx.Node]  # further views of full_node to the same [M, K] (one per GEMM)
     gathered_shape: tuple[int, ...]  # the gathered tensor before flattening to [M, K]
     gather_dim: int
     consumers: list[GemmConsumer]

@@ -89,7 +89,8 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
     for c, y in zip(m.consumers, ys):
         c.mm_node.replace_all_uses_with(y)
     erase_if_dead(graph, [c.mm_node for c in m.consumers])
-    m.gathered_node.replace_all_uses_with(gathered)
+    for view in (m.gathered_node, *m.gathered_twins):
+        view.replace_all_uses_with(gathered)
     others = [u for u in m.full_node.users if u not in m.chain_nodes]
     if m.full_node is not m.gathered_node and others:
         # The un-flattened gathered tensor (e.g. [B, S, H]) has readers besides the flattening views.
