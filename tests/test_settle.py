@@ -188,3 +188,33 @@ def test_committed_measurements_replayed(h200):
     geo = {on: math.exp(sum(math.log(outcome[(s, on)][1]) for s in sites) / len(sites)) for on in (False, True)}
     assert geo[True] > geo[False], geo
     assert min(outcome[(s, True)][1] for s in sites) >= min(outcome[(s, False)][1] for s in sites)
+
+
+@pytest.mark.parametrize("lead,timing", [(None, "idle"), (0.0, "idle"), (0.001, "idle"), (2.0, "queued")])
+def test_host_launched_site_is_timed_on_a_busy_gpu_where_the_graph_hides_the_host_time(h200, monkeypatch, lead, timing):
+    """Host-launched: where host_pacing's clocks put more GPU work ahead of the site than the op's
+    host time, the site and its rewrites are timed issued behind a busy GPU (what the GPU does, as
+    in the graph), else from an idle GPU (the host time counts, as at the head of a graph)."""
+    import dataclasses
+
+    from torch._inductor import config as ic
+
+    asked = []
+
+    def measure_items(items, match, options, gpu_only=False, queued=False):
+        asked.append(queued)
+        return [1.0] + [1 / 1.1] * (len(items) - 1)
+
+    monkeypatch.setattr(exhaustive, "measure_items", measure_items)
+    with ic.patch({"triton.cudagraphs": False}):
+        assert predictor.launch_mode() == "eager"
+        site = traced_site(*IN_BAND, 2)
+        with config.patch(measure_uncertain=False):
+            (kept,) = decide([site], config.current(), h200)
+        assert kept.template == "baseline"
+        clock = None if lead is None else {"lead": lead, "host_start": 0.0, "host_end": 0.0, "gpu_start": 0.0,
+                                           "gpu_end": 0.0}
+        (d,) = settle.settle([dataclasses.replace(kept, host_clock=clock)], config.current(), h200)
+    assert asked == [timing == "queued"]
+    assert d.measured["timing"] == timing and d.template == "p2p_ring"
+    assert ("timed on the GPU with the host ahead" in d.reason) == (timing == "queued")

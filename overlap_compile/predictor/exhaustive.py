@@ -34,6 +34,9 @@ WARMUP = 2
 ITERS = 5
 MAX_MEASURED = 32  # per template: the best predicted ones if a template offers more
 FAILED_MS = 1e9  # a candidate that failed to run on some rank (kept comparable across ranks)
+# what a queued timing runs ahead of each call: ~5 ms at Hopper clocks (1.6-2.0 GHz), past the host
+# time of any op call (0.03-0.9 ms, benchmarks/host_profile.py)
+HOST_AHEAD_CYCLES = 10_000_000
 
 _measure_hook: Callable[..., float] | None = None
 
@@ -86,8 +89,11 @@ def _broadcast_choice(index: int, pg: Any, device: str, what: str) -> None:
             f"{dist.get_rank(pg)} but rank 0 chose {int(t.item())}; use the same options and profile everywhere")
 
 
-def _time(fn: Callable[[], Any], device: str) -> float:
-    """Median ms of ``fn`` launched from the host, each call from an idle GPU (CUDA events on GPU)."""
+def _time(fn: Callable[[], Any], device: str, queued: bool = False) -> float:
+    """Median ms of ``fn`` launched from the host (CUDA events on GPU), each call from an idle GPU,
+    so the host's launch time counts; ``queued``: each call is issued while the GPU is still busy
+    with a sleep kernel queued before the start event, so only the GPU's time counts, as for a
+    call issued while the GPU works through earlier kernels of its graph."""
     import torch
 
     for _ in range(WARMUP):
@@ -97,6 +103,8 @@ def _time(fn: Callable[[], Any], device: str) -> float:
         torch.cuda.synchronize()
         for _ in range(ITERS):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(HOST_AHEAD_CYCLES)
             s.record()
             fn()
             e.record()
@@ -144,9 +152,10 @@ def _time_graphed(fn: Callable[[], Any], pg: Any, device: str) -> float:
 
 
 def _real_measure(template: str, match: Any, config: dict | None, options: Any, device: str,
-                  pg: Any = None, graphed: bool = False) -> float:
+                  pg: Any = None, graphed: bool = False, queued: bool = False) -> float:
     """ms of the site as written ("baseline") or of ``template``'s op with ``config``, on random
-    operands of the site's shapes; ``graphed``: replayed from a CUDA graph (``_time_graphed``)."""
+    operands of the site's shapes; ``graphed``: replayed from a CUDA graph (``_time_graphed``),
+    else host-launched (``queued``: behind a busy GPU, ``_time``)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -162,7 +171,7 @@ def _real_measure(template: str, match: Any, config: dict | None, options: Any, 
             return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt) * 0.1
 
         def timed(fn: Callable[[], Any]) -> float:
-            return _time_graphed(fn, pg, device) if graphed else _time(fn, device)
+            return _time_graphed(fn, pg, device) if graphed else _time(fn, device, queued)
 
         if match.kind == "moe":
             return timed(_moe_call(template, match, config, options, rnd))
@@ -228,10 +237,11 @@ def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd:
 
 
 def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
-                 gpu_only: bool = False) -> list[float] | str:
+                 gpu_only: bool = False, queued: bool = False) -> list[float] | str:
     """Measured ms per (template, config), agreed across the group; or the reason it was not
     measured. In the CUDA-graph launch mode (mode="reduce-overhead") GPU groups time CUDA-graph
-    replays, else host launches. ``gpu_only``: groups on CPU (gloo) are not measured either."""
+    replays, else host launches (``queued``: issued while the GPU is busy, see ``_time``).
+    ``gpu_only``: groups on CPU (gloo) are not measured either."""
     if _measure_hook is not None:
         return [float(_measure_hook(t, match, c, options)) for t, c in items]
     try:
@@ -249,7 +259,7 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
     from .launch import launch_mode
 
     graphed = device.startswith("cuda") and launch_mode() == "cuda_graph"  # read on the compiling thread
-    tag = hashlib.sha1(repr((match.signature(), items, graphed)).encode()).hexdigest()[:20]
+    tag = hashlib.sha1(repr((match.signature(), items, graphed, queued)).encode()).hexdigest()[:20]
     if not agreement.all_present(pg, tag):
         return (f"not measured: not every rank of the group compiled this site within "
                 f"{agreement.PRESENCE_TIMEOUT_S:.0f} s "
@@ -259,7 +269,7 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
         local = []
         for t, c in items:
             try:
-                local.append(_real_measure(t, match, c, options, device, pg, graphed))
+                local.append(_real_measure(t, match, c, options, device, pg, graphed, queued))
             except Exception:
                 local.append(FAILED_MS)
         return _agree_max(local, pg, device)
@@ -296,10 +306,10 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
 
 
 def measure_items(items: list[tuple[str, dict | None]], match: Any, options: Any,
-                  gpu_only: bool = False) -> list[float] | str:
+                  gpu_only: bool = False, queued: bool = False) -> list[float] | str:
     """Measured ms of each (template, config) of ``match`` ("baseline": the site as written),
     agreed across the group (``FAILED_MS`` where it failed on some rank), or why not measured."""
-    return _measure_all(items, match, options, gpu_only)
+    return _measure_all(items, match, options, gpu_only, queued)
 
 
 def measure_baseline(match: Any, options: Any) -> float | str:

@@ -52,6 +52,26 @@ def test_cuda_graph_timing_on_one_rank():
     assert 0.5 < r["graphed"] / r["eager"] < 1.5, r
 
 
+def test_queued_timing_leaves_the_host_time_out():
+    """A call that spends 1 ms on the host before a tiny kernel: timed from an idle GPU the host
+    time counts (>= 1 ms), issued behind a busy GPU only the kernel does (well under it)."""
+    import time
+
+    from overlap_compile.predictor import exhaustive
+
+    x = torch.randn(1024, device="cuda")
+
+    def host_heavy():
+        time.sleep(0.001)
+        x.mul_(1.0001)
+
+    idle = exhaustive._time(host_heavy, "cuda")
+    queued = exhaustive._time(host_heavy, "cuda", queued=True)
+    print({"idle": idle, "queued": queued})
+    assert idle >= 1.0, idle
+    assert queued < 0.2, queued
+
+
 def settled_site() -> list[str]:
     import functools
 
