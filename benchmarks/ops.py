@@ -159,11 +159,24 @@ def _times(fn, modes: tuple[str, ...], label: str) -> dict[str, float]:
 
 def _method_rows(name: str, kind: str, a, b, ref, group: str, world: int, modes, base: dict, seq_ms: dict,
                  gemm_ms: float, comm_ms: float) -> list[dict]:
-    """One method's rows on one site (one per mode); none where a forced template does not apply."""
+    """One method's rows on one site (one per mode); none where a forced template does not apply.
+    ``auto`` decides once per mode, as the pass does for a graph Inductor captures (CUDA graph:
+    mode="reduce-overhead") or launches from the host (default mode): the decisions differ."""
+    if name == "auto":
+        return [row for mode in modes
+                for row in _mode_rows(name, kind, a, b, ref, group, world, (mode,), base, seq_ms, gemm_ms, comm_ms)]
+    return _mode_rows(name, kind, a, b, ref, group, world, modes, base, seq_ms, gemm_ms, comm_ms)
+
+
+def _mode_rows(name: str, kind: str, a, b, ref, group: str, world: int, modes, base: dict, seq_ms: dict,
+               gemm_ms: float, comm_ms: float) -> list[dict]:
+    from torch._inductor import config as ic
+
     label = f"{name} {kind} {base['shape']}"
     try:
         with _method_context(name, group):
-            fn, config, groups, reason = _site(name, kind, a, b, group, world)
+            with ic.patch({"triton.cudagraphs": modes == ("cuda_graph",)}):  # the launch mode decided for
+                fn, config, groups, reason = _site(name, kind, a, b, group, world)
             if fn is None:
                 return []
             out = fn().reshape(ref.shape)

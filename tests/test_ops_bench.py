@@ -96,3 +96,29 @@ def test_async_tp_rows_say_whether_async_tp_rewrote_the_site():
         assert r["config"] == {"rewritten": kind in ("allgather_gemm", "gemm_reducescatter")}, (kind, r["config"])
         assert (r["method"], r["mode"]) == ("async_tp", "eager") and r["correct"] and r["rel_err"] < 1e-5
         assert r["bound_ms"] is None and r["ms"] > 0
+
+
+def test_auto_decides_once_per_launch_mode(monkeypatch):
+    """auto's CUDA-graph row runs what the pass decides for a graph Inductor captures, its
+    host-launched row what it decides for host launches; a template's rows share one site."""
+    import torch
+
+    from benchmarks import ops
+    from overlap_compile.predictor import launch_mode
+
+    decided = []
+
+    def site(name, kind, a, b, group, world):
+        decided.append((name, launch_mode()))
+        return (lambda: torch.ones(2)), {"chosen": launch_mode()}, None, "why"
+
+    monkeypatch.setattr(ops, "_site", site)
+    monkeypatch.setattr(ops, "_times", lambda fn, modes, label: {m: 1.0 for m in modes})
+    args = ("gemm_allreduce", None, None, torch.ones(2), "g", 2, ("eager", "cuda_graph"), {"shape": [2, 2, 2]},
+            {"eager": 2.0, "cuda_graph": 2.0}, 1.0, 1.0)
+    rows = ops._method_rows("auto", *args)
+    assert decided == [("auto", "eager"), ("auto", "cuda_graph")]
+    assert [(r["mode"], r["config"]["chosen"]) for r in rows] == [("eager", "eager"), ("cuda_graph", "cuda_graph")]
+    decided.clear()
+    rows = ops._method_rows("p2p_ring", *args)
+    assert len(decided) == 1 and [r["mode"] for r in rows] == ["eager", "cuda_graph"]
