@@ -130,7 +130,8 @@ def write(rows: list[dict], out: str) -> str:
         for metric, suffix in (("ms", "-train"), ("prefill_ms", "-prefill")):
             for p in plot.plot(rows, out, os.path.basename(stem) + suffix, metric=metric):
                 print("wrote", p)
-        for p in plot.plot_e2e(rows, out, os.path.basename(stem)):  # absolute times with the nocomm bound
+        # absolute times with the nocomm bound; then the whole run in one figure, relative to inductor
+        for p in plot.plot_e2e(rows, out, os.path.basename(stem)) + plot.plot_e2e_summary(rows, out, os.path.basename(stem)):
             print("wrote", p)
     except ImportError as e:
         print(f"no plots ({e})")

@@ -185,6 +185,56 @@ def plot_e2e(rows: list[dict], out_dir: str, stem: str) -> list[str]:
     return paths
 
 
+def e2e_summary(rows: list[dict]) -> dict:
+    """model -> [(cell label "mode, phase", {method: ms / inductor's ms}, {method: gap closed})], the
+    cells with an inductor time (first shape of each model), in compile mode then phase order."""
+    out: dict = defaultdict(list)
+    for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
+        shape, ms = next(iter(shapes.items()))
+        if "inductor" not in ms:
+            continue
+        gaps = e2e_gaps({shape: ms}).get(shape, {})
+        out[model].append((f"{compile_mode}, {phase}", {m: t / ms["inductor"] for m, t in ms.items()}, gaps))
+    return dict(out)
+
+
+def plot_e2e_summary(rows: list[dict], out_dir: str, stem: str) -> list[str]:
+    """One figure for the whole run: per model a panel, per (compile mode, phase) a group of bars,
+    each method's step time relative to inductor's (the bound: nocomm), labelled with the share
+    of the gap inductor -> nocomm it closes. Relative and zoomed, so a 5% gap is visible."""
+    summary = e2e_summary(rows)
+    if not summary:
+        return []
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.2), squeeze=False)
+    for ax, (model, cells) in zip(axes[0], sorted(summary.items())):
+        methods = _e2e_order({m for _, rel, _ in cells for m in rel})
+        width = 0.8 / max(len(methods), 1)
+        low = min(v for _, rel, _ in cells for v in rel.values())
+        high = max(1.0, max(v for _, rel, _ in cells for v in rel.values()))
+        for i, m in enumerate(methods):
+            xs = [j + i * width for j in range(len(cells))]
+            ys = [rel.get(m, math.nan) for _, rel, _ in cells]
+            ax.bar(xs, ys, width, label=m + (" (bound)" if m == "nocomm" else ""))
+            for x, y, (_, _, gaps) in zip(xs, ys, cells):
+                g = gaps.get(m)
+                if g is not None and y == y:
+                    ax.annotate(f"{g:.0%}", (x, y), ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(low - 0.25 * (high - low) - 0.005, high + 0.15 * (high - low) + 0.005)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [c.replace(", ", "\n") for c, _, _ in cells],
+                      fontsize=8)
+        ax.set_ylabel("step time / inductor's (label: share of the gap to the bound closed)", fontsize=8)
+        ax.set_title(model, fontsize=9)
+        ax.legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{rows[0].get('device', '')} x{rows[0].get('world_size', '')}, torch {rows[0].get('torch', '')}, "
+                 f"{rows[0].get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{stem}-e2e-summary.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def markdown_e2e(rows: list[dict]) -> str:
     lines = []
     for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
@@ -340,7 +390,7 @@ def main() -> None:
         out_dir = args.out or os.path.dirname(path) or "."
         stem = os.path.splitext(os.path.basename(path))[0] + ("" if args.metric == "ms" else f"-{args.metric}")
         for p in plot(rows, out_dir, stem, args.metric) + plot_by_experts(rows, out_dir, stem, args.metric) \
-                + plot_e2e(rows, out_dir, stem):
+                + plot_e2e(rows, out_dir, stem) + plot_e2e_summary(rows, out_dir, stem):
             print("wrote", p)
         if args.markdown:
             print(markdown(rows, args.metric))

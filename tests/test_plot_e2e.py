@@ -114,3 +114,16 @@ def test_rows_with_an_option_off_go_to_their_own_file(tmp_path, off, suffix):
     stem = e2e_report.write(e2e.compare(rows, 1e-4), str(tmp_path))
     assert os.path.basename(stem) == f"e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-24{suffix}"
     assert os.path.exists(stem + ".json") and os.path.exists(stem + ".md")
+
+
+def test_summary_relative_to_inductor_with_the_gap_closed(tmp_path):
+    summary = plot.e2e_summary(_rows())
+    (cells,) = summary.values()
+    by_cell = {label: (rel, gaps) for label, rel, gaps in cells}
+    rel, gaps = by_cell["default, train"]
+    assert rel == {"inductor": 1.0, "async_tp": 0.95, "overlap": 0.9, "nocomm": 0.8}
+    assert gaps["overlap"] == pytest.approx(0.5) and gaps["async_tp"] == pytest.approx(0.25)
+    assert by_cell["default, prefill"][1]["overlap"] == pytest.approx(-0.2)  # slower than inductor
+    assert by_cell["reduce-overhead, train"][1] == {"overlap": None}  # no gap: nothing to close
+    (png,) = plot.plot_e2e_summary(_rows(), str(tmp_path), "run")
+    assert png.endswith("run-e2e-summary.png") and os.path.getsize(png) > 0
