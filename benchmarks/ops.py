@@ -234,7 +234,9 @@ def shape_order(kinds: list[str], shapes: dict) -> list[tuple[str, list[int]]]:
 
 
 def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str], cuda: bool | None = None,
-          time_budget: float = 0.0, start: float | None = None) -> list[dict]:
+          time_budget: float = 0.0, start: float | None = None, partial: str | None = None) -> list[dict]:
+    """Every shape's rows; ``partial`` (rank 0): a JSON-lines file each shape's rows are appended
+    to as they land, so a run that dies (a rank's CUDA error kills the group) keeps what it measured."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     budget = Budget(time_budget, "cuda" if cuda else "cpu", start or time.time())
     rows = []
@@ -250,6 +252,9 @@ def bench(kinds: list[str], shapes: dict, world: int, templates_to_run: list[str
         rows += got
         if dist.get_rank() == 0:
             print(_table_rows(got), flush=True)
+            if partial:
+                with open(partial, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in got)
     return rows
 
 
@@ -265,7 +270,11 @@ def _table_rows(rows: list[dict]) -> str:
 
 def worker(kinds, shapes, templates_to_run, out_dir, cuda=None, time_budget=0.0, start=None):
     world = dist.get_world_size()
-    rows = bench(kinds, shapes, world, templates_to_run, cuda, time_budget, start)
+    partial = None
+    if dist.get_rank() == 0 and out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        partial = os.path.join(out_dir, f"ops-partial-{datetime.datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    rows = bench(kinds, shapes, world, templates_to_run, cuda, time_budget, start, partial)
     if dist.get_rank() == 0 and out_dir:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print("wrote", write_rows(rows, out_dir, "ops", device, world))

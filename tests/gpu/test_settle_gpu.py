@@ -34,9 +34,10 @@ def graphed_timing() -> dict:
 
     graphed = exhaustive.on_fresh_thread(lambda: exhaustive._time_graphed(site, pg, dev))
     eager = exhaustive.on_fresh_thread(lambda: exhaustive._time(site, dev))
+    queued = exhaustive.on_fresh_thread(lambda: exhaustive._time(site, dev, queued=True))
     failed = exhaustive.on_fresh_thread(lambda: exhaustive._time_graphed(uncapturable, pg, dev))
     again = exhaustive.on_fresh_thread(lambda: exhaustive._time_graphed(site, pg, dev))  # the group still works
-    return {"graphed": graphed, "eager": eager, "failed": failed, "again": again}
+    return {"graphed": graphed, "eager": eager, "queued": queued, "failed": failed, "again": again}
 
 
 def test_cuda_graph_timing_on_one_rank():
@@ -48,8 +49,11 @@ def test_cuda_graph_timing_on_one_rank():
 
     assert 0 < r["graphed"] < FAILED_MS and 0 < r["again"] < FAILED_MS, r
     assert r["failed"] == FAILED_MS, r
-    # the same GPU work either way: a 4096^3 bf16 GEMM (~0.2 ms) and a 1-rank all-reduce
-    assert 0.5 < r["graphed"] / r["eager"] < 1.5, r
+    # the same GPU work either way: a 4096^3 bf16 GEMM (~0.2 ms) and a 1-rank all-reduce. Launched
+    # from an idle GPU the host's launch time adds to it (2x H100: 0.43 ms against 0.20 ms
+    # replayed), so the GPU's own time is the one issued behind a busy GPU
+    assert 0.8 < r["graphed"] / r["queued"] < 1.25, r
+    assert r["eager"] >= 0.9 * r["queued"], r
 
 
 def test_queued_timing_leaves_the_host_time_out():
