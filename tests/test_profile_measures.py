@@ -78,3 +78,34 @@ def test_written_profile_makes_the_predictor_offer_the_measured_options(tmp_path
     assert expert_kernel_ratio(prof) == pytest.approx(PM.expert_kernel_ratio(_expert_rows()))
     assert any("signal_epilogue" in n for n in prof.raw["notes"]) and any("expert_kernel_vs_bmm" in n
                                                                           for n in prof.raw["notes"])
+
+
+def _ops_rows():
+    """Three sites: two rewritten by p2p_ring in both modes (host ratios 1.5 and 0.5 -> median 1.0),
+    one where auto chose differently per mode (left out)."""
+    rows = []
+
+    def site(shape, seq, op, chosen):
+        for mode, ms in zip(("eager", "cuda_graph"), seq):
+            rows.append({"benchmark": "ops", "kind": "gemm_reducescatter", "shape": shape, "method": "sequential",
+                         "mode": mode, "ms": ms, "correct": True})
+        for mode, ms, c in zip(("eager", "cuda_graph"), op, chosen):
+            rows.append({"benchmark": "ops", "kind": "gemm_reducescatter", "shape": shape, "method": "auto",
+                         "mode": mode, "ms": ms, "config": {"chosen": c}, "correct": True})
+
+    site([1, 1, 1], (1.1, 1.0), (0.95, 0.8), ("p2p_ring", "p2p_ring"))
+    site([2, 2, 2], (2.2, 2.0), (1.9, 1.8), ("p2p_ring", "p2p_ring"))
+    site([3, 3, 3], (3.1, 3.0), (5.0, 2.0), ("baseline", "p2p_ring"))
+    return rows
+
+
+def test_replayed_host_ratio_from_ops_rows():
+    ratios = PM.replay_host_ratios(_ops_rows())
+    assert set(ratios) == {"p2p_ring"}
+    assert ratios["p2p_ring"][0] == pytest.approx(1.0) and ratios["p2p_ring"][1] == 2
+    prof = PM.update({"notes": []}, None, None, {"ops": "ops.json"}, _ops_rows())
+    replayed = prof["op_overhead_ms"]["replayed"]
+    assert replayed["per_template"] == {"p2p_ring": 1.0} and replayed["ratio_to_site"] == 1.0
+    assert "ops.json" in replayed["source"]
+    with pytest.raises(ValueError, match="auto ran one template"):
+        PM.update({"notes": []}, None, None, {"ops": "x"}, _ops_rows()[-4:])

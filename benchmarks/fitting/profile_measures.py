@@ -12,7 +12,16 @@
   files without it: the best correct config per case) with arrival waits on, CUDA graph ->
   ``moe.expert_kernel_vs_bmm``. moe_fused offers ``"experts": "fused"`` only once this is there.
 
-Only rows marked correct count. Each value goes into the profile's notes with the file it came
+* ``--ops`` (benchmarks/ops.py with ``auto``, W >= 2): the host time a template's op exposes when
+  replayed from its CUDA graph (runtime.op_graphs), over the site's own: per site where auto ran
+  the same template host-launched and under CUDA graphs, (op host-launched - op CUDA graph) /
+  (sequential host-launched - sequential CUDA graph), the median per template ->
+  ``op_overhead_ms.replayed`` (``ratio_to_site``: the largest template median). These are the times
+  a call launched from an idle GPU loses to its host, the ops' own rows; the earlier figure (0.41,
+  priority_stream at W=1, benchmarks/host_profile.py) priced p2p_ring below the site it replaces,
+  where on 2x H100 it exposed 1.2x the site's host time.
+
+Only rows marked correct count (ops rows: each method's row where it is not marked wrong). Each value goes into the profile's notes with the file it came
 from; the result is written as JSON (``--out``).
 """
 from __future__ import annotations
@@ -67,10 +76,46 @@ def expert_kernel_ratio(rows: list[dict]) -> float | None:
     return geomean(ratios) if ratios else None
 
 
+def replay_host_ratios(rows: list[dict]) -> dict[str, tuple[float, int]]:
+    """{template: (median host-time ratio of its replayed op to the site, sites)}: see the module
+    docstring (``--ops``). Sites whose sequential host time is not above 5 us are left out (no
+    ratio to take)."""
+    import statistics
+
+    by_site: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("benchmark", "ops") == "ops" and r.get("correct", True) and isinstance(r.get("ms"), (int, float)):
+            by_site.setdefault((r["kind"], tuple(r["shape"])), {})[(r["method"], r["mode"])] = r
+    per: dict[str, list[float]] = {}
+    for site in by_site.values():
+        seq_e, seq_g = site.get(("sequential", "eager")), site.get(("sequential", "cuda_graph"))
+        op_e, op_g = site.get(("auto", "eager")), site.get(("auto", "cuda_graph"))
+        if not (seq_e and seq_g and op_e and op_g):
+            continue
+        chosen = {(op_e.get("config") or {}).get("chosen"), (op_g.get("config") or {}).get("chosen")}
+        seq_host = seq_e["ms"] - seq_g["ms"]
+        if len(chosen) != 1 or None in chosen or "baseline" in chosen or seq_host <= 0.005:
+            continue
+        per.setdefault(chosen.pop(), []).append((op_e["ms"] - op_g["ms"]) / seq_host)
+    return {t: (statistics.median(v), len(v)) for t, v in per.items()}
+
+
 def update(profile: dict, gemm_rows: list[dict] | None, expert_rows: list[dict] | None,
-           sources: dict[str, str]) -> dict:
+           sources: dict[str, str], ops_rows: list[dict] | None = None) -> dict:
     out = copy.deepcopy(profile)
     out.setdefault("notes", [])
+    if ops_rows is not None:
+        ratios = replay_host_ratios(ops_rows)
+        if not ratios:
+            raise ValueError("no site in the ops file where auto ran one template host-launched and under CUDA graphs")
+        replayed = out.setdefault("op_overhead_ms", {}).setdefault("replayed", {})
+        replayed["per_template"] = {t: round(r, 3) for t, (r, _) in sorted(ratios.items())}
+        replayed["ratio_to_site"] = round(max(r for r, _ in ratios.values()), 3)
+        replayed["source"] = (f"{sources['ops']}: (op host-launched - op CUDA graph) / (sequential host-launched - "
+                              "sequential CUDA graph), median per template over the sites auto rewrote with it in "
+                              "both modes (" + ", ".join(f"{t} {r:.2f} over {n}" for t, (r, n) in sorted(ratios.items()))
+                              + "); ratio_to_site: the largest")
+        out["notes"].append(f"op_overhead_ms.replayed from {sources['ops']}")
     if gemm_rows is not None:
         epi = signal_epilogue(gemm_rows)
         if "group_end" not in epi:
@@ -93,6 +138,7 @@ def main() -> None:
     ap.add_argument("--profile", required=True, help="a built-in profile name or a profile JSON path")
     ap.add_argument("--gemm", default=None)
     ap.add_argument("--experts", default=None)
+    ap.add_argument("--ops", default=None, help="benchmarks/ops.py rows with auto (W >= 2): the replayed host ratio")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from overlap_compile import predictor
@@ -103,11 +149,13 @@ def main() -> None:
             return json.load(f)
 
     prof = update(base, load(a.gemm) if a.gemm else None, load(a.experts) if a.experts else None,
-                  {"gemm": os.path.basename(a.gemm or ""), "experts": os.path.basename(a.experts or "")})
+                  {"gemm": os.path.basename(a.gemm or ""), "experts": os.path.basename(a.experts or ""),
+                   "ops": os.path.basename(a.ops or "")}, load(a.ops) if a.ops else None)
     predictor.profile.profile_from_dict(prof, source=a.out)  # still a valid profile
     with open(a.out, "w") as f:
         json.dump(prof, f, indent=1)
-    print("wrote", a.out, "with", {k: prof[k] for k in ("signal_epilogue", "moe") if k in prof})
+    print("wrote", a.out, "with", {k: prof[k] for k in ("signal_epilogue", "moe") if k in prof},
+          prof.get("op_overhead_ms", {}).get("replayed"))
 
 
 if __name__ == "__main__":
