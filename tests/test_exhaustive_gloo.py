@@ -89,3 +89,17 @@ def test_search_measure_keeps_the_predicted_decision():
     assert (measured.template, measured.config) == (predicted.template, predicted.config)
     assert measured.measured["measured_gain"] == 0.5 and measured.measured["baseline_ms"] == 1.0
     assert predicted.measured is None
+
+
+def test_items_of_a_site_share_their_operands():
+    """The k-th operand every item of a site asks for is one tensor (same data, one copy)."""
+    import torch
+
+    from overlap_compile.predictor.exhaustive import _Operands
+
+    rnd = _Operands("cpu", torch.float32)
+    a, b = rnd.item()(4, 3), rnd(3, 5)
+    a2, b2 = rnd.item()(4, 3), rnd(3, 5)
+    assert a2 is a and b2 is b and a.shape == (4, 3) and b.shape == (3, 5)
+    c = rnd.item()(2, 2)  # another shape in that slot: a new tensor there
+    assert c.shape == (2, 2) and rnd.item()(2, 2) is c

@@ -7,7 +7,8 @@ rank the same candidates in the same order, so their collectives pair up):
 1. each rank builds random operands of the site's shapes on the group's device (CUDA for NCCL
    groups, CPU for gloo), runs the baseline (mm + the collective, as written) or the candidate's
    op (``torch.ops.overlap_compile.<template>_gemm_collective`` / ``_allgather_gemm`` with the
-   plan of that config) ``WARMUP`` + ``ITERS`` times and keeps the median (CUDA events on GPU;
+   plan of that config) ``WARMUP`` times, then ``ROUNDS`` x ``PER_ROUND`` timed calls interleaved over
+   the items, and keeps the median per item (CUDA events on GPU;
    where Inductor captures the graph, mode="reduce-overhead", the calls are replays of one CUDA
    graph capture, so the host's launch time counts as it will there: not at all);
 2. the group all-reduces the times with MAX (a step takes as long as its slowest rank), so every
@@ -31,7 +32,8 @@ import time
 from typing import Any, Callable
 
 WARMUP = 2
-ITERS = 5
+ROUNDS = 3  # interleaved rounds over the items (_time_all) ...
+PER_ROUND = 3  # ... of this many timed calls each
 MAX_MEASURED = 32  # per template: the best predicted ones if a template offers more
 FAILED_MS = 1e9  # a candidate that failed to run on some rank (kept comparable across ranks)
 # what a queued timing runs ahead of each call: ~5 ms at Hopper clocks (1.6-2.0 GHz), past the host
@@ -39,6 +41,11 @@ FAILED_MS = 1e9  # a candidate that failed to run on some rank (kept comparable 
 HOST_AHEAD_CYCLES = 10_000_000
 
 _measure_hook: Callable[..., float] | None = None
+
+
+def _failed() -> None:
+    """The call of an item that could not be built: fails its warm-up, so it counts as failed."""
+    raise RuntimeError("this item could not be built")
 
 
 def set_measure(fn: Callable[..., float] | None) -> None:
@@ -94,38 +101,47 @@ def _time(fn: Callable[[], Any], device: str, queued: bool = False) -> float:
     so the host's launch time counts; ``queued``: each call is issued while the GPU is still busy
     with a sleep kernel queued before the start event, so only the GPU's time counts, as for a
     call issued while the GPU works through earlier kernels of its graph."""
-    import torch
-
-    for _ in range(WARMUP):
-        fn()
-    samples = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(ITERS):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queued:
-                torch.cuda._sleep(HOST_AHEAD_CYCLES)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            samples.append(s.elapsed_time(e))
-    else:
-        for _ in range(ITERS):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return _time_all([fn], device, queued=queued)[0]
 
 
 def _time_graphed(fn: Callable[[], Any], pg: Any, device: str) -> float:
     """Median ms of ``fn`` captured once into a CUDA graph and replayed: what a graph that
-    Inductor captures (mode="reduce-overhead") runs. Every rank captures (capturing runs
-    nothing, so a rank whose capture fails leaves no collective unpaired), then the group agrees
-    that all captured before any replays; if one rank could not, the item counts as failed on
-    every rank."""
+    Inductor captures (mode="reduce-overhead") runs (see ``_time_all``)."""
+    return _time_all([fn], device, pg, graphed=True)[0]
+
+
+def _time_all(fns: list[Callable[[], Any]], device: str, pg: Any = None, graphed: bool = False,
+              queued: bool = False) -> list[float]:
+    """Median ms of each of ``fns`` (``FAILED_MS`` where it failed), their samples taken in
+    ``ROUNDS`` interleaved rounds of ``PER_ROUND`` calls, so that a drift of the GPU's clocks or of
+    the peer's timing over the measurement falls on every item alike rather than on whichever
+    ran last (two measurements of one 5 ms site taken one after the other differed by 8%).
+
+    ``graphed``: each fn is captured once into a CUDA graph and replayed. Every rank captures
+    (capturing runs nothing, so a rank whose capture fails leaves no collective unpaired), then
+    the group agrees that all captured before any replays; if one rank could not, the item
+    counts as failed on every rank. Else launched from the host (``_time``)."""
+    runs = [_prepare(fn, device, pg, graphed) for fn in fns]
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for run, got in zip(runs, samples):
+            if run is not None:
+                got.extend(_sample(run, device, queued) for _ in range(PER_ROUND))
+    return [statistics.median(got) if got else FAILED_MS for got in samples]
+
+
+def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Callable[[], Any] | None:
+    """``fn`` warmed up, as the call to time (a graph's replay where ``graphed``), or None where it
+    failed (graphed: on some rank of the group)."""
     import torch
 
+    if not graphed:
+        try:
+            for _ in range(WARMUP):
+                fn()
+        except Exception:
+            return None
+        return fn
     graph = None
     try:
         for _ in range(WARMUP):
@@ -137,78 +153,100 @@ def _time_graphed(fn: Callable[[], Any], pg: Any, device: str) -> float:
     except Exception:
         graph = None
     if max(_agree_max([0.0 if graph is not None else 1.0], pg, device)) > 0:
-        return FAILED_MS
+        return None
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(ITERS):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        samples.append(s.elapsed_time(e))
-    return statistics.median(samples)
+    return graph.replay
 
 
-def _real_measure(template: str, match: Any, config: dict | None, options: Any, device: str,
-                  pg: Any = None, graphed: bool = False, queued: bool = False) -> float:
-    """ms of the site as written ("baseline") or of ``template``'s op with ``config``, on random
-    operands of the site's shapes; ``graphed``: replayed from a CUDA graph (``_time_graphed``),
-    else host-launched (``queued``: behind a busy GPU, ``_time``)."""
+def _sample(run: Callable[[], Any], device: str, queued: bool) -> float:
+    """ms of one call of ``run``: CUDA events on GPU (after a sleep kernel where ``queued``), the
+    host's clock on CPU."""
     import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not device.startswith("cuda"):
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+    s.record()
+    run()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+class _Operands:
+    """Random operands shared by the items of one site: the k-th tensor an item asks for is the
+    k-th any item asked for when the shape matches (every item of a site asks for the same ones),
+    so the items time the same data and the GPU holds one set of operands, not one per item."""
+
+    def __init__(self, device: str, dtype: Any):
+        import torch
+
+        self.device, self.dtype, self.made, self.next = device, dtype, [], 0
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def item(self) -> "_Operands":
+        self.next = 0
+        return self
+
+    def __call__(self, *shape: int) -> Any:
+        import torch
+
+        k, self.next = self.next, self.next + 1
+        if k < len(self.made) and tuple(self.made[k].shape) == shape:
+            return self.made[k]
+        t = torch.randn(*shape, generator=self.gen, device=self.device, dtype=torch.float32).to(self.dtype) * 0.1
+        self.made[k:k + 1] = [t]
+        return t
+
+
+def _site_call(template: str, match: Any, config: dict | None, options: Any, device: str,
+               rnd: Callable[..., Any] | None = None) -> Callable[[], Any]:
+    """The site as written ("baseline") or ``template``'s op with ``config``, on random operands of
+    the site's shapes (``rnd(*shape)``, by default a fresh ``_Operands``), as a call to time. Build
+    and call it with fake tensors off and grad off."""
+    import torch
 
     from .. import templates
     from ..runtime import comm
 
     c10d = torch.ops._c10d_functional
-    with unset_fake_temporarily(), torch.no_grad():
-        gen = torch.Generator(device=device).manual_seed(0)
-        dt, g, W = match.dtype, match.group_name, match.world_size
+    g, W = match.group_name, match.world_size
+    rnd = rnd or _Operands(device, match.dtype)
 
-        def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt) * 0.1
-
-        def timed(fn: Callable[[], Any]) -> float:
-            return _time_graphed(fn, pg, device) if graphed else _time(fn, device, queued)
-
-        if match.kind == "moe":
-            return timed(_moe_call(template, match, config, options, rnd))
-        if match.kind == "allgather_gemm":
-            shard = rnd(match.m // W, match.k)
-            bs = [rnd(match.k, c.n) for c in match.consumers]
-            biases = [rnd(c.n) if c.bias_node is not None else None for c in match.consumers]
-            if template == "baseline":
-                def fn() -> Any:
-                    full = comm.wait(comm.start_all_gather(shard, W, g))
-                    return [full @ b if bias is None else torch.addmm(bias, full, b) for b, bias in zip(bs, biases)]
-            else:
-                spec = templates.get_spec(template)
-                plan = spec.plan(match, config, options.signal_timeout_ms).to_json()
-                op = getattr(torch.ops.overlap_compile, f"{template}_allgather_gemm").default
-
-                def fn() -> Any:
-                    return op(shard, bs, biases, g, plan)
-        else:
-            a, b = rnd(match.m, match.k), rnd(match.k, match.n)
-            bias = rnd(match.n) if match.bias_node is not None else None
-            if template == "baseline":
-                def fn() -> Any:
-                    y = a @ b if bias is None else torch.addmm(bias, a, b)
-                    if match.kind == "gemm_allreduce":
-                        return comm.wait(c10d.all_reduce.default(y, match.reduce_op, g))
-                    if match.kind == "gemm_reducescatter":
-                        return comm.wait(comm.start_reduce_scatter(y, match.reduce_op, W, g))
-                    return comm.wait(comm.start_all_to_all(y, W, g))
-            else:
-                spec = templates.get_spec(template)
-                plan = spec.plan(match, config, options.signal_timeout_ms).to_json()
-                op = getattr(torch.ops.overlap_compile, f"{template}_gemm_collective").default
-
-                def fn() -> Any:
-                    return op(a, b, bias, g, plan)
-        return timed(fn)
+    if match.kind == "moe":
+        return _moe_call(template, match, config, options, rnd)
+    if match.kind == "allgather_gemm":
+        shard = rnd(match.m // W, match.k)
+        bs = [rnd(match.k, c.n) for c in match.consumers]
+        biases = [rnd(c.n) if c.bias_node is not None else None for c in match.consumers]
+        if template == "baseline":
+            def fn() -> Any:
+                full = comm.wait(comm.start_all_gather(shard, W, g))
+                return [full @ b if bias is None else torch.addmm(bias, full, b) for b, bias in zip(bs, biases)]
+            return fn
+        plan = templates.get_spec(template).plan(match, config, options.signal_timeout_ms).to_json()
+        op = getattr(torch.ops.overlap_compile, f"{template}_allgather_gemm").default
+        return lambda: op(shard, bs, biases, g, plan)
+    a, b = rnd(match.m, match.k), rnd(match.k, match.n)
+    bias = rnd(match.n) if match.bias_node is not None else None
+    if template == "baseline":
+        def fn() -> Any:
+            y = a @ b if bias is None else torch.addmm(bias, a, b)
+            if match.kind == "gemm_allreduce":
+                return comm.wait(c10d.all_reduce.default(y, match.reduce_op, g))
+            if match.kind == "gemm_reducescatter":
+                return comm.wait(comm.start_reduce_scatter(y, match.reduce_op, W, g))
+            return comm.wait(comm.start_all_to_all(y, W, g))
+        return fn
+    plan = templates.get_spec(template).plan(match, config, options.signal_timeout_ms).to_json()
+    op = getattr(torch.ops.overlap_compile, f"{template}_gemm_collective").default
+    return lambda: op(a, b, bias, g, plan)
 
 
 def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable) -> Callable[[], Any]:
@@ -266,12 +304,17 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
                 "(a rank that loaded the graph from a compile cache never comes); the predictions stand")
 
     def measure() -> list[float]:
-        local = []
-        for t, c in items:
-            try:
-                local.append(_real_measure(t, match, c, options, device, pg, graphed, queued))
-            except Exception:
-                local.append(FAILED_MS)
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():
+            calls, operands = [], _Operands(device, match.dtype)
+            for t, c in items:
+                try:
+                    calls.append(_site_call(t, match, c, options, device, operands.item()))
+                except Exception:  # e.g. a plan this site cannot take: the item fails, the others run
+                    calls.append(_failed)
+            local = _time_all(calls, device, pg, graphed, queued)
         return _agree_max(local, pg, device)
 
     return on_fresh_thread(measure)
