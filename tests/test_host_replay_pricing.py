@@ -16,11 +16,13 @@ def test_replayed_overhead_is_the_measured_fraction_of_the_site_host_time():
     table = p.raw["op_overhead_ms"]
     site = predictor.site_host_ms(p, "eager")
     ratio = table["replayed"]["per_template"]["priority_stream"]
-    assert 0 < ratio < 1  # measured on 1x H200: an op replay costs less host time than mm + collective
+    # measured at W=2 (2x H100, ops.py's auto rows, profile_measures --ops): a replayed op exposes
+    # more host time than mm + collective (1.5-1.8x), where priority_stream at W=1 had shown 0.41x
+    assert 1 < ratio < 3
     got = predictor.op_overhead_ms(p, "priority_stream", "eager", calls=4, replayed=True)
     assert got == pytest.approx((ratio - 1) * site)  # no per-call term: one graph launch whatever the chunks
     # unmeasured templates take the general figure; CUDA graphs and launched ops are priced as before
-    assert predictor.op_overhead_ms(p, "p2p_ring", "eager", replayed=True) == pytest.approx(
+    assert predictor.op_overhead_ms(p, "signal_reorder", "eager", replayed=True) == pytest.approx(
         (table["replayed"]["ratio_to_site"] - 1) * site)
     assert predictor.op_overhead_ms(p, "priority_stream", "cuda_graph", replayed=True) == 0.0
     assert predictor.op_overhead_ms(p, "priority_stream", "eager", calls=4) == pytest.approx(
@@ -56,9 +58,9 @@ def test_host_launched_candidates_are_priced_as_replays_when_op_graphs_is_on():
 
 
 def test_more_host_launched_sites_clear_the_bar_with_op_graphs():
-    """The decision on the Llama-3-8B block's sites at W=2, host-launched: with ops launched piece
-    by piece every site stays as written (0.3-0.9 ms of host time per op); replayed, the sites the
-    GPU gain justifies are rewritten."""
+    """The decision on the Llama-3-8B block's sites at W=2, host-launched, each site on its own:
+    with ops launched piece by piece every site stays as written (0.3-0.9 ms of host time per op);
+    replayed, the sites whose GPU gain pays for the replay's host time are rewritten."""
     with fake_process_group(2):
         sites = [traced_site("gemm_reducescatter", 8192, 4096, 7168, 2),
                  traced_site("gemm_reducescatter", 8192, 4096, 2048, 2),
@@ -70,4 +72,6 @@ def test_more_host_launched_sites_clear_the_bar_with_op_graphs():
             with config.patch(op_graphs=og):
                 chosen[og] = [d.template for d in decide(sites, config.current(), p)]
     assert chosen[False] == ["baseline"] * 3
-    assert all(t != "baseline" for t in chosen[True]), chosen[True]
+    # replayed, the two with the larger GPU gains clear the bar on their own; the third (predicted
+    # 1.16x on the GPU) is left to the graph's second look (host_pacing, settle)
+    assert chosen[True][1:] == ["p2p_ring", "p2p_ring"], chosen[True]
