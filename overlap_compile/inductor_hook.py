@@ -91,11 +91,21 @@ def make_pass(options: oc_config.Options | None = None, report: Report | None = 
 
 
 def inductor_patches(p: OverlapPass) -> dict[str, Any]:
-    """The Inductor config a compile with pass ``p`` runs under: the pass itself and, where it may
-    move compute under collectives (passes/defer_compute.py), no peak-memory reordering of the
-    scheduler's nodes, which would put that compute back before the collectives (seen on the
-    Llama block's backward: the weight-gradient GEMMs returned ahead of the all-gather)."""
+    """The Inductor config a compile with pass ``p`` runs under: the pass itself; where the pass is
+    on, no shape padding; and where it may move compute under collectives
+    (passes/defer_compute.py), no peak-memory reordering of the scheduler's nodes, which would put
+    that compute back before the collectives (seen on the Llama block's backward: the
+    weight-gradient GEMMs returned ahead of the all-gather).
+
+    Shape padding (Inductor's pad_mm) rewrites a GEMM with unaligned dimensions over padded
+    operands where a benchmark run on this rank, while compiling, finds that faster. The graph the
+    finder sees then depends on a timing, which can come out differently on each rank and in each
+    run; but every rank must find and decide the same sites. Seen on 2x H100: the MoE layer's
+    backward section (capacity 313 rows) was found in one run of the same test and refused in the
+    next, on both world sizes."""
     patches: dict[str, Any] = {"post_grad_custom_post_pass": p}
+    if p.options.enabled:
+        patches["shape_padding"] = False
     if p.options.moves_compute:
         patches["reorder_for_peak_memory"] = False
     return patches
