@@ -41,7 +41,9 @@ output, benchmarks/nocomm.py; its losses differ by design and are not compared; 
 ``nocomm_replaced``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
 share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).
 A failing variant is recorded with its error, never fatal. Configurations run model by model,
-then compile mode, then variant, in the order asked; ``--time-budget`` stops starting those that
+then compile mode, then variant, in the order asked (``--repeat N``: the variants of each model and
+mode in turn N times, each one's times the median over its rounds, so a drift of the machine over
+the sweep falls on all of them alike); ``--time-budget`` stops starting those that
 would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
 <out>/e2e-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py), with a markdown table and PNGs (benchmarks/plot.py)
@@ -204,12 +206,10 @@ def worker(args_dict: dict) -> list[dict]:
     dry = a.dry_run
     device = "cpu" if dry else f"cuda:{torch.cuda.current_device()}"
     dtype = torch.float32 if dry else torch.bfloat16
-    from benchmarks.models import FAMILY, MISSING, MODELS
-    from overlap_compile.explain import no_compile_caches
+    from benchmarks.models import MISSING, MODELS
 
     rank0 = dist.get_rank() == 0
     partial = run_file(a.out, a.run_id, "partial") if getattr(a, "out", None) else None
-    inflight = run_file(a.out, a.run_id, "inflight") if getattr(a, "out", None) else None
 
     def emit(row: dict) -> None:
         if rank0:
@@ -230,7 +230,6 @@ def worker(args_dict: dict) -> list[dict]:
     variants = [v for v in a.variants.split(",") if not (dry and v == "async_tp")]  # async-TP: CUDA only
     models = a.models.split(",") if a.models != "all" else sorted(MODELS)
     shapes = load_shapes(a.shapes, dry)
-    phases = a.phases.split(",")
     if {"llama_dtensor", "llama_megatron"} <= set(models) and a.check_models:
         first = next((s for s in shapes if family_of(s) == "llama"), None)
         if first is not None:
@@ -245,50 +244,99 @@ def worker(args_dict: dict) -> list[dict]:
     for model_name, shape in plan(a.models, a.shapes, dry):
         for compile_mode in a.modes.split(","):
             for ckpt in [c == "on" for c in a.ckpt.split(",")]:
-                for variant in variants:
-                    cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, ckpt, a.force)}
-                    if variant == "async_tp" and FAMILY[model_name] == "moe":
-                        rows.append({**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
-                                                       "an EP block has none (its collectives are all-to-all)"})
+                rounds: dict[str, list[dict]] = {}
+                for r in range(a.repeat):  # the variants in turn, a.repeat times: drift falls on all alike
+                    for variant in variants:
+                        got = run_variant(a, model_name, shape, variant, compile_mode, ckpt, base, budget, device,
+                                          dtype, cache_checked if r == 0 else None)
+                        rounds.setdefault(variant, []).append(got)
+                        if a.repeat == 1:
+                            rows.append(got)
+                            emit(got)
+                if a.repeat > 1:
+                    for variant in variants:
+                        rows.append(merge_rounds(rounds[variant]))
                         emit(rows[-1])
-                        continue
-                    skip = budget.should_skip()
-                    if skip:
-                        rows.append({**cfg, "skipped": skip})
-                        emit(rows[-1])
-                        continue
-                    t0 = time.monotonic()
-                    if rank0 and inflight:  # names the configuration if the run is killed inside it
-                        os.makedirs(a.out, exist_ok=True)
-                        with open(inflight, "w") as f:
-                            json.dump({k: cfg[k] for k in ("model", "shape", "compile_mode", "ckpt", "variant")}, f)
-                    try:
-                        torch._dynamo.reset()
-                        # caches off: every variant compiles from scratch, so compile times compare
-                        kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
-                        with no_compile_caches(), kernels:
-                            got = run_config(model_name, shape, variant, compile_mode, ckpt, phases, a.steps,
-                                             a.iters, a.force, device, dtype)
-                        rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
-                        want = a.check_cache == "all" or (a.check_cache == "first" and model_name not in cache_checked)
-                        if variant == "overlap" and want:
-                            cache_checked.add(model_name)
-                            rows[-1]["fxgraph_cache_hit"] = second_compile_hits(
-                                model_name, shape, compile_mode, a.force, device, dtype)
-                    except Exception as e:  # recorded, the sweep goes on
-                        rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
-                                     "trace": traceback.format_exc()[-3000:]})
-                    finally:  # a failed variant must not leave its memory to the next
-                        gc.collect()
-                        if torch.cuda.is_available():
-                            torch.cuda.empty_cache()
-                    agree(rows, device)
-                    budget.took(time.monotonic() - t0)
-                    emit(rows[-1])
-                    if rank0 and inflight and os.path.exists(inflight):
-                        os.remove(inflight)
     return rows
 
+
+
+def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, base: dict, budget,
+                device: str, dtype, cache_checked: set | None) -> dict:
+    """One configuration's row: its measurement, or why it was skipped (the time budget) or
+    failed. ``cache_checked``: the models whose FX-cache hit was checked (None: not this round)."""
+    from benchmarks.models import FAMILY
+
+    rank0 = dist.get_rank() == 0
+    inflight = run_file(a.out, a.run_id, "inflight") if getattr(a, "out", None) else None
+    cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, ckpt, a.force)}
+    if variant == "async_tp" and FAMILY[model_name] == "moe":
+        return {**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
+                                  "an EP block has none (its collectives are all-to-all)"}
+    skip = budget.should_skip()
+    if skip:
+        return {**cfg, "skipped": skip}
+    t0 = time.monotonic()
+    if rank0 and inflight:  # names the configuration if the run is killed inside it
+        os.makedirs(a.out, exist_ok=True)
+        with open(inflight, "w") as f:
+            json.dump({k: cfg[k] for k in ("model", "shape", "compile_mode", "ckpt", "variant")}, f)
+    from overlap_compile.explain import no_compile_caches
+
+    rows = []
+    try:
+        torch._dynamo.reset()
+        # caches off: every variant compiles from scratch, so compile times compare
+        kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
+        with no_compile_caches(), kernels:
+            got = run_config(model_name, shape, variant, compile_mode, ckpt, a.phases.split(","), a.steps,
+                             a.iters, a.force, device, dtype)
+        rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
+        want = cache_checked is not None and (a.check_cache == "all" or (a.check_cache == "first"
+                                                                          and model_name not in cache_checked))
+        if variant == "overlap" and want:
+            cache_checked.add(model_name)
+            rows[-1]["fxgraph_cache_hit"] = second_compile_hits(model_name, shape, compile_mode, a.force, device, dtype)
+    except Exception as e:  # recorded, the sweep goes on
+        rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
+                     "trace": traceback.format_exc()[-3000:]})
+    finally:  # a failed variant must not leave its memory to the next
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    agree(rows, device)
+    budget.took(time.monotonic() - t0)
+    if rank0 and inflight and os.path.exists(inflight):
+        os.remove(inflight)
+    return rows[-1]
+
+
+ROUND_TIMES = ("train_ms", "prefill_ms")
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row for a configuration measured in several rounds: the first round's row (losses,
+    sites, compile times) with each phase's time the median over the rounds that measured it,
+    every round's time beside it (``train_ms_rounds``), and the first failure or skip if any."""
+    import statistics
+
+    failed = [r for r in rounds if "error" in r]
+    measured = [r for r in rounds if "error" not in r and "skipped" not in r]
+    if failed or not measured:  # a failure in any round is the configuration's; nothing measured: the skip
+        return dict(failed[0] if failed else rounds[0], rounds=len(rounds))
+    row = dict(measured[0])
+    for key in ROUND_TIMES:
+        got = [r[key] for r in measured if isinstance(r.get(key), (int, float))]
+        if got:
+            row[key], row[f"{key[:-3]}_ms_rounds"] = statistics.median(got), got
+    first = measured[0]
+    if "tokens_per_s" in first:
+        row["tokens_per_s"] = first["tokens_per_s"] * first["train_ms"] / row["train_ms"]
+    if "prefill_tokens_per_s" in first:
+        row["prefill_tokens_per_s"] = first["prefill_tokens_per_s"] * first["prefill_ms"] / row["prefill_ms"]
+    row["ms"] = row.get("train_ms", row.get("prefill_ms"))
+    row["rounds"] = len(measured)
+    return row
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -306,6 +354,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--phases", default="train,prefill", help="comma list of train, prefill")
     ap.add_argument("--steps", type=int, default=3, help="training steps whose losses are compared (>= 1)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations (median)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over the variants of each (model, shape, mode): each variant compiled and timed "
+                    "once per round, the rounds in turn, its times the median over rounds (each kept in "
+                    "*_ms_rounds), so a drift of the machine over the sweep falls on every variant alike")
     ap.add_argument("--force", default=None, help="force this template in the overlap variant "
                     "(dry run default: signal_reorder, since on CPU the predictor keeps the baseline)")
     ap.add_argument("--check-cache", default="first", choices=("off", "first", "all"),
@@ -330,8 +382,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         for v in vals.split(","):
             if v not in allowed:
                 raise SystemExit(f"{opt}: {v!r} is not one of {', '.join(allowed)}")
-    if a.steps < 1 or a.iters < 1:
-        raise SystemExit(f"--steps ({a.steps}) and --iters ({a.iters}) must be >= 1")
+    if a.steps < 1 or a.iters < 1 or a.repeat < 1:
+        raise SystemExit(f"--steps ({a.steps}), --iters ({a.iters}) and --repeat ({a.repeat}) must be >= 1")
     if a.dry_run:
         a.world = a.world or 2
         a.shapes = a.shapes or "tiny,tiny-moe"

@@ -32,7 +32,7 @@ def everything(plain: dict, ckpt: dict):
 @pytest.fixture(scope="module")
 def results():
     plain = _args(models="llama_dtensor,llama_megatron")
-    ckpt = _args(models="llama_megatron", ckpt="on", check_cache="first")
+    ckpt = _args(models="llama_megatron", ckpt="on", check_cache="first", repeat=2)  # two rounds of variants
     per_rank = run_distributed(everything, world_size=2, args=(plain, ckpt), timeout_s=600)
     _, rows, ckpt_rows = per_rank[0]
     return [c for c, _, _ in per_rank], e2e.compare(rows, 1e-4), e2e.compare(ckpt_rows, 1e-4)
@@ -74,6 +74,27 @@ def test_activation_checkpointing_matches_default_and_fx_cache_hits(results):
     assert ov["ckpt"] and ov["rewritten"] > 0 and ov["loss_matches_default"]
     # a second compile of the rewritten model is served by Inductor's FX graph cache
     assert ov["fxgraph_cache_hit"] > 0
+    # --repeat 2: one row per variant, its time the median of the two rounds it ran in
+    assert [r["rounds"] for r in rows] == [2, 2]
+    for r in rows:
+        assert len(r["train_ms_rounds"]) == 2 and r["train_ms"] == pytest.approx(sum(r["train_ms_rounds"]) / 2)
+
+
+def test_rounds_merge_into_one_row_per_configuration():
+    ok = {"variant": "overlap", "train_ms": 10.0, "tokens_per_s": 100.0, "prefill_ms": 4.0,
+          "prefill_tokens_per_s": 50.0, "sites": ["s"], "ms": 10.0}
+    rounds = [ok, {**ok, "train_ms": 14.0, "prefill_ms": 2.0}, {**ok, "train_ms": 12.0, "prefill_ms": 3.0}]
+    row = e2e.merge_rounds(rounds)
+    assert (row["train_ms"], row["prefill_ms"], row["ms"], row["rounds"]) == (12.0, 3.0, 12.0, 3)
+    assert row["train_ms_rounds"] == [10.0, 14.0, 12.0] and row["sites"] == ["s"]
+    assert row["tokens_per_s"] == pytest.approx(100.0 * 10 / 12)
+    # a round the time budget skipped does not hide the measured ones; a failed round is the row
+    skipped = {"variant": "overlap", "skipped": "time budget"}
+    assert e2e.merge_rounds([ok, skipped])["train_ms"] == 10.0
+    assert e2e.merge_rounds([skipped, skipped])["skipped"] == "time budget"
+    failed = {"variant": "overlap", "error": "OutOfMemoryError", "failure": "oom"}
+    assert e2e.merge_rounds([ok, failed])["failure"] == "oom"
+    assert e2e.merge_rounds([ok]) == {**ok, "rounds": 1, "train_ms_rounds": [10.0], "prefill_ms_rounds": [4.0]}
 
 
 def _mixtral_training(args: dict):
