@@ -55,3 +55,37 @@ def test_per_template_bars_follow_each_templates_overpromise():
     assert bars[("cuda_graph", "honest", "gemm_reducescatter")] < bars[("cuda_graph", "boastful", "gemm_reducescatter")]
     cands = sites[("gemm_reducescatter", (0,), 2, "cuda_graph")]
     assert R.decide_per_template(cands, bars, "cuda_graph", "gemm_reducescatter")[0] == "honest"
+
+
+def test_auto_rows_replay_as_the_template_auto_chose():
+    cfg = {"chosen": "p2p_ring", "slices": 1, "bidirectional": False, "transport": "p2p"}
+    row = pr.as_template_row(_row("auto", 0.3, cfg))
+    assert row["method"] == "p2p_ring" and row["config"] == {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    kept = pr.as_template_row(_row("auto", 0.5, {"chosen": "baseline"}))
+    assert kept["method"] == "sequential" and kept["config"] is None
+    assert pr.as_template_row(_row("async_tp", 0.4, {"rewritten": True}))["method"] == "async_tp"
+
+
+def test_host_launched_rows_since_op_graphs_are_priced_as_replays():
+    """A host-launched p2p_ring row recorded with op_graphs on is priced as the decision prices it
+    (the CUDA-graph schedule plus the replay's host time), not as an op launched piece by piece."""
+    import pytest
+
+    from overlap_compile import predictor, templates
+    from overlap_compile.predictor.models import Ctx
+    from overlap_compile.testing.fake_group import fake_process_group
+    from overlap_compile.testing.patterns import traced_site
+
+    profile = predictor.load_profile("h100")
+    cfg = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    with fake_process_group(2):
+        match = traced_site("gemm_reducescatter", 8192, 4096, 2048, 2)
+        row = _row("p2p_ring", 0.3, cfg, mode="eager", kind="gemm_reducescatter", shape=[8192, 4096, 2048],
+                   date="2026-11-26")
+        got = pr.predict_row(row, match, profile)
+        site = predictor.site_of(match, profile)
+        sched, host = predictor.price_config(templates.get_spec("p2p_ring"), match, cfg, profile, Ctx("eager"), site)
+        graphed, _ = predictor.price_config(templates.get_spec("p2p_ring"), match, cfg, profile, Ctx("cuda_graph"), site)
+        launched = pr.predict_row({**row, "date": "2026-11-24"}, match, profile)
+    assert got == pytest.approx(sched.total_ms + host) and sched.total_ms == pytest.approx(graphed.total_ms)
+    assert host < 0.2 < launched - got  # piece by piece: 0.3-0.9 ms of host time per call

@@ -33,6 +33,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The first run of each template's GPU kernels: rows measured before it ran the Python reference
 # (torch.distributed send/recv from Python, 0.04-0.12x of sequential), which no model describes.
 GPU_PATH_SINCE = {"p2p_ring": "2026-11-23"}
+# host-launched template ops replay a CUDA graph per call (runtime.op_graphs, on by default) in the
+# runs since this date; earlier rows launched them piece by piece
+OP_GRAPHS_SINCE = "2026-11-25"
 
 
 # Rows timing a kernel that has since been replaced: (method, kind, transport) -> the result files
@@ -76,6 +79,17 @@ def superseded(r: dict, path: str) -> bool:
     return os.path.basename(path) in SUPERSEDED.get((r["method"], r["kind"], transport), ())
 
 
+def as_template_row(r: dict) -> dict:
+    """An ops.py ``auto`` row as the row of the template it ran (``config.chosen`` and the rest of
+    its config), so the predictor is replayed on what auto chose; other rows as they are."""
+    chosen = (r.get("config") or {}).get("chosen") if r.get("method") == "auto" else None
+    if chosen is None:
+        return r
+    cfg = {k: v for k, v in r["config"].items() if k != "chosen"}
+    return {**r, "method": "sequential", "config": None} if chosen == "baseline" else {**r, "method": chosen,
+                                                                                     "config": cfg}
+
+
 def load_rows(paths: list[str]) -> list[dict]:
     """The measured rows a model describes: a known method, a finite time, a correct result, the
     template's GPU path as it is in the tree."""
@@ -84,7 +98,7 @@ def load_rows(paths: list[str]) -> list[dict]:
     known = set(templates.names()) | {"sequential"}
     rows = []
     for p in paths:
-        for r in json.load(open(p)):
+        for r in map(as_template_row, json.load(open(p))):
             ok = r.get("method") in known and r.get("ms") == r.get("ms") and r.get("ms") and r.get("correct", True)
             if ok and not ran_reference(r) and not superseded(r, p):
                 rows.append(r)
@@ -117,11 +131,9 @@ def predict_row(r: dict, match, profile) -> float | None:
     if r["method"] == "sequential":
         sched = baseline(site, profile, ctx)
         return sched.total_ms + host if sched else None
-    spec = templates.get_spec(r["method"])
-    sched = predictor.schedule_for(spec, match, r["config"], profile, ctx, site)
-    if sched is None:
-        return None
-    return sched.total_ms + host + predictor.op_overhead_ms(profile, r["method"], r["mode"], predictor.host_calls(sched))
+    sched, host = predictor.price_config(templates.get_spec(r["method"]), match, r["config"], profile, ctx, site,
+                                         r.get("op_graphs", r.get("date", "") >= OP_GRAPHS_SINCE))
+    return sched.total_ms + host if sched is not None else None
 
 
 def predictions(rows: list[dict], profile, sites: dict | None = None) -> list[tuple[dict, float]]:

@@ -309,24 +309,14 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
             why = "the group spans nodes" if site.cross_node else f"profile {profile.name!r} has no peer access"
             untimed.append(Candidate(spec.name, cfg, None, f"needs peer access but {why}: NCCL transports only"))
             continue
-        # host-launched calls replayed from a CUDA graph launch their pieces as a graph does
-        # (GPU profiles: the profile has measured the replay; CPU references are never replayed)
-        replayed = (ctx.mode == "eager" and bool(opts.op_graphs) and getattr(spec, "host_replay", False)
-                    and "replayed" in profile.raw.get("op_overhead_ms", {}))
         try:
-            sched = schedule_for(spec, match, cfg, profile, dataclasses.replace(ctx, mode="cuda_graph") if replayed
-                                 else ctx, site)
+            sched, overhead = price_config(spec, match, cfg, profile, ctx, site, bool(opts.op_graphs))
         except Exception as e:  # a model bug must not break compilation: report it
             untimed.append(Candidate(spec.name, cfg, None, f"prediction failed: {type(e).__name__}: {e}"))
             continue
         if sched is None:
             untimed.append(Candidate(spec.name, cfg, None, "no latency model for this template/kind"))
             continue
-        # A rewritten site runs one Python custom op where the baseline ran plain kernels: when
-        # kernels are host-launched its dispatch, plan handling and stream/event work add a fixed
-        # cost per call (profile "op_overhead_ms"; 0 under CUDA graphs, which replay no host code).
-        overhead = (op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched), replayed)
-                    + site_host_ms(profile, ctx.mode))
         note = sched.note + (f"; +{overhead:.3f} ms host overhead of the op ({ctx.mode})" if overhead else "")
         timed.append((sched.total_ms + overhead, i, Candidate(spec.name, cfg, sched.total_ms + overhead, note,
                                                                   host_ms=overhead)))
@@ -340,6 +330,25 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
     with _lock:
         _cache[key] = copy.deepcopy(ranked)
     return ranked
+
+
+def price_config(spec: Any, match: Any, config: dict, profile: HardwareProfile, ctx: Ctx, site: Site,
+                 op_graphs: bool = True) -> tuple[Schedule | None, float]:
+    """(the GPU schedule of ``spec``'s op with ``config`` on this site, its host time per call).
+
+    Host-launched calls replayed from a CUDA graph (``op_graphs``; GPU profiles, which have
+    measured the replay; CPU references are never replayed) launch their pieces as a graph does:
+    the CUDA-graph schedule, and the replay's host time. A rewritten site runs one Python custom op
+    where the baseline ran plain kernels: when kernels are host-launched its dispatch, plan
+    handling and stream/event work add to the site's own host time (profile "op_overhead_ms"; 0
+    under CUDA graphs, which replay no host code)."""
+    replayed = (ctx.mode == "eager" and op_graphs and getattr(spec, "host_replay", False)
+                and "replayed" in profile.raw.get("op_overhead_ms", {}))
+    sched = schedule_for(spec, match, config, profile, dataclasses.replace(ctx, mode="cuda_graph") if replayed
+                         else ctx, site)
+    if sched is None:
+        return None, 0.0
+    return sched, op_overhead_ms(profile, spec.name, ctx.mode, host_calls(sched), replayed) + site_host_ms(profile, ctx.mode)
 
 
 def schedule_for(spec: Any, match: Any, config: dict, profile: HardwareProfile, ctx: Ctx | None = None,
