@@ -190,7 +190,8 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
         row["sites"] = [{"graph": s.graph, "phase": "train" if i < train_graphs else "prefill", "kind": s.kind,
                          "template": s.template, "rewritten": s.rewritten, "reason": s.reason, "gemms": s.gemms,
                          "predicted_ms": s.predicted_ms, "measured": s.measured, "comm_ms": s.comm_ms,
-                         "hidden_ms": s.hidden_ms, "chosen_ms": s.chosen_ms}
+                         "hidden_ms": s.hidden_ms, "chosen_ms": s.chosen_ms, "host_clock": s.host_clock,
+                         "baseline_host_ms": s.baseline_host_ms, "chosen_host_ms": s.chosen_host_ms}
                         for i, rec in enumerate(report.records) for s in rec.sites]
         row["rewritten"] = sum(s.rewritten for s in report.sites)
         row["pass_s"] = report.pass_seconds

@@ -81,3 +81,18 @@ def test_a_failing_analysis_leaves_the_graph_unchanged_and_says_so(monkeypatch):
     rep.add(record)
     assert "finding sites in the forward graph failed" in rep.table()
     assert '"error": "overlap_compile: finding sites' in rep.to_json()
+
+
+def test_forecast_counts_gpu_time_where_the_graph_hides_the_host_time():
+    """Host-launched: a rewritten op whose host time (0.08 ms) is larger than the site's (0.05 ms)
+    is priced with both in it; where the GPU work queued ahead hides both, the forecast compares
+    GPU time with GPU time; where it does not, with the host times in."""
+    from overlap_compile.report import forecast
+
+    site = {"graph": "forward", "rewritten": True, "measured": None, "predicted_ms": {"baseline": 1.05},
+            "comm_ms": 0.2, "hidden_ms": 0.0, "chosen_ms": 0.98, "baseline_host_ms": 0.05, "chosen_host_ms": 0.08}
+    hidden = forecast([{**site, "host_clock": {"lead": 0.5}}])["all"]
+    exposed = forecast([{**site, "host_clock": {"lead": 0.06}}])["all"]
+    graphed = forecast([{**site, "baseline_host_ms": 0.0, "chosen_host_ms": 0.0}])["all"]
+    assert hidden["hidden_ms"] == pytest.approx(0.1)  # (1.05 - 0.05) - (0.98 - 0.08)
+    assert exposed["hidden_ms"] == pytest.approx(0.07) == graphed["hidden_ms"]

@@ -78,7 +78,8 @@ def _predicted_parts(d: Decision) -> dict:
     if base is None:
         return {}
     chosen = next((c for c in d.candidates if c.template == d.template and c.config == d.config), base)
-    return {"comm_ms": base.comm_ms, "hidden_ms": base.hidden_ms, "chosen_ms": chosen.predicted_ms}
+    return {"comm_ms": base.comm_ms, "hidden_ms": base.hidden_ms, "chosen_ms": chosen.predicted_ms,
+            "baseline_host_ms": base.host_ms, "chosen_host_ms": chosen.host_ms}
 
 
 def _workspace(d: Decision) -> dict | None:
