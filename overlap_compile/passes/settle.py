@@ -15,8 +15,9 @@ where host_pacing's clocks show enough GPU work queued ahead of the site to hide
 time (``_timing``), so the site and the op are compared by what the GPU does, as in the graph.
 From an idle GPU, the op's host time (Python dispatch, the replay lookup) counted against it: on
 2x H100 the Llama-3-8B block's W1/W3 all-gather measured p2p_ring 0.94x that way and 1.07x
-replayed from a CUDA graph (``benchmarks/results/e2e-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26.json``). Every rank of the group measures the
-same sites in the same order and takes the slowest rank's time, so all ranks decide the same.
+replayed from a CUDA graph (``benchmarks/results/e2e-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-run1.json``),
+and 1.07x queued in the next run. Every rank of the group measures the same sites in the same
+order and takes the slowest rank's time, so all ranks decide the same.
 The fastest measured rewrite is taken when its measured gain clears min_speedup; either way the
 Report shows predicted beside measured gain.
 
