@@ -81,7 +81,8 @@ def test_search_measure_keeps_the_predicted_decision():
         with fake_process_group(2):
             sites = [traced_site("gemm_reducescatter", 8192, 4096, 2048, 2)]
             profile = predictor.load_profile("h200")
-            (predicted,) = decide(sites, config.current(), profile)
+            with config.patch(measure_uncertain=False):  # the prediction alone: nothing measured
+                (predicted,) = decide(sites, config.current(), profile)
             with config.patch(search="measure"):
                 (measured,) = decide(sites, config.current(), profile)
     finally:

@@ -220,3 +220,43 @@ def test_host_launched_site_is_timed_on_a_busy_gpu_where_the_graph_hides_the_hos
     assert asked == [timing == "queued"]
     assert d.measured["timing"] == timing and d.template == "p2p_ring"
     assert ("timed on the GPU with the host ahead" in d.reason) == (timing == "queued")
+
+
+# host-launched under the h200 profile at W=2: rewritten for a predicted 1.28x, 22% of the op's
+# price host time (bar 1.22x x 1.22 = 1.49x); and a rewrite predicted 1.29x with 3% host share
+EAGER_SMALL_REWRITE = ("gemm_reducescatter", 4096, 8192, 2048)
+EAGER_CLEAR_REWRITE = ("gemm_allreduce", 16384, 8192, 4096)
+
+
+@pytest.mark.parametrize("measured_gain,kept", [(1.1, True), (0.9, False)])
+def test_host_launched_rewrite_within_the_host_share_is_measured(h200, measured_gain, kept):
+    """A host-launched rewrite whose predicted gain is under the bar grown by the op's host share
+    is measured; it stays only if the measurement clears min_speedup, else the site is left as
+    written with the measurement in the reason."""
+    from torch._inductor import config as ic
+
+    with ic.patch({"triton.cudagraphs": False}):
+        site = traced_site(*EAGER_SMALL_REWRITE, 2)
+        with config.patch(measure_uncertain=False):
+            (predicted,) = decide([site], config.current(), h200)
+        assert predicted.template == "p2p_ring"
+        calls = _timings({site.signature(): measured_gain})
+        (d,) = decide([site], config.current(), h200)
+    assert [t for t, _ in calls] == ["baseline", "p2p_ring"]
+    assert d.measured["settled"] and d.measured["measured_gain"] == pytest.approx(measured_gain)
+    assert "host share of its price" in d.reason
+    if kept:
+        assert (d.template, d.config) == (predicted.template, predicted.config)
+    else:
+        assert d.template == "baseline" and "< min_speedup" in d.reason and "kept as written" in d.reason
+
+
+def test_clear_rewrites_and_captured_graphs_are_not_measured(h200):
+    from torch._inductor import config as ic
+
+    calls = _timings({})
+    with ic.patch({"triton.cudagraphs": False}):
+        (d,) = decide([traced_site(*EAGER_CLEAR_REWRITE, 2)], config.current(), h200)
+    assert d.template != "baseline" and d.measured is None and calls == []
+    (g,) = decide([traced_site(*EAGER_SMALL_REWRITE, 2)], config.current(), h200)  # CUDA graphs (fixture)
+    assert g.template == "p2p_ring" and g.measured is None and calls == []

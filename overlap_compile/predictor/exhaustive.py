@@ -54,6 +54,12 @@ def set_measure(fn: Callable[..., float] | None) -> None:
     _measure_hook = fn
 
 
+def measure_source() -> Callable[..., float] | None:
+    """What times the sites now (the hook, None for the real timing): part of any cache key of
+    measured times, so times from one source are never served under another."""
+    return _measure_hook
+
+
 def _group(match: Any) -> Any:
     from ..runtime.comm import resolve_group
 
