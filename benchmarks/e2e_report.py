@@ -139,9 +139,11 @@ def write(rows: list[dict], out: str) -> str:
 
 
 def run_file(out: str, run_id: str, what: str) -> str:
-    """Rank 0's running record: 'partial' (each finished row, JSON lines), 'inflight' (the
-    configuration being measured, removed when it ends)."""
-    return os.path.join(out, f"e2e-{what}-{run_id}." + ("jsonl" if what == "partial" else "json"))
+    """e2e's running record (results_io.run_file): 'partial' or 'inflight' (removed when the
+    configuration ends)."""
+    from benchmarks import results_io
+
+    return results_io.run_file(out, "e2e", run_id, what)
 
 
 def read_partial(out: str, run_id: str) -> tuple[list[dict], dict | None]:

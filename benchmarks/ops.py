@@ -43,7 +43,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
-from benchmarks.results_io import write_rows  # noqa: E402
+from benchmarks.results_io import run_file, write_rows  # noqa: E402
 from benchmarks.timing import Budget, graphed, time_ms  # noqa: E402
 from overlap_compile import templates  # noqa: E402
 from overlap_compile.testing.patterns import KINDS, collective, gemm_then_collective as sequential_fn  # noqa: E402
@@ -273,7 +273,7 @@ def worker(kinds, shapes, templates_to_run, out_dir, cuda=None, time_budget=0.0,
     partial = None
     if dist.get_rank() == 0 and out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        partial = os.path.join(out_dir, f"ops-partial-{datetime.datetime.now():%Y%m%d-%H%M%S}.jsonl")
+        partial = run_file(out_dir, "ops", f"{datetime.datetime.now():%Y%m%d-%H%M%S}", "partial")
     rows = bench(kinds, shapes, world, templates_to_run, cuda, time_budget, start, partial)
     if dist.get_rank() == 0 and out_dir:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -131,6 +131,10 @@ def _pyplot():
 
 def _save(plt, fig, ax, path: str) -> str:
     ax.legend(fontsize=8)
+    return _write(plt, fig, path)
+
+
+def _write(plt, fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -228,11 +232,7 @@ def plot_e2e_summary(rows: list[dict], out_dir: str, stem: str) -> list[str]:
         ax.legend(fontsize=7, loc="lower left")
     fig.suptitle(f"{rows[0].get('device', '')} x{rows[0].get('world_size', '')}, torch {rows[0].get('torch', '')}, "
                  f"{rows[0].get('date', '')}", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{stem}-e2e-summary.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_write(plt, fig, os.path.join(out_dir, f"{stem}-e2e-summary.png"))]
 
 
 def markdown_e2e(rows: list[dict]) -> str:

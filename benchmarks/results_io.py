@@ -49,3 +49,9 @@ def write_rows(rows: list[dict], out: str, benchmark: str, device: str, world: i
     with open(path, "w") as f:
         json.dump(rows, f, indent=1, default=default)
     return path
+
+
+def run_file(out: str, benchmark: str, run_id: str, what: str) -> str:
+    """Rank 0's running record of a run: 'partial' (each finished row, JSON lines, so a run that
+    is stopped or dies keeps what it measured), 'inflight' (the configuration being measured)."""
+    return os.path.join(out, f"{benchmark}-{what}-{run_id}." + ("jsonl" if what == "partial" else "json"))

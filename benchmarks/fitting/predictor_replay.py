@@ -132,7 +132,7 @@ def predict_row(r: dict, match, profile) -> float | None:
         sched = baseline(site, profile, ctx)
         return sched.total_ms + host if sched else None
     sched, host = predictor.price_config(templates.get_spec(r["method"]), match, r["config"], profile, ctx, site,
-                                         r.get("op_graphs", r.get("date", "") >= OP_GRAPHS_SINCE))
+                                         r.get("date", "") >= OP_GRAPHS_SINCE)
     return sched.total_ms + host if sched is not None else None
 
 
