@@ -77,7 +77,7 @@ def _check_decisions(world, mode, inductor_config):
 
 
 def test_reference_only_templates_are_no_gpu_candidates(fake4, monkeypatch):
-    """A template without a GPU path (spec.gpu_implemented False: moe_fused today) is no
+    """A template without a GPU path (spec.gpu_implemented False) is no
     candidate under a GPU profile, with the reason; an explicit request still gets it."""
     from overlap_compile.templates import get_spec
 

@@ -175,12 +175,11 @@ def test_configs_transports_and_paths():
     gpu, cpu = predictor.load_profile("h200"), predictor.load_profile("cpu-gloo")
     assert SPEC.candidates(Section(), gpu)[0] == {"split": "source", "transport": "p2p"}
     assert all("transport" not in c for c in SPEC.candidates(Section(), cpu))
-    # the persistent expert kernel is offered once a profile carries its measured speed
-    unmeasured = {k: v for k, v in gpu.raw.items() if k != "moe"}
-    assert fused not in SPEC.candidates(Section(), predictor.profile.profile_from_dict(unmeasured, source="test"))
+    # the persistent expert kernel is not offered, whatever its one-GPU measured speed: at W = 2 on
+    # 2x H100 (with skip_padding) it measured 0.05x of the layer as written (spec.py's module doc)
     raw = dict(gpu.raw, moe={"expert_kernel_vs_bmm": 0.9})
     measured = predictor.profile.profile_from_dict(raw, source="test")
-    assert fused in SPEC.candidates(Section(), measured)
+    assert SPEC.candidates(Section(), measured) == [{"split": "source", "transport": "p2p"}]
     plan = MoePlan("moe_fused", 2, 2, 4, H, F_, {"split": "source", "transport": "p2p"})
     assert op.path("0", torch.device("cpu"), plan) == "reference"
 

@@ -7,9 +7,8 @@ CUDA streams (kernels_nccl.rounds_by_source, the forward's rounds):
                     three weight-gradient GEMMs over all rows while the last d_h pieces travel
     join            the compute stream waits for the comm stream before the op returns
 
-Not run on a GPU yet (tests/gpu/test_moe.py::test_moe_fused_backward_nccl_matches_reference
-compares it with backward_reference.py at W = 2); the spec offers it only where moe_fused's
-forward is (gpu_implemented stays False: force_template picks it under GPU profiles).
+Matches backward_reference.py at W = 2 on 2x H100 (tests/gpu/test_moe_backward.py, 2026-11-26);
+GPU profiles offer the copy-engine backward only (backward_spec.py), this path by force_config.
 """
 from __future__ import annotations
 

@@ -31,7 +31,9 @@ COPY_ENGINE = {"split": "source", "transport": "p2p"}
 def candidates(match: Any, profile: Any) -> list[dict]:
     from ..base import gpu_profile
 
-    return ([dict(COPY_ENGINE)] if gpu_profile(profile) else []) + [dict(CONFIG), dict(ROUTED)]
+    if gpu_profile(profile):  # the forward's GPU path, the copy engine (spec.py's module doc)
+        return [dict(COPY_ENGINE)]
+    return [dict(CONFIG), dict(ROUTED)]
 
 
 def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:

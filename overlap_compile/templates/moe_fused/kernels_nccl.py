@@ -15,7 +15,7 @@ high-priority stream they get SMs as soon as they are issued, so piece r+1 trave
 is computed. Every rank issues the same collectives in the same order (round order), as NCCL
 requires. CUDA graphs: only stream/event work and NCCL calls with static split sizes (Python
 lists), which capture. On 2x H200 it matches its reference (tests/gpu/test_moe.py) but ran
-0.82-0.94x of the layer as written, so spec.gpu_implemented stays False (not offered).
+0.82-0.94x of the layer as written, so GPU profiles do not offer it (spec.py: force_config only).
 """
 from __future__ import annotations
 
