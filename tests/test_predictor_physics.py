@@ -62,14 +62,16 @@ def test_copy_engine_all_to_all_is_gemm_bound_plus_placement_and_handshake():
     assert models.peer_sync_ms(old) == 0.0
 
 
-def test_copy_engine_all_gather_stages_the_shard_first():
+def test_copy_engine_all_gather_waits_for_the_slots_only():
+    """p2p_ring's copy-engine all-gather pushes the shard from where it lies (kernels.run_allgather):
+    the one handshake (peer_sync_ms) comes before everything, no staging copy of the shard."""
     p = h200(peer_sync_ms=0.02)
     site = Site("allgather_gemm", ((8192, 3584, 4096),), 2, "bfloat16")
     s = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
-    stage = s.events[0]
-    assert stage.label.startswith("stage") and stage.start == 0.0
-    assert stage.end == pytest.approx(models.ag_stage_ms(site, p) + 0.02)
-    assert min(e.start for e in s.events[1:]) == pytest.approx(stage.end)  # nothing before it
+    head = s.events[0]
+    assert head.label == "peer handshake" and head.start == 0.0
+    assert head.end == pytest.approx(0.02)
+    assert min(e.start for e in s.events[1:]) == pytest.approx(head.end)  # nothing before it
 
 
 def test_reduce_scatter_sum_traffic():

@@ -10,14 +10,17 @@ The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2
 data buffer has a READY / BUSY flag pair per peer (runtime.peer_flags: written by stream memory
 operations, waited on with bounded one-thread kernels, back at 0 after every call).
 
-All-gather -> GEMMs (pull)::
+All-gather -> GEMMs (push, straight from the shard: no staging copy, no meeting of the ranks
+before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, slot q for q's shard)::
 
-    compute       wait BUSY[q] == 0 for every q (peers done reading my last shard)
-                  my buffer <- shard; BUSY[q] = 1; READY[me] = 1 on every peer
-                  wait READY[src] for every src (all at once, before any GEMM holds the SMs)
-    copy stream   for s = 1..W-1: src = ag_source(r, s): gathered[rows of src] <- peer(src)
-                                  (copy engine), BUSY[me] = 0 on src, event_s
-    compute       y[rows of r] = shard @ b; for s: wait event_s, y[rows of src] = part @ b
+    compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
+    copy stream   for d = r+1, r+2, ...: BUSY[d] = 1; peer(d).inbox[me] <- shard (copy engine);
+                  READY[me] = 1 on d; then gathered[rows of r] <- shard
+    compute       y[rows of r] = shard @ b; for s = 1..W-1: src = ag_source(r, s): wait READY[src];
+                  y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
+                  gathered[rows of src]; once both are done, BUSY[me] = 0 on src
+
+``slices`` do not apply to this path: each shard travels in one copy, with one READY.
 
 GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
 
@@ -113,38 +116,46 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
                   group_name: str, plan: AllGatherGemmPlan,
                   outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather (into ``outs`` when
-    given)."""
+    given). Each rank pushes its shard straight from where it lies into its slot of every peer's
+    inbox: no staging copy, no meeting before the first GEMM (the module doc)."""
     w, rows, dev = plan.world, plan.chunk, shard.device
     shard = shard.contiguous()
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (rows, plan.k), shard.dtype, dev)
-    flags = _Flags(group_name, f"allgather/{rows}x{plan.k}/{shard.dtype}", w, dev, plan.timeout_ms,
+    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (w, rows, plan.k), shard.dtype, dev)
+    flags = _Flags(group_name, f"allgather/{w}x{rows}x{plan.k}/{shard.dtype}", w, dev, plan.timeout_ms,
                    "all-gather")
-    r = data.rank
+    r = inbox.rank
     compute, copier = _start(dev, plan)
     gathered, *ys = outs if outs is not None else _new_outputs(shard, plan)
-    peers = [ag_source(r, w, s) for s in range(1, w)]
-    # Publish and meet on the compute stream, before the first GEMM: a wait kernel queued
-    # behind a running GEMM might find no SM slot until that GEMM ends (see the module doc).
-    flags.publish_and_meet(peers, lambda: data.local.copy_(shard))
+    sources = [ag_source(r, w, s) for s in range(1, w)]  # whose rows I compute at step s
+    dests = [ag_source(r, w, -s) for s in range(1, w)]  # who computes my rows first comes first
+    # Each destination done with my slot since my last call: waited on the compute stream, before
+    # this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
+    for d in dests:
+        flags.wait_free(d)
     copier.wait_stream(compute)
-    # each peer's shard in ``slices`` row slices: the GEMMs of a slice start when it has landed
-    parts = bounds(rows, plan.config.get("slices", 1))
-    events = []
-    with torch.cuda.stream(copier):
+    with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs below
+        for d in dests:
+            flags.busy(d)
+            inbox.peer(d)[r].copy_(shard)
+            flags.ready(d)
         gathered[r * rows:(r + 1) * rows].copy_(shard)
-        for src in peers:
-            for lo, hi in parts:
-                gathered[src * rows + lo:src * rows + hi].copy_(data.peer(src)[lo:hi])
-                ev = torch.cuda.Event()
-                ev.record(copier)
-                events.append((src * rows + lo, src * rows + hi, ev))
-            flags.release(src)
     for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
         _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
-    for lo, hi, ev in events:
-        compute.wait_event(ev)
+    for step, src in enumerate(sources, start=1):
+        flags.wait_ready(src, step)  # between GEMMs on the compute stream: the SMs are free
+        piece = inbox.local[src]
+        landed = torch.cuda.Event()
+        landed.record(compute)
+        with torch.cuda.stream(copier):  # into the gathered output beside the GEMMs
+            copier.wait_event(landed)
+            gathered[src * rows:(src + 1) * rows].copy_(piece)
         for b, bias, y in zip(bs, biases, ys):
-            _gemm(gathered[lo:hi], b, bias, out=y[lo:hi])
+            _gemm(piece, b, bias, out=y[src * rows:(src + 1) * rows])
+        read = torch.cuda.Event()
+        read.record(compute)
+        with torch.cuda.stream(copier):  # slot read by the GEMMs and copied out: src may refill it
+            copier.wait_event(read)
+            flags.release(src)
     compute.wait_stream(copier)
     shard.record_stream(copier)
     gathered.record_stream(copier)

@@ -13,13 +13,13 @@ comm lane: ``t_x = max(t_p, t_x) + xfer`` (RS/A2A) or ``t_p = max(t_p, t_x) + pi
 send/recv kernels; GEMM slowdown ``gemm_slowdown``) at the piece's bytes (halved when
 bidirectional: two rings in opposite directions on full-duplex links), plus the launch cost.
 A piece is slowed only while a transfer runs beside it (``slowed``); pieces are row slices
-of the GEMM at its rate per tile (``slice_ms``). Copy engine: the all-gather first stages the
-shard (one read + write) and meets its peers (``peer_sync_ms``); the reduce-scatter ends with
+of the GEMM at its rate per tile (``slice_ms``). Copy engine: the all-gather first waits for its
+peers' slots (``peer_sync_ms``), then pushes the shard from where it lies; the reduce-scatter ends with
 its fp32 sums (``rs_accumulate_bytes``), the all-to-all with placing the received blocks.
 """
 from __future__ import annotations
 
-from ...predictor.models import (Ctx, Schedule, Site, ag_stage_ms, comm_call_ms, copy_engine_slowdown, gemm_ms,
+from ...predictor.models import (Ctx, Schedule, Site, comm_call_ms, copy_engine_slowdown, gemm_ms,
                                  hbm_ms, overlap_bound, peer_sync_ms, pipeline, reduce_scatter_then_gather,
                                  shifted, slice_ms, slowed)
 from ...predictor.profile import HardwareProfile
@@ -52,11 +52,11 @@ def p2p_ring(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Sc
         # beside the transfer of the next one, the last alone
         comm: list[float | None] = [None] * s + [xfer0] + [xfer] * (n_remote - 1)
         compute = [slowed(piece, xfer if i + 1 < W * s else 0.0, slow) for i in range(W * s)]
-        head = (ag_stage_ms(site, profile) + sync) if copy_engine else 0.0
+        head = sync  # copy engine: the wait for the peers' slots (kernels.run_allgather); no staging
         end, events = pipeline(compute, comm, comm_first=True,
                                compute_labels=[f"GEMM shard {i // s}.{i % s}" for i in range(W * s)],
                                comm_labels=[f"recv {i // s}.{i % s}" if i >= s else "" for i in range(W * s)])
-        events = shifted(events, head, "stage shard + peer handshake")
+        events = shifted(events, head, "peer handshake")
         first_compute, last_comm = piece, xfer
         end += head
     else:
@@ -76,8 +76,8 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
     """All-reduce = the ring reduce-scatter over W row stripes of the output, then the W-1
     reduced stripes of the peers brought here with nothing left to hide them: W-1 transfers of
     a stripe, counted one after the other (the copy curve is measured one copy at a time; the
-    copies of several peers share this GPU's links), plus, on the copy engine, the own stripe
-    staged into the symmetric buffer and one handshake. Unfitted, it replays the first 2x H200 runs
+    copies of several peers share this GPU's links), plus, on the copy engine, each received
+    stripe copied out of the inbox (read + write) and one handshake. Unfitted, it replays the first 2x H200 runs
     (ops-...-2026-11-23-p2p_ring-allreduce.json) within 4.2% mean |error|."""
     W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
     stripe_bytes = (site.m // W) * site.n * site.itemsize
