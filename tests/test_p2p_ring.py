@@ -124,12 +124,15 @@ def check_reduce_scatter_and_all_to_all() -> int:
             _assert_matches(ours, eager, truth, hops=w, what=f"RS {reduce_op} {what}")
             checks += 1
 
-        if outer == 1:  # all-reduce: the RS over W row stripes of the output, then their gather
-            plan = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, m, has_bias, config), m=m)
-            ours = op(a, b, bias, group, plan.to_json())
+        if outer == 1:  # all-reduce: the RS over W row stripes of the output, then their gather,
+            # whole or in row chunks (3: of uneven sizes on these shapes)
             eager = c10d.wait_tensor(c10d.all_reduce(_mm(a, b, bias), "sum", group))
-            _assert_matches(ours, eager, sum(ys), hops=w, what=f"AR {what}")
-            checks += 1
+            for chunks in (1, 3):
+                plan = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, m, has_bias,
+                                                      {**config, "chunks": chunks}), m=m)
+                ours = op(a, b, bias, group, plan.to_json())
+                _assert_matches(ours, eager, sum(ys), hops=w, what=f"AR chunks={chunks} {what}")
+                checks += 1
 
         if outer == 1 and not config["bidirectional"]:
             plan = _gemm_plan("gemm_alltoall", w, outer, chunk, has_bias, config, None)
@@ -184,6 +187,9 @@ def check_bad_calls() -> list[str]:
     ]
     ar = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, 5, False, config), m=w * 5 + 1)
     bad.append((ar, torch.randn(w * 5 + 1, K), b, None))  # all-reduce rows not a multiple of W
+    bad.append((_gemm_plan("gemm_reducescatter", w, 1, 5, False, {**config, "chunks": 2}), a, b, None))
+    ar_chunks = dataclasses.replace(_gemm_plan("gemm_allreduce", w, 1, 5, False, {**config, "chunks": 0}), m=w * 5)
+    bad.append((ar_chunks, a, b, None))
     for plan, a_, b_, bias in bad:
         with pytest.raises(ValueError) as info:
             op(a_, b_, bias, group, plan.to_json())
@@ -213,6 +219,7 @@ def test_ops_match_eager(world):
     assert rs >= 30 and ag == 16
     assert "do not match the plan" in bad[0] and "has_bias" in bad[1]
     assert "'max'" in bad[2] and "slices" in bad[3] and "multiple of the world size" in bad[4]
+    assert "'chunks'" in bad[5] and "no meaning for gemm_reducescatter" in bad[5] and "'chunks'" in bad[6]
 
 
 def _op_suite():
@@ -296,7 +303,8 @@ def test_plan_rejects_bad_configs():
     assert plan.template == "p2p_ring" and plan.result_rows == 5
     assert GemmCollectivePlan.from_json(plan.to_json()) == plan
     for bad, words in [({"slices": 0}, "slices"), ({"slices": True}, "slices"), ({"bidirectional": 1}, "bidirectional"),
-                       ({"transport": "gloo"}, "transport"), ({"chunks": 2}, "unknown config keys")]:
+                       ({"transport": "gloo"}, "transport"), ({"waves": 2}, "unknown config keys"),
+                           ({"chunks": 2}, "'chunks'.*no meaning for gemm_reducescatter")]:
         with pytest.raises(ValueError, match=words):
             SPEC.plan(rs, bad, 1000)
     assert SPEC.plan(rs, {"slices": 2, "transport": "nccl"}, 1000).config["transport"] == "nccl"

@@ -243,3 +243,25 @@ def test_a_training_sections_saved_intermediates_are_charged():
     fused = {"split": "source", "transport": "p2p", "experts": "fused"}
     extra = moe_model.moe_fused(saving, fused, measured, ctx).total_ms - moe_model.moe_fused(site, fused, measured, ctx).total_ms
     assert extra == pytest.approx(models.hbm_ms(measured, saving.saved_bytes))
+
+
+def test_copy_engine_all_reduce_chunk_pipeline():
+    """p2p_ring's all-reduce in c row chunks (model.p2p_ring_allreduce_chunked): chunk i's reduced
+    stripe travels while chunk i+1's GEMMs run, so on a communication-heavy all-reduce 4 chunks
+    end earlier than the whole (whose gather trails the GEMM); only the copy engine has it, and
+    rows that do not split into W * c stripes get no schedule."""
+    p = h200(contention={"gemm_slowdown_copy_engine": 1.02}, peer_sync_ms=0.01)
+    site = Site("gemm_allreduce", ((16384, 16384, 2048),), 2, "bfloat16")
+    ctx = Ctx(mode="cuda_graph")
+    cfg = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+    whole = ring_model.p2p_ring(site, cfg, p, ctx)
+    four = ring_model.p2p_ring(site, {**cfg, "chunks": 4}, p, ctx)
+    assert four.total_ms < whole.total_ms
+    ev = {e.label: e for e in four.events}
+    assert ev["push reduced 0"].start < ev["GEMM chunk 1 own stripe"].end  # the gather hides behind chunk 1
+    assert ev["copy out chunk 3"].end == pytest.approx(four.total_ms)  # the last chunk's gather trails
+    gemms = [e for e in four.events if e.label.startswith("GEMM")]
+    assert len(gemms) == 4 * 2 and all(a.end <= b.start + 1e-12 for a, b in zip(gemms, gemms[1:]))
+    assert ring_model.p2p_ring(site, {**cfg, "transport": "nccl", "chunks": 4}, p, ctx) is None
+    odd = Site("gemm_allreduce", ((16384 + 2, 16384, 2048),), 2, "bfloat16")
+    assert ring_model.p2p_ring(odd, {**cfg, "chunks": 4}, p, ctx) is None

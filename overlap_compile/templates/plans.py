@@ -95,13 +95,29 @@ def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
     if plan.m % plan.world:
         raise ValueError(f"{plan.template}: all-reduce cuts the {plan.m} output rows into {plan.world} stripes; "
                          f"m must be a multiple of the world size")
-    return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world)
+    return dataclasses.replace(plan, kind="gemm_reducescatter", outer=1, chunk=plan.m // plan.world,
+                               config=_halves_config(plan.config))
+
+
+def allreduce_chunks(plan: GemmCollectivePlan) -> list[tuple[int, int]]:
+    """The row spans an all-reduce plan's ``"chunks"`` (default 1) cut the output into: nearly
+    equal, each a multiple of W rows (its own W stripes), at most m / W of them."""
+    allreduce_stripes(plan)  # m must be a multiple of W (the error names it)
+    units = plan.m // plan.world
+    parts = max(1, min(int(plan.config.get("chunks", 1)), units))
+    return [(plan.world * (units * i // parts), plan.world * (units * (i + 1) // parts)) for i in range(parts)]
 
 
 def allreduce_gather(plan: GemmCollectivePlan) -> "AllGatherGemmPlan":
     """The all-gather half: the W reduced ``[m / W, n]`` stripes, no GEMM after it."""
     return AllGatherGemmPlan(template=plan.template, m=plan.m, k=plan.n, ns=(), world=plan.world, outer=1,
-                             chunk=plan.m // plan.world, has_bias=(), config=plan.config, timeout_ms=plan.timeout_ms)
+                             chunk=plan.m // plan.world, has_bias=(), config=_halves_config(plan.config),
+                             timeout_ms=plan.timeout_ms)
+
+
+def _halves_config(config: dict) -> dict:
+    """An all-reduce's config as its halves take it: ``"chunks"`` is the all-reduce's own."""
+    return {k: v for k, v in config.items() if k != "chunks"}
 
 
 def _load(text: str, what: str) -> dict[str, Any]:

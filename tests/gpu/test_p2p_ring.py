@@ -1,7 +1,8 @@
 """p2p_ring's GPU paths (kernels.py: copy-engine peer copies over symmetric memory; kernels_nccl.py:
 cuBLAS + NCCL send/recv on a high-priority stream) against eager torch.mm + the NCCL collective.
 
-Every kind (reduce-scatter, all-gather, all-to-all; all-reduce on the copy engine), odd shapes (rows, K and N not multiples of
+Every kind (reduce-scatter, all-gather, all-to-all; all-reduce on the copy engine, whole and in a
+pipeline of 3 row chunks), odd shapes (rows, K and N not multiples of
 any tile), bf16, fp16 and fp32 (an fp32 partial must be copied out of its slot before the slot is
 released), with and without bias; 20 calls back to back with fresh inputs and no
 synchronisation between them (a race between calls shows as a wrong result), then CUDA-graph
@@ -30,10 +31,10 @@ TRANSPORTS = ("p2p", "nccl")
 REPEATS = 20
 
 
-def _plan(kind, w, chunk, k, n, bias, transport, slices=1):
+def _plan(kind, w, chunk, k, n, bias, transport, extra=None):
     from overlap_compile.templates.plans import AllGatherGemmPlan, GemmCollectivePlan
 
-    cfg = {"slices": slices, "bidirectional": False, "transport": transport}
+    cfg = {"slices": 1, "bidirectional": False, "transport": transport, **(extra or {})}
     if kind == "allgather_gemm":
         return AllGatherGemmPlan(template="p2p_ring", m=w * chunk, k=k, ns=(n, 72), world=w, outer=1, chunk=chunk,
                                  has_bias=(bias, False), config=cfg, timeout_ms=5000)
@@ -68,16 +69,20 @@ def checks() -> list[str]:
             fails.append(f"rank {rank} W={w} {tag}: rel err {e:.3g}")
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    cases = [(*c, 1) for c in itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"),
-                                                 dtypes, SHAPES)]
-    cases += [(*c, 1) for c in itertools.product(("p2p",), ("gemm_allreduce",), dtypes, SHAPES)]  # copy engine only
+    cases = [(*c, {}) for c in itertools.product(TRANSPORTS, ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm"),
+                                                  dtypes, SHAPES)]
+    cases += [(*c, {}) for c in itertools.product(("p2p",), ("gemm_allreduce",), dtypes, SHAPES)]  # copy engine only
     # the copy engine in 3 row slices per message (125 and 257 rows: uneven slices)
-    cases += [(*c, 3) for c in itertools.product(("p2p",), ("gemm_reducescatter", "gemm_alltoall", "allgather_gemm",
-                                                            "gemm_allreduce"), (torch.bfloat16,), SHAPES)]
-    for transport, kind, dtype, (chunk, k, n), slices in cases:
+    cases += [(*c, {"slices": 3}) for c in itertools.product(("p2p",), ("gemm_reducescatter", "gemm_alltoall",
+                                                                        "allgather_gemm", "gemm_allreduce"),
+                                                             (torch.bfloat16,), SHAPES)]
+    # the copy engine's all-reduce in a pipeline of 3 row chunks (uneven: 125 and 257 rows per stripe)
+    cases += [(*c, {"chunks": 3}) for c in itertools.product(("p2p",), ("gemm_allreduce",),
+                                                             (torch.bfloat16, torch.float32), SHAPES)]
+    for transport, kind, dtype, (chunk, k, n), extra in cases:
         bias_on = (chunk, k, n) == SHAPES[0]
-        plan = _plan(kind, w, chunk, k, n, bias_on, transport, slices)
-        tag = f"{transport} {kind} {str(dtype)[6:]} rows={chunk} k={k} n={n} bias={bias_on} slices={slices}"
+        plan = _plan(kind, w, chunk, k, n, bias_on, transport, extra)
+        tag = f"{transport} {kind} {str(dtype)[6:]} rows={chunk} k={k} n={n} bias={bias_on} {extra}"
         where = op.path(group, dev, plan)
         if where != transport:
             fails.append(f"rank {rank} {tag}: op dispatches to {where!r}")

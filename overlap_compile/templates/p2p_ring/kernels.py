@@ -32,6 +32,17 @@ GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive):
                   my own stripe's GEMM; the last arrival; out = (acc + own + last) (/ W) in one
                   pass (sum_kernel.py), in the dtype
 
+GEMM -> all-reduce: the reduce-scatter above over W row stripes of the output, then the
+all-gather above of the reduced stripes (no GEMM). With ``"chunks": c`` the rows are cut into c
+chunks, each reduce-scattered and gathered on its own buffers and flags (all their slot waits
+before the first GEMM), in a pipeline::
+
+    for chunk i: reduce-scatter(i) (its GEMMs, pushes, sum); then chunk i-1's reduced stripes
+                 waited for and copied out of the inbox; then chunk i's reduced stripe pushed
+    chunk c-1's reduced stripes waited for and copied out
+
+so chunk i's gather travels while chunk i+1's GEMMs run, and only the last chunk's trails.
+
 GEMM -> all-to-all (push blocks to their destination)::
 
     copy stream   wait BUSY[dst] == 0 for every dst; for s: (dst, src) = a2a_pair(r, s):
@@ -48,10 +59,12 @@ host-to-device copy, capturable in a CUDA graph; buffers are allocated once (run
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...runtime import comm, peer_flags, spin_wait, symm
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_chunks, allreduce_gather, allreduce_stripes
 from .reference import a2a_pair, ag_source, bounds, check_config, rs_stripe
 from .sum_kernel import sum_into
 
@@ -118,48 +131,92 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     """Returns ``[gathered, y_0, y_1, ...]`` like reference.run_allgather (into ``outs`` when
     given). Each rank pushes its shard straight from where it lies into its slot of every peer's
     inbox: no staging copy, no meeting before the first GEMM (the module doc)."""
+    gathered, *ys = outs if outs is not None else _new_outputs(shard, plan)
+    gather = _gather_start(shard, group_name, plan, gathered)
+    r, rows = gather.r, plan.chunk
+    for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
+        _gemm(gather.shard, b, bias, out=y[r * rows:(r + 1) * rows])
+    _gather_finish(gather, bs, biases, ys)
+    gather.compute.wait_stream(gather.copier)
+    return [gathered] + ys
+
+
+@dataclasses.dataclass
+class _Gather:
+    """An all-gather under way (``_gather_start`` -> ``_gather_finish``)."""
+
+    shard: torch.Tensor
+    gathered: torch.Tensor
+    inbox: symm.SymmBuffer
+    flags: peer_flags.PeerFlags
+    r: int
+    rows: int
+    sources: list[int]
+    compute: torch.cuda.Stream
+    copier: torch.cuda.Stream
+
+
+def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
+                  key: str = "") -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
+    w, rows = plan.world, plan.chunk
+    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather{key}", (w, rows, plan.k), dtype, device)
+    flags = _Flags(group_name, f"allgather{key}/{w}x{rows}x{plan.k}/{dtype}", w, device, plan.timeout_ms,
+                   "all-gather")
+    return inbox, flags
+
+
+def _dests(r: int, w: int) -> list[int]:
+    """Where rank r's shard goes, in order: who computes my rows first comes first."""
+    return [ag_source(r, w, -s) for s in range(1, w)]
+
+
+def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan, gathered: torch.Tensor,
+                  key: str = "", claimed: bool = False) -> _Gather:
+    """Push ``shard`` into every peer's inbox on the copy stream and copy it into its rows of
+    ``gathered``. ``claimed``: the caller already waited for the peers' slots (_claim)."""
     w, rows, dev = plan.world, plan.chunk, shard.device
     shard = shard.contiguous()
-    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather", (w, rows, plan.k), shard.dtype, dev)
-    flags = _Flags(group_name, f"allgather/{w}x{rows}x{plan.k}/{shard.dtype}", w, dev, plan.timeout_ms,
-                   "all-gather")
+    inbox, flags = _gather_flags(group_name, plan, shard.dtype, dev, key)
     r = inbox.rank
     compute, copier = _start(dev, plan)
-    gathered, *ys = outs if outs is not None else _new_outputs(shard, plan)
-    sources = [ag_source(r, w, s) for s in range(1, w)]  # whose rows I compute at step s
-    dests = [ag_source(r, w, -s) for s in range(1, w)]  # who computes my rows first comes first
-    # Each destination done with my slot since my last call: waited on the compute stream, before
-    # this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
-    for d in dests:
-        flags.wait_free(d)
-    copier.wait_stream(compute)
-    with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs below
+    dests = _dests(r, w)
+    if not claimed:
+        # Each destination done with my slot since my last call: waited on the compute stream,
+        # before this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
+        for d in dests:
+            flags.wait_free(d)
+        copier.wait_stream(compute)
+    with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
         for d in dests:
             flags.busy(d)
             inbox.peer(d)[r].copy_(shard)
             flags.ready(d)
         gathered[r * rows:(r + 1) * rows].copy_(shard)
-    for b, bias, y in zip(bs, biases, ys):  # my own shard's rows: nothing to wait for
-        _gemm(shard, b, bias, out=y[r * rows:(r + 1) * rows])
-    for step, src in enumerate(sources, start=1):
-        flags.wait_ready(src, step)  # between GEMMs on the compute stream: the SMs are free
-        piece = inbox.local[src]
+    shard.record_stream(copier)
+    gathered.record_stream(copier)
+    return _Gather(shard, gathered, inbox, flags, r, rows, [ag_source(r, w, s) for s in range(1, w)], compute, copier)
+
+
+def _gather_finish(g: _Gather, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
+                   ys: list[torch.Tensor]) -> None:
+    """Each peer's shard, once landed: its GEMMs on the compute stream, its copy into ``gathered``
+    on the copy stream; then the slot goes back to its owner."""
+    rows = g.rows
+    for step, src in enumerate(g.sources, start=1):
+        g.flags.wait_ready(src, step)  # on the compute stream, between GEMMs: the SMs are free
+        piece = g.inbox.local[src]
         landed = torch.cuda.Event()
-        landed.record(compute)
-        with torch.cuda.stream(copier):  # into the gathered output beside the GEMMs
-            copier.wait_event(landed)
-            gathered[src * rows:(src + 1) * rows].copy_(piece)
+        landed.record(g.compute)
+        with torch.cuda.stream(g.copier):  # into the gathered output beside the GEMMs
+            g.copier.wait_event(landed)
+            g.gathered[src * rows:(src + 1) * rows].copy_(piece)
         for b, bias, y in zip(bs, biases, ys):
             _gemm(piece, b, bias, out=y[src * rows:(src + 1) * rows])
         read = torch.cuda.Event()
-        read.record(compute)
-        with torch.cuda.stream(copier):  # slot read by the GEMMs and copied out: src may refill it
-            copier.wait_event(read)
-            flags.release(src)
-    compute.wait_stream(copier)
-    shard.record_stream(copier)
-    gathered.record_stream(copier)
-    return [gathered] + ys
+        read.record(g.compute)
+        with torch.cuda.stream(g.copier):  # slot read by the GEMMs and copied out: src may refill it
+            g.copier.wait_event(read)
+            g.flags.release(src)
 
 
 def _new_outputs(shard: torch.Tensor, plan: AllGatherGemmPlan) -> list[torch.Tensor]:
@@ -184,23 +241,67 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
 def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                   plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reduce-scatter over W row stripes of the output, then the all-gather (copy-engine
-    pulls, no GEMM) of the reduced stripes: ``[m, n]`` on every rank (reference.allreduce_*)."""
-    mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan))
-    return run_allgather(mine, [], [], group_name, allreduce_gather(plan), None if out is None else [out])[0]
+    pushes, no GEMM) of the reduced stripes: ``[m, n]`` on every rank (reference.allreduce_*).
+
+    With ``"chunks": c`` the rows are cut into c chunks (reference.allreduce_chunks), each
+    reduce-scattered and gathered on its own, in a pipeline: chunk i's reduced stripe travels
+    while chunk i+1's GEMMs run, and only the last chunk's gather trails the GEMM. Every chunk
+    has its own buffers and flags; all their waits for the peers' slots run before the first
+    GEMM (_claim)."""
+    a = a.contiguous()
+    out = a.new_empty(plan.m, plan.n) if out is None else out
+    spans = allreduce_chunks(plan)
+    keys = [f"/c{i}" if len(spans) > 1 else "" for i in range(len(spans))]
+    plans = [dataclasses.replace(plan, m=hi - lo, chunk=hi - lo) for lo, hi in spans]
+    _claim(a, group_name, plans, keys)
+    pending = None
+    for (lo, hi), sub, key in zip(spans, plans, keys):
+        mine = run_reducescatter(a[lo:hi], b, bias, group_name, allreduce_stripes(sub), key=key, claimed=True)
+        if pending is not None:  # the previous chunk's reduced stripes, landed while these GEMMs ran
+            _gather_finish(pending, [], [], [])
+        pending = _gather_start(mine, group_name, allreduce_gather(sub), out[lo:hi], key=key, claimed=True)
+    _gather_finish(pending, [], [], [])
+    pending.compute.wait_stream(pending.copier)
+    return out
 
 
-def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int]):
+def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], keys: list[str]) -> None:
+    """Before any GEMM of an all-reduce: wait until every peer is done with my slots of every
+    chunk's reduce-scatter and gather buffers since my last call (on the compute stream: a wait
+    kernel queued behind a running GEMM might find no SM slot); the copy stream then follows."""
+    dev, r = a.device, comm.rank_and_size(group_name)[0]
+    for sub, key in zip(plans, keys):
+        rs = allreduce_stripes(sub)
+        _, rs_flags = _push_flags(group_name, rs, "reducescatter" + key, "gemm_reducescatter", a.dtype, dev)
+        for d in [rs_stripe(r, sub.world, j) for j in range(sub.world - 1)]:
+            rs_flags.wait_free(d)
+        _, ag_flags = _gather_flags(group_name, allreduce_gather(sub), a.dtype, dev, key)
+        for d in _dests(r, sub.world):
+            ag_flags.wait_free(d)
+    peer_flags.copy_stream(dev).wait_stream(torch.cuda.current_stream(dev))
+
+
+def _push_flags(group_name: str, plan, key: str, what: str, dtype: torch.dtype,
+                device: torch.device) -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
+    w, rows = plan.world, plan.chunk
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w, rows, plan.n), dtype, device)
+    flags = _Flags(group_name, f"{key}/{w}x{rows}x{plan.n}/{dtype}", w, device, plan.timeout_ms, what)
+    return data, flags
+
+
+def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int], claimed: bool = False):
     """Compute the partial / block for each destination in ``order`` on the compute stream and
     push each into slot ``me`` of its destination's buffer on the copy stream. Returns the data
-    buffer, the flags and the streams; the caller computes its own piece and collects."""
-    w, rows, dev = plan.world, plan.chunk, a.device
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w, rows, plan.n), a.dtype, dev)
-    flags = _Flags(group_name, f"{key}/{w}x{rows}x{plan.n}/{a.dtype}", w, dev, plan.timeout_ms, what)
+    buffer, the flags and the streams; the caller computes its own piece and collects.
+    ``claimed``: the caller already waited for the destinations' slots (_claim)."""
+    rows, dev = plan.chunk, a.device
+    data, flags = _push_flags(group_name, plan, key, what, a.dtype, dev)
     r = data.rank
     compute, copier = _start(dev, plan)
-    with torch.cuda.stream(copier):  # before any GEMM of this call holds the SMs
-        for d in order:
-            flags.wait_free(d)
+    if not claimed:
+        with torch.cuda.stream(copier):  # before any GEMM of this call holds the SMs
+            for d in order:
+                flags.wait_free(d)
     # each destination's rows in ``slices`` row slices: a slice leaves while the next is computed;
     # READY once the last one is in place (the receiver sums whole partials)
     parts = bounds(rows, plan.config.get("slices", 1))
@@ -221,16 +322,18 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
 
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-                      plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg)."""
+                      plan: GemmCollectivePlan, out: torch.Tensor | None = None, key: str = "",
+                      claimed: bool = False) -> torch.Tensor:
+    """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg).
+    ``key`` names its buffers apart (an all-reduce's chunks); ``claimed``: see _push_all."""
     if plan.reduce_op not in ("sum", "avg"):
         raise ValueError(f"{TEMPLATE}: reduce op {plan.reduce_op!r} is not supported (supported: ['sum', 'avg'])")
     w, rows = plan.world, plan.chunk
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
     order = [rs_stripe(r, w, j) for j in range(w - 1)]
-    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "reducescatter",
-                                                "gemm_reducescatter", order)
+    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "reducescatter" + key,
+                                                "gemm_reducescatter", order, claimed)
     acc = None
     # The partial rank r + j + 1 pushes at its step j is for me. Summed after all my peer GEMMs
     # are queued (a wait between GEMMs would stall them behind a slow peer), the first W-2 of

@@ -19,7 +19,7 @@ its fp32 sums (``rs_accumulate_bytes``), the all-to-all with placing the receive
 """
 from __future__ import annotations
 
-from ...predictor.models import (Ctx, Schedule, Site, comm_call_ms, copy_engine_slowdown, gemm_ms,
+from ...predictor.models import (Ctx, Event, Schedule, Site, comm_call_ms, copy_engine_slowdown, gemm_ms,
                                  hbm_ms, overlap_bound, peer_sync_ms, pipeline, reduce_scatter_then_gather,
                                  shifted, slice_ms, slowed)
 from ...predictor.profile import HardwareProfile
@@ -80,12 +80,66 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
     stripe copied out of the inbox (read + write) and one handshake. Unfitted, it replays the first 2x H200 runs
     (ops-...-2026-11-23-p2p_ring-allreduce.json) within 4.2% mean |error|."""
     W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
+    if int(config.get("chunks", 1)) > 1:
+        return p2p_ring_allreduce_chunked(site, config, profile, ctx)
     stripe_bytes = (site.m // W) * site.n * site.itemsize
     curve = "copy_engine" if copy_engine else "p2p"
     hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective=curve, contended=False)
     gather = (W - 1) * hop + ((hbm_ms(profile, 2 * stripe_bytes) + peer_sync_ms(profile)) if copy_engine else 0.0)
     return reduce_scatter_then_gather(p2p_ring, site, config, profile, ctx, gather,
                                       f"gather {W - 1} reduced stripes", "the reduced stripes gathered")
+
+
+def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
+    """``"chunks": c`` (kernels.run_allreduce; the reference computes the same chunk by chunk):
+    c row chunks in a pipeline on two lanes. Per chunk: the peers' stripes' GEMMs, each partial
+    pushed once computed; the own stripe's GEMM; the wait for the peers' partials and the sum;
+    then the previous chunk's reduced stripes, waited for and copied out of the inbox on the copy
+    lane; then this chunk's reduced stripe pushed to every peer. The copy lane is one queue
+    (pushes and copy-outs in issue order); GEMMs beside it run ``copy_engine_slowdown`` slower.
+    After the last chunk: its reduced stripes waited for and copied out. NCCL transport: None
+    (the chunked pipeline is the copy engine's)."""
+    W, c = site.world, int(config.get("chunks", 1))
+    if config.get("transport", "nccl") != "p2p" or site.m % (W * c):
+        return None
+    stripe_rows = site.m // (W * c)
+    stripe_bytes = stripe_rows * site.n * site.itemsize
+    hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective="copy_engine", contended=False)
+    g = slice_ms(site, profile, stripe_rows) * copy_engine_slowdown(profile)
+    total_sum = hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize))
+    copy_out = hbm_ms(profile, 2 * (W - 1) * stripe_bytes)
+    t_c, t_x, landed = peer_sync_ms(profile), 0.0, None
+    events: list[Event] = []
+
+    def compute(label: str, ms: float) -> None:
+        nonlocal t_c
+        events.append(Event("compute", label, t_c, t_c + ms))
+        t_c += ms
+
+    def copy(label: str, ms: float) -> None:
+        nonlocal t_x
+        t_x = max(t_x, t_c)
+        events.append(Event("comm", label, t_x, t_x + ms))
+        t_x += ms
+
+    for i in range(c):
+        for j in range(W - 1):
+            compute(f"GEMM chunk {i} stripe {j}", g)
+            copy(f"push partial {i}.{j}", hop)
+        compute(f"GEMM chunk {i} own stripe", g)
+        t_c = max(t_c, t_x)  # the peers' partials (pushed as mine were) and the streams' join
+        compute(f"sum chunk {i}", total_sum)
+        if landed is not None:
+            t_c = max(t_c, landed)
+            copy(f"copy out chunk {i - 1}", copy_out)
+        copy(f"push reduced {i}", (W - 1) * hop)
+        landed = t_x
+    t_c = max(t_c, landed)
+    copy(f"copy out chunk {c - 1}", copy_out)
+    end = max(t_c, t_x)
+    g_base, c_base = gemm_ms(site, profile), comm_call_ms(site, profile, site.coll_bytes(), ctx, launch=False)
+    note = f"{c} chunks of {W} stripes of {stripe_rows} rows: GEMM {g:.4f} ms, copy {hop:.4f} ms each"
+    return Schedule(end, events, overlap_bound(g_base, c_base, 0.0, hop + copy_out), note)
 
 
 def rs_accumulate_bytes(world: int, itemsize: int) -> int:

@@ -43,9 +43,9 @@ import torch.distributed as dist
 from ...runtime import comm
 from ...tiling import RowStripes
 from ..base import gemm_tile
-from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_gather, allreduce_stripes
+from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_chunks, allreduce_gather, allreduce_stripes
 
-CONFIG_KEYS = ("slices", "bidirectional", "transport")
+CONFIG_KEYS = ("slices", "bidirectional", "transport", "chunks")
 # "nccl": torch.distributed send/recv (NCCL kernels on GPUs, gloo on CPU; kernels_nccl.py on
 # CUDA). "p2p": copy-engine peer copies over symmetric memory (kernels.py, GPUs of one node, row
 # stripes); where that path cannot run, this reference computes the same result with send/recv.
@@ -76,6 +76,11 @@ def config_problem(kind: str, config: Any) -> str | None:
         return f"config 'transport' must be one of {list(TRANSPORTS)}, got {transport!r}"
     if transport == "p2p" and bidir:
         return "transport 'p2p' (copy engine) runs one direction: bidirectional=False"
+    chunks = config.get("chunks", 1)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        return f"config 'chunks' must be an integer >= 1, got {chunks!r}"
+    if chunks > 1 and kind != "gemm_allreduce":
+        return f"config 'chunks' (the all-reduce's row chunks in a pipeline) has no meaning for {kind}"
     return None
 
 
@@ -296,8 +301,14 @@ def _all_to_all(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.
 # ---- all-reduce = reduce-scatter + all-gather of the reduced stripes ----------------------------
 
 def _all_reduce(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.Tensor:
-    mine = _reduce_scatter(a, b, bias, group_name, allreduce_stripes(plan))
-    return run_allgather(mine, [], [], group_name, allreduce_gather(plan))[0]
+    """Per row chunk (``"chunks"``, plans.allreduce_chunks; one by default): the reduce-scatter
+    over its W stripes, then the gather of the reduced stripes."""
+    parts = []
+    for lo, hi in allreduce_chunks(plan):
+        sub = dataclasses.replace(plan, m=hi - lo, chunk=hi - lo)
+        mine = _reduce_scatter(a[lo:hi], b, bias, group_name, allreduce_stripes(sub))
+        parts.append(run_allgather(mine, [], [], group_name, allreduce_gather(sub))[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def out_shape(plan: GemmCollectivePlan) -> tuple[int, int]:
