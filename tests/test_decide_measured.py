@@ -104,8 +104,8 @@ def test_p2p_ring_allreduce_is_offered_on_gpus_over_the_copy_engine(fake4):
     engine only, a CPU profile every transport and slicing."""
     (gpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("h200"))
     ring = [c for c in gpu.candidates if c.template == "p2p_ring"]
-    assert {c.config["transport"] for c in ring} == {"p2p"} and all(c.predicted_ms for c in ring), ring
-    assert sorted(c.config.get("chunks", 1) for c in ring) == [1, 2, 4], ring  # whole, and the chunk pipeline
+    assert [c.config["transport"] for c in ring] == ["p2p"] and ring[0].predicted_ms, ring
+    assert "chunks" not in ring[0].config, ring  # the chunk pipeline measured slower on most shapes
     (cpu,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), predictor.load_profile("cpu-gloo"))
     assert len([c for c in cpu.candidates if c.template == "p2p_ring" and c.predicted_ms]) > 1
 

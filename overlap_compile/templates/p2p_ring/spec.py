@@ -27,7 +27,6 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 SLICE_CHOICES = (1, 2, 4)
-CHUNK_CHOICES = (1, 2, 4)  # all-reduce row chunks in a pipeline (kernels.run_allreduce)
 
 
 class P2PRingSpec(TemplateSpec):
@@ -80,13 +79,14 @@ class P2PRingSpec(TemplateSpec):
         of one ring message and both ring directions at once (reduce-scatter, all-gather) only
         for W > 2, where the two rings use different links. Under a GPU profile only the configs
         with a GPU path that measured faster: the copy engine (see gpu_implemented); none where the
-        site has no copy-engine path (stripes not along the leading dimension). An all-reduce also
-        gets the copy engine's chunk pipeline ("chunks" 2 and 4, where they divide the rows)."""
+        site has no copy-engine path (stripes not along the leading dimension). The copy engine's
+        all-reduce in a chunk pipeline ("chunks", kernels.run_allreduce) is not offered: on 2x H100
+        it measured 0.87-1.29x of sequential where the whole measured 1.05-1.40x (CUDA graphs,
+        ops-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-allreduce-chunks.json), faster only on
+        the largest, communication-heavy shape; force_config runs it."""
         out = []
         if self._stripes(match).outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
-            if match.kind == "gemm_allreduce":  # the copy engine's all-reduce in a chunk pipeline
-                out += [{**out[0], "chunks": c} for c in CHUNK_CHOICES[1:] if match.m % (match.world_size * c) == 0]
         if gpu_profile(profile):
             return out
         for bidir in self._directions(match):
