@@ -283,8 +283,9 @@ def test_backward_configs_and_plan():
 
     routed = {**BY_SOURCE, "payload": "routed"}
     copy_engine = {**BY_SOURCE, "transport": "p2p"}
-    # by source, every slot or the routed rows; under GPU profiles over the copy engine too
-    assert SPEC.candidates(_Backward(), predictor.load_profile("h200")) == [copy_engine, BY_SOURCE, routed]
+    # by source, every slot or the routed rows; under GPU profiles the copy engine only (the
+    # forward's one GPU path, spec.py's module doc)
+    assert SPEC.candidates(_Backward(), predictor.load_profile("h200")) == [copy_engine]
     assert SPEC.candidates(_Backward(), predictor.load_profile("cpu-gloo")) == [BY_SOURCE, routed]
     assert SPEC.plan(_Backward(), copy_engine, 1000).config == copy_engine
     assert SPEC.plan(_Backward(), routed, 1000).config == routed
