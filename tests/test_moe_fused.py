@@ -409,3 +409,23 @@ def test_receiving_side_unpermute_and_weighted_sum_is_one_kernel():
     kernels = run_distributed(_code_after_the_op, world_size=2, timeout_s=300)[0]
     assert len(kernels) == 1, kernels
     assert all(part in kernels[0] for part in ("index", "mul", "sum")), kernels
+
+
+def test_saved_intermediates_fill_the_outputs_handed_over():
+    """reference.Saved with ``into`` (op.py hands its outputs to the copy-engine path so a replayed
+    call writes where the caller reads): the pieces' views are views of those tensors; outputs of
+    the wrong shapes are refused naming both; op._new_outputs is what the fake returns."""
+    from overlap_compile.templates.moe_fused import op, reference
+    from overlap_compile.templates.plans import MoePlan
+
+    plan = MoePlan("moe_fused", 2, 2, 4, H, F_, {"split": "source", "transport": "p2p"}, saves=("tokens", "act"))
+    buf = torch.zeros(2 * 2 * 4, H)
+    outs = op._new_outputs(buf, plan)
+    assert [tuple(t.shape) for t in outs] == [(16, H), (2, 8, H), (2, 8, F_)]
+    saved = reference.Saved(plan, buf, outs[1:])
+    assert saved.tensors["tokens"] is outs[1] and saved.tensors["act"] is outs[2]
+    outs[2].zero_()
+    saved.of_source(1)["act"].fill_(3.0)  # source 1's slots: columns C..2C of every expert
+    assert outs[2][:, 4:].eq(3.0).all() and outs[2][:, :4].eq(0.0).all()
+    with pytest.raises(ValueError, match=r"saved outputs .* do not match the plan"):
+        reference.Saved(plan, buf, [outs[2], outs[1]])

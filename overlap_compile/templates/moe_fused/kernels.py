@@ -99,14 +99,18 @@ class _Call:
 
 
 def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, group_name: str,
-        plan: MoePlan) -> torch.Tensor:
-    """The combined slots ``[W * rows, H]`` (what reference.run returns)."""
+        plan: MoePlan, outs: list[torch.Tensor] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    """The combined slots ``[W * rows, H]`` (what reference.run returns). ``outs``: the op's
+    outputs to write into (the combined slots, then ``plan.saves``), bmm experts only: stream
+    work into buffers the caller owns is what runtime.op_graphs replays (op.py)."""
+    if outs is not None and plan.config.get("experts", "bmm") == "fused":
+        raise ValueError(f"{TEMPLATE}: the persistent expert kernel path allocates its outputs (no outs=)")
     call = open_call(buf, group_name, plan)
-    saved = ref.Saved(plan, buf)
+    saved = ref.Saved(plan, buf, None if outs is None else outs[1:])
     if plan.config.get("experts", "bmm") == "fused":
         out, used = _fused_experts(call, w1, w3, w2, plan, saved)
     else:
-        out, used = _bmm_experts(call, w1, w3, w2, saved)
+        out, used = _bmm_experts(call, w1, w3, w2, saved, None if outs is None else outs[0])
     finish_call(call, out, [buf, *used])
     return saved.result(out.view(-1, call.h))
 
@@ -169,11 +173,12 @@ def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
     call.fc.ready(src)
 
 
-def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """cuBLAS bmm per piece (rounds below); the own tokens in two halves around the peer pieces
-    (reference.own_parts)."""
+    (reference.own_parts). The combined slots go into ``into`` ``[W * rows, H]`` when given."""
     e, c, h, r = call.e, call.c, call.h, call.r
-    out = torch.empty_like(call.slots)
+    out = torch.empty_like(call.slots) if into is None else into.view(call.slots.shape)
     own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
     first, *rest = ref.own_parts(e, c)
 

@@ -7,7 +7,12 @@ and meet the experts) on any device, but under CUDA-graph capture (it reads size
 CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
 kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels_nccl.py
 (pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
-piece pipeline with asynchronous functional collectives."""
+piece pipeline with asynchronous functional collectives.
+
+Host-launched copy-engine calls with bmm experts go through runtime.op_graphs (captured on the
+second call with the same buffers, then replayed), as p2p_ring's do. Not yet run on GPUs
+(tests/gpu/test_moe_op_graphs.py); until measured, spec.host_replay stays False, so the predictor
+still prices the op's host time as launched piece by piece."""
 from __future__ import annotations
 
 import torch
@@ -45,13 +50,39 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         from . import kernels_nccl as impl
     else:
         impl = reference
+    if where == "p2p" and p.config.get("experts", "bmm") == "bmm" and _replayable():
+        return _replayed(buf, w1, w3, w2, group_name, plan, p)
     got = impl.run(buf, w1, w3, w2, group_name, p)
     return got if isinstance(got, list) else [got]
 
 
+def _replayable() -> bool:
+    from ... import config
+
+    return config.current().op_graphs
+
+
+def _replayed(buf, w1, w3, w2, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
+    """The copy-engine path with bmm experts through runtime.op_graphs: its work is stream work
+    only (kernels.py), so a host-launched call with the same buffers replays it from a CUDA graph
+    (one launch instead of the pipeline's dozens of host calls). Its outputs are allocated here,
+    before the lookup, as the other templates' ops do (base.define_gemm_collective_op)."""
+    from ...runtime import op_graphs
+    from . import kernels
+
+    outs = _new_outputs(buf, p)
+    op_graphs.run((kernels.TEMPLATE, group_name, plan), buf.device, (buf, w1, w3, w2), outs,
+                  lambda: kernels.run(buf, w1, w3, w2, group_name, p, outs=outs),
+                  lambda: kernels.check_errors(buf.device, synchronize=False))
+    return outs
+
+
+def _new_outputs(buf: torch.Tensor, p: MoePlan) -> list[torch.Tensor]:
+    """The combined slots, then the intermediates ``p.saves`` names."""
+    return [buf.new_empty(buf.shape)] + [buf.new_empty(p.e_local, p.world * p.capacity,
+                                                       p.hidden if role == "tokens" else p.ffn) for role in p.saves]
+
+
 @moe_fused.register_fake
 def _(buf, w1, w3, w2, group_name, plan):
-    p = MoePlan.from_json(plan)
-    saved = [buf.new_empty(p.e_local, p.world * p.capacity, p.hidden if role == "tokens" else p.ffn)
-             for role in p.saves]
-    return [buf.new_empty(buf.shape), *saved]
+    return _new_outputs(buf, MoePlan.from_json(plan))

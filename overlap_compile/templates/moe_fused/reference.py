@@ -67,10 +67,19 @@ class Saved:
     laid out as the section as written has them (expert-major, the sources' slots side by
     side), and the views of them one piece of the pipeline fills."""
 
-    def __init__(self, plan: MoePlan, like: torch.Tensor):
+    def __init__(self, plan: MoePlan, like: torch.Tensor, into: list[torch.Tensor] | None = None):
+        """``into``: the tensors to fill, in ``plan.saves`` order (op.py hands its outputs over so
+        that a replayed call writes where the caller reads); new ones when None."""
         self.world, self.capacity = plan.world, plan.capacity
         e, wc = plan.e_local, plan.world * plan.capacity
-        self.tensors = {r: like.new_empty(e, wc, plan.hidden if r == "tokens" else plan.ffn) for r in plan.saves}
+        shapes = {r: (e, wc, plan.hidden if r == "tokens" else plan.ffn) for r in plan.saves}
+        if into is None:
+            self.tensors = {r: like.new_empty(shape) for r, shape in shapes.items()}
+            return
+        if [tuple(t.shape) for t in into] != list(shapes.values()):
+            raise ValueError(f"moe_fused: saved outputs {[tuple(t.shape) for t in into]} do not match the plan's "
+                             f"{list(shapes.values())} ({list(plan.saves)})")
+        self.tensors = dict(zip(plan.saves, into))
 
     def of_source(self, source: int, part: tuple[slice, slice] | None = None) -> dict:
         """Views of source ``source``'s slots (``part``: an own_parts piece of them)."""
