@@ -9,10 +9,11 @@ kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels
 (pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
 piece pipeline with asynchronous functional collectives.
 
-Host-launched copy-engine calls with bmm experts go through runtime.op_graphs (captured on the
-second call with the same buffers, then replayed), as p2p_ring's do. Not yet run on GPUs
-(tests/gpu/test_moe_op_graphs.py); until measured, spec.host_replay stays False, so the predictor
-still prices the op's host time as launched piece by piece."""
+Host-launched copy-engine calls with bmm experts can go through runtime.op_graphs (captured on
+the second call with the same buffers, then replayed), as p2p_ring's do, where
+``spec.host_replay`` is on. It is off: the path has not run on GPUs yet
+(tests/gpu/test_moe_op_graphs.py turns it on in its workers); once that test and a measurement
+pass, turning it on also makes the predictor price the op's host time as a replay."""
 from __future__ import annotations
 
 import torch
@@ -57,9 +58,12 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
 
 
 def _replayable() -> bool:
+    """Replays run where the op_graphs option is on and the spec says the path replays
+    (``host_replay``: off until tests/gpu/test_moe_op_graphs.py and a measurement have run)."""
     from ... import config
+    from .spec import SPEC
 
-    return config.current().op_graphs
+    return config.current().op_graphs and SPEC.host_replay
 
 
 def _replayed(buf, w1, w3, w2, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
