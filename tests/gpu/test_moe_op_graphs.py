@@ -3,7 +3,8 @@ torch.ops.overlap_compile.moe_fused with the same buffers are captured on the se
 replayed after. Every call refills the dispatch buffer in place with new numbers (fp32, TF32 off)
 and is compared with reference.run's one-shot pipeline; an inference plan and a training plan
 (its saved intermediates are outputs too, compared with the layer's own math); world 2 (and 4
-where there are 4 GPUs). Written on a CPU-only machine: not yet run."""
+where there are 4 GPUs). The replay is off by default (spec.host_replay): the workers turn it on.
+Written on a CPU-only machine: not yet run."""
 from __future__ import annotations
 
 import pytest
