@@ -1,10 +1,12 @@
 """p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
 buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
 flags in symmetric memory. Row stripes only (``outer == 1``), one direction; ``slices`` row slices
-per peer message (each copied, or computed and pushed, on its own; slices > 1 not yet run on GPUs).
+per peer message of the reduce-scatter and all-to-all (each computed and pushed on its own;
+checked on GPUs, speed not measured, not offered).
 
 STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
-CUDA-graph replays); spec.gpu_implemented is True.
+CUDA-graph replays) and on 2x H100 (2026-11-26, with the push all-gather and the chunked
+all-reduce below); spec.gpu_implemented is True.
 
 The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair). Each
 data buffer has a READY / BUSY flag pair per peer (runtime.peer_flags: written by stream memory
@@ -33,9 +35,10 @@ GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive):
                   pass (sum_kernel.py), in the dtype
 
 GEMM -> all-reduce: the reduce-scatter above over W row stripes of the output, then the
-all-gather above of the reduced stripes (no GEMM). With ``"chunks": c`` the rows are cut into c
-chunks, each reduce-scattered and gathered on its own buffers and flags (all their slot waits
-before the first GEMM), in a pipeline::
+all-gather above of the reduced stripes (no GEMM); every slot wait of both halves runs on the
+compute stream before the first GEMM (_claim). With ``"chunks": c`` the rows are cut into c
+chunks, each reduce-scattered and gathered on its own buffers and flags, in a pipeline (measured
+slower than the whole on most shapes: the spec does not offer it)::
 
     for chunk i: reduce-scatter(i) (its GEMMs, pushes, sum); then chunk i-1's reduced stripes
                  waited for and copied out of the inbox; then chunk i's reduced stripe pushed
