@@ -110,3 +110,18 @@ def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), k
         first = min(errors)
         raise DistributedFailure(f"{target} failed on rank {first}:\n{errors[first]}")
     return [results[r] for r in range(world_size)]
+
+
+def assert_no_gpu_failures(fn: Callable | str, world_size: int, args: tuple = (), timeout_s: float = 600,
+                           shown: int = 30) -> None:
+    """The GPU tests' common ending: skip (pytest) with fewer than ``world_size`` GPUs, else run
+    ``fn`` on every rank over NCCL; each rank returns a list of failure lines, and any line fails
+    the test (the first ``shown`` of them in the message)."""
+    import pytest
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    fails = [f for per_rank in run_distributed(fn, world_size=world_size, args=args, backend="nccl",
+                                               timeout_s=timeout_s) for f in per_rank]
+    assert not fails, "\n".join(fails[:shown])

@@ -75,10 +75,6 @@ def _replays_vs_reference() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_fused_replays_match_reference(world):
-    from overlap_compile.testing.multiprocess import run_distributed
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    fails = [f for per in run_distributed(_replays_vs_reference, world_size=world, backend="nccl", timeout_s=600)
-             for f in per]
-    assert not fails, "\n".join(fails)
+    assert_no_gpu_failures(_replays_vs_reference, world)

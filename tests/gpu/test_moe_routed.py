@@ -119,10 +119,6 @@ def _routed_backward(rank: int, w: int, group: str, dev) -> list[str]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_routed_pipeline_matches_the_capacity_pipeline(world):
-    from overlap_compile.testing.multiprocess import run_distributed
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    fails = [f for per in run_distributed(_routed_vs_capacity, world_size=world, backend="nccl", timeout_s=600)
-             for f in per]
-    assert not fails, "\n".join(fails)
+    assert_no_gpu_failures(_routed_vs_capacity, world)

@@ -63,8 +63,6 @@ def checks(kind: str, template: str) -> list[str]:
 
 @pytest.mark.parametrize("kind,template", CASES, ids=[f"{t}-{k}" for k, t in CASES])
 def test_forced_template_under_cuda_graph_trees(kind, template):
-    from overlap_compile.testing.multiprocess import run_distributed
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    fails = [f for per_rank in run_distributed(checks, world_size=2, args=(kind, template), backend="nccl",
-                                               timeout_s=150) for f in per_rank]
-    assert not fails, "\n".join(fails)
+    assert_no_gpu_failures(checks, 2, args=(kind, template), timeout_s=150)

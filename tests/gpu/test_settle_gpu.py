@@ -116,8 +116,6 @@ def settled_site() -> list[str]:
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2+ CUDA GPUs, found {torch.cuda.device_count()}")
 def test_in_band_site_settled_on_two_gpus():
-    from overlap_compile.testing.multiprocess import run_distributed
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    fails = [f for per_rank in run_distributed(settled_site, world_size=2, backend="nccl", timeout_s=300)
-             for f in per_rank]
-    assert not fails, "\n".join(fails)
+    assert_no_gpu_failures(settled_site, 2, timeout_s=300)
