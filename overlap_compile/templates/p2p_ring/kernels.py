@@ -168,9 +168,14 @@ def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, 
     return inbox, flags
 
 
-def _dests(r: int, w: int) -> list[int]:
+def _gather_dests(r: int, w: int) -> list[int]:
     """Where rank r's shard goes, in order: who computes my rows first comes first."""
     return [ag_source(r, w, -s) for s in range(1, w)]
+
+
+def _scatter_dests(r: int, w: int) -> list[int]:
+    """The owners of the stripes rank r's reduce-scatter pushes partials to, in push order."""
+    return [rs_stripe(r, w, j) for j in range(w - 1)]
 
 
 def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan, gathered: torch.Tensor,
@@ -182,7 +187,7 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
     inbox, flags = _gather_flags(group_name, plan, shard.dtype, dev, key)
     r = inbox.rank
     compute, copier = _start(dev, plan)
-    dests = _dests(r, w)
+    dests = _gather_dests(r, w)
     if not claimed:
         # Each destination done with my slot since my last call: waited on the compute stream,
         # before this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
@@ -276,10 +281,10 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
     for sub, key in zip(plans, keys):
         rs = allreduce_stripes(sub)
         _, rs_flags = _push_flags(group_name, rs, "reducescatter" + key, "gemm_reducescatter", a.dtype, dev)
-        for d in [rs_stripe(r, sub.world, j) for j in range(sub.world - 1)]:
+        for d in _scatter_dests(r, sub.world):
             rs_flags.wait_free(d)
         _, ag_flags = _gather_flags(group_name, allreduce_gather(sub), a.dtype, dev, key)
-        for d in _dests(r, sub.world):
+        for d in _gather_dests(r, sub.world):
             ag_flags.wait_free(d)
     peer_flags.copy_stream(dev).wait_stream(torch.cuda.current_stream(dev))
 
@@ -334,7 +339,7 @@ def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     w, rows = plan.world, plan.chunk
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
-    order = [rs_stripe(r, w, j) for j in range(w - 1)]
+    order = _scatter_dests(r, w)
     data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "reducescatter" + key,
                                                 "gemm_reducescatter", order, claimed)
     acc = None
