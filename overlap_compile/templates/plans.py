@@ -99,13 +99,15 @@ def allreduce_stripes(plan: GemmCollectivePlan) -> GemmCollectivePlan:
                                config=_halves_config(plan.config))
 
 
-def allreduce_chunks(plan: GemmCollectivePlan) -> list[tuple[int, int]]:
-    """The row spans an all-reduce plan's ``"chunks"`` (default 1) cut the output into: nearly
-    equal, each a multiple of W rows (its own W stripes), at most m / W of them."""
+def allreduce_chunks(plan: GemmCollectivePlan) -> list[tuple[int, int, GemmCollectivePlan]]:
+    """``(lo, hi, plan of rows [lo, hi))`` for each row chunk an all-reduce plan's ``"chunks"``
+    (default 1) cuts the output into: nearly equal, each a multiple of W rows (its own W
+    stripes), at most m / W of them."""
     allreduce_stripes(plan)  # m must be a multiple of W (the error names it)
     units = plan.m // plan.world
     parts = max(1, min(int(plan.config.get("chunks", 1)), units))
-    return [(plan.world * (units * i // parts), plan.world * (units * (i + 1) // parts)) for i in range(parts)]
+    spans = [(plan.world * (units * i // parts), plan.world * (units * (i + 1) // parts)) for i in range(parts)]
+    return [(lo, hi, dataclasses.replace(plan, m=hi - lo, chunk=hi - lo)) for lo, hi in spans]
 
 
 def allreduce_gather(plan: GemmCollectivePlan) -> "AllGatherGemmPlan":

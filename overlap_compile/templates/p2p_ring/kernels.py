@@ -258,12 +258,11 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     GEMM (_claim)."""
     a = a.contiguous()
     out = a.new_empty(plan.m, plan.n) if out is None else out
-    spans = allreduce_chunks(plan)
-    keys = [f"/c{i}" if len(spans) > 1 else "" for i in range(len(spans))]
-    plans = [dataclasses.replace(plan, m=hi - lo, chunk=hi - lo) for lo, hi in spans]
-    _claim(a, group_name, plans, keys)
+    chunks = allreduce_chunks(plan)
+    keys = [f"/c{i}" if len(chunks) > 1 else "" for i in range(len(chunks))]
+    _claim(a, group_name, [sub for _, _, sub in chunks], keys)
     pending = None
-    for (lo, hi), sub, key in zip(spans, plans, keys):
+    for (lo, hi, sub), key in zip(chunks, keys):
         mine = run_reducescatter(a[lo:hi], b, bias, group_name, allreduce_stripes(sub), key=key, claimed=True)
         if pending is not None:  # the previous chunk's reduced stripes, landed while these GEMMs ran
             _gather_finish(pending, [], [], [])

@@ -304,8 +304,7 @@ def _all_reduce(a, b, bias, group_name: str, plan: GemmCollectivePlan) -> torch.
     """Per row chunk (``"chunks"``, plans.allreduce_chunks; one by default): the reduce-scatter
     over its W stripes, then the gather of the reduced stripes."""
     parts = []
-    for lo, hi in allreduce_chunks(plan):
-        sub = dataclasses.replace(plan, m=hi - lo, chunk=hi - lo)
+    for lo, hi, sub in allreduce_chunks(plan):
         mine = _reduce_scatter(a[lo:hi], b, bias, group_name, allreduce_stripes(sub))
         parts.append(run_allgather(mine, [], [], group_name, allreduce_gather(sub))[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
