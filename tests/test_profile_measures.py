@@ -71,7 +71,7 @@ def test_written_profile_makes_the_predictor_offer_the_measured_options(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     from overlap_compile import predictor
     from overlap_compile.templates.signal_reorder import model as sr_model
-    from overlap_compile.templates.moe_fused.spec import expert_kernel_ratio
+    from overlap_compile.templates.moe_fused.model import expert_kernel_ratio
 
     prof = predictor.load_profile(str(out))
     assert sr_model.sr_epilogue(prof) == pytest.approx(PM.signal_epilogue(_gemm_rows()))

@@ -30,8 +30,8 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
         return moe_fused_backward(site, config, profile, ctx)
     if config.get("transport") == "p2p":
         if config.get("experts") == "fused":
-            ratio = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
-            if ratio <= 0:
+            ratio = expert_kernel_ratio(profile)
+            if ratio is None:
                 return None
             return moe_fused_copy_engine(site, profile, ctx, ratio, skip_padding=bool(config.get("skip_padding")))
         return moe_fused_copy_engine(site, profile, ctx)
@@ -46,6 +46,13 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
         how += f", routed rows only (assumed {fill:.0%} of the slots)"
     return Schedule(end + moe_save_ms(site, profile), events, base.bound_ms if base else None,
                     f"{how} of {nbytes / 2**20:.1f} MiB")
+
+
+def expert_kernel_ratio(profile: HardwareProfile) -> float | None:
+    """The persistent expert kernel's time over the bmm experts' (``moe.expert_kernel_vs_bmm`` in
+    the profile, measured by benchmarks/moe_experts.py); None (no prediction) until measured."""
+    value = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe")
+    return value if value > 0 else None
 
 
 def _pipeline(site: Site, profile: HardwareProfile, ctx: Ctx, p: int, source: bool, piece_gemms_ms: float,

@@ -52,7 +52,7 @@ from ...passes.matches import Match, MoeSectionMatch
 from ..base import TemplateSpec, gpu_profile
 from ..plans import MoePlan
 from . import backward_spec
-from .backward_spec import is_backward
+from .backward_spec import COPY_ENGINE, is_backward
 
 
 class MoeFusedSpec(TemplateSpec):
@@ -122,18 +122,6 @@ class MoeFusedSpec(TemplateSpec):
 
 
 SPEC = MoeFusedSpec()
-
-
-def expert_kernel_ratio(profile: Any) -> float | None:
-    """The persistent expert kernel's time over the bmm experts' (``moe.expert_kernel_vs_bmm`` in
-    the profile, measured by benchmarks/moe_experts.py); None (not offered) until measured."""
-    from ...predictor.models import profile_extra
-
-    value = profile_extra(profile, "expert_kernel_vs_bmm", 0.0, "moe") if profile is not None else 0.0
-    return value if value > 0 else None
-
-
-COPY_ENGINE = {"split": "source", "transport": "p2p"}
 
 
 TRANSPORTS = ("nccl", "p2p")
