@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 ROLES = (
     ("collective", ("nccl", "all_to_all", "alltoall")),
     ("combine", ("index_mul", "mul_sum", "sum_view")),
-    ("dispatch", ("index_add", "index_put", "repeat_interleave", "scatter", "zeros", "new_zeros")),
+    ("dispatch", ("index_add", "index_put", "indexfunc", "repeat_interleave", "scatter", "zeros")),
     ("routing", ("softmax", "topk", "one_hot", "cumsum", "sort", "_amax", "exp")),
     ("swiglu", ("silu",)),
     ("expert_gemm", ("gemm", "cutlass", "nvjet", "sm90_", "xmma", "cublas", "bmm")),
