@@ -62,6 +62,10 @@ class Options:
     # is timed once on its group (GPU groups only) and decided by the measured gain
     # (passes/settle.py)
     measure_uncertain: bool = True
+    # each MoE section's dispatch buffer (zeros + index_put with accumulate, on CUDA) is filled by
+    # templates/moe_fused/scatter.py: a store per slot with one writer instead of ATen's atomic
+    # add per element (passes/moe_scatter.py; exact); not under force_template="baseline"
+    moe_scatter: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -71,6 +75,11 @@ class Options:
         """Whether the pass may move compute under collectives left as written (defer_compute;
         never when it is off or every site is forced to stay as written)."""
         return self.enabled and self.defer_compute and self.force_template != "baseline"
+
+    @property
+    def fills_moe_buffers(self) -> bool:
+        """Whether MoE dispatch buffers are filled by moe_scatter_rows (passes/moe_scatter.py)."""
+        return self.enabled and self.moe_scatter and self.force_template != "baseline"
 
     def to_json(self) -> str:
         """Stable text form: part of the compiler pass's cache key."""

@@ -62,6 +62,8 @@ class GraphRecord:
     error: str | None = None  # the pass failed on this graph and left it unchanged (why)
     # collectives left as written that got compute moved under them (passes/defer_compute.py)
     deferred: list[str] = dataclasses.field(default_factory=list)
+    # MoE dispatch buffers filled by moe_scatter_rows, or why not (passes/moe_scatter.py)
+    moe_buffers: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -114,8 +116,9 @@ class Report:
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, reason])
         errors = [r.error for r in self.records if r.error]
         deferred = [f"{r.name}: {d}" for r in self.records for d in r.deferred]
+        buffers = [f"{r.name}: {b}" for r in self.records for b in r.moe_buffers]
         if not rows:
-            return "\n".join(errors + deferred or ["overlap_compile: no GEMM/collective sites found"])
+            return "\n".join(errors + deferred + buffers or ["overlap_compile: no GEMM/collective sites found"])
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header) - 1)]
         lines = []
         for r in [header] + rows:
@@ -123,6 +126,7 @@ class Report:
         lines.insert(1, "-" * min(160, len(lines[0])))
         lines += errors
         lines += [f"compute under a collective left as written, {d}" for d in deferred]
+        lines += buffers
         profiles = sorted({r.profile for r in self.records if r.profile})
         if profiles:
             lines.append(f"profile: {', '.join(profiles)}")
@@ -138,7 +142,7 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(
             {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "deferred": r.deferred,
-                         "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
+                         "moe_buffers": r.moe_buffers, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
             indent=2,
             default=str,
         )

@@ -226,3 +226,29 @@ def test_p2p_ring_sum_and_spin_wait():
     _assert_built(builds, "_sum_kernel")
     (wait,) = _assert_built(builds, "wait_kernel")
     assert "globaltimer" in _ptx(wait) and "sys.acquire" in _ptx(wait)  # bounded by time; acquire at system scope
+
+
+# ---- moe_fused's dispatch-buffer scatter -------------------------------------------------------
+
+def test_moe_scatter_kernels():
+    """The three launches of scatter.scatter_add_rows for bf16 rows: int32 atomics for the counts,
+    plain vectorised stores for rows with one writer, bf16 atomic adds for the others."""
+    from overlap_compile.templates.moe_fused import scatter as S
+
+    n, rows, width = 4096, 3000, 2048
+    index, counts = torch.zeros(n, dtype=torch.int64), torch.zeros(rows, dtype=torch.int32)
+    src, out = torch.empty(n, width, dtype=torch.bfloat16), torch.empty(rows, width, dtype=torch.bfloat16)
+    cols = triton.cdiv(width, S.BLOCK_W)
+    with building() as builds:
+        S._count_kernel[(triton.cdiv(n, S.BLOCK_CHOICES),)](index, counts, n, rows, BLOCK=S.BLOCK_CHOICES)
+        S._clear_kernel[(triton.cdiv(rows, S.BLOCK_ROWS), cols)](out, counts, rows, width, BLOCK_ROWS=S.BLOCK_ROWS,
+                                                                 BLOCK_W=S.BLOCK_W)
+        S._scatter_kernel[(triton.cdiv(n, S.BLOCK_ROWS), cols)](out, src, index, counts, n, rows, width, width,
+                                                                BLOCK_ROWS=S.BLOCK_ROWS, BLOCK_W=S.BLOCK_W)
+    (count,) = _assert_built(builds, "_count_kernel")
+    _assert_built(builds, "_clear_kernel")
+    (scatter,) = _assert_built(builds, "_scatter_kernel")
+    assert "atom.global" in _ptx(count) or "red.global" in _ptx(count)
+    ptx = _ptx(scatter)
+    assert "bf16" in ptx and ("atom.global" in ptx or "red.global" in ptx), "no bf16 atomic add"
+    assert "st.global.v" in ptx, "the rows with one writer are not stored vectorised"

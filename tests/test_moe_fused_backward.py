@@ -340,3 +340,40 @@ def test_backward_latency_model():
     assert labels.index("experts own") < labels.index("experts 1") < labels.index("push 1") < labels.index("weight gradients")
     push, tail = (next(ev for ev in ce.events if ev.label == x) for x in ("push 1", "weight gradients"))
     assert tail.start < push.end < tail.end  # the last push hides behind the weight gradients
+
+
+def test_backward_pieces_fill_the_weight_gradients_handed_over():
+    """backward_reference.Pieces with ``grads_into`` (backward_op.py hands its outputs to the
+    copy-engine path so that a replayed call writes where the caller reads): the weight gradients
+    returned are those tensors, with the values Pieces computes without them; backward_op's
+    outputs (its fake returns the same) have the op's shapes. One process: rank 0 of 2, the peer's piece handed over
+    as if it had arrived."""
+    from overlap_compile.templates.moe_fused import backward_op, backward_reference
+    from overlap_compile.templates.plans import MoePlan
+
+    w, e, c, h, f = 2, 3, 5, 11, 13
+    plan = MoePlan("moe_fused", w, e, c, h, f, BY_SOURCE, direction="backward")
+    torch.manual_seed(0)
+    shapes = backward_op.operand_shapes(plan)
+    operands = {k: torch.randn(*s) for k, s in shapes.items()}
+    slots = operands.pop("grad_buf").view(w, e * c, h)
+
+    def run(outs):
+        out = torch.empty_like(slots) if outs is None else outs[0].view(slots.shape)
+        pieces = backward_reference.Pieces(slots, out, 0, plan, *operands.values(),
+                                           grads_into=None if outs is None else outs[1:])
+        pieces.own()
+        out[1] = pieces.peer(1, slots[1])  # d_h of the peer's piece (kernels send it home)
+        pieces.after()
+        return pieces.result()
+
+    fresh = run(None)
+    outs = backward_op._new_outputs(slots.view(-1, h), operands["gate"], plan)
+    assert [tuple(t.shape) for t in outs] == [(w * e * c, h), (e, h, f), (e, h, f), (e, f, h)]
+    for t in outs:
+        t.fill_(float("nan"))  # every element must be written
+    got = run(outs)
+    assert all(g is o for g, o in zip(got[1:], outs[1:]))
+    assert got[0].data_ptr() == outs[0].data_ptr()
+    for g, want in zip(got, fresh):
+        torch.testing.assert_close(g, want)

@@ -1,5 +1,6 @@
-"""The overlap pass on one graph: find -> decide -> rewrite, then the collectives left as written
-get independent compute under them (defer_compute.py); and the record of what happened."""
+"""The overlap pass on one graph: find -> decide -> rewrite, then MoE dispatch buffers are filled
+without per-element atomics (moe_scatter.py) and the collectives left as written get independent
+compute under them (defer_compute.py); and the record of what happened."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from .decide import Decision, decide
 from .defer_compute import defer_independent_compute
 from .find import find
 from .matches import dtype_name
+from .moe_scatter import scatter_moe_buffers
 from .rewrite import rewrite
 
 
@@ -50,10 +52,11 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms)
+    buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferred = [d.describe() for d in defer_independent_compute(graph)] if options.moves_compute else []
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
-                       pass_seconds=time.perf_counter() - start, deferred=deferred)
+                       pass_seconds=time.perf_counter() - start, deferred=deferred, moe_buffers=buffers)
 
 
 def _site_report(d: Decision, graph_name: str) -> SiteReport:

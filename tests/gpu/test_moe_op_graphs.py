@@ -2,8 +2,9 @@
 torch.ops.overlap_compile.moe_fused with the same buffers are captured on the second call and
 replayed after. Every call refills the dispatch buffer in place with new numbers (fp32, TF32 off)
 and is compared with reference.run's one-shot pipeline; an inference plan and a training plan
-(its saved intermediates are outputs too, compared with the layer's own math); world 2 (and 4
-where there are 4 GPUs). The workers turn spec.host_replay on themselves, so the test holds
+(its saved intermediates are outputs too, compared with the layer's own math), and the backward
+section's op (moe_fused_backward, compared with the section as written); world 2 (and 4 where
+there are 4 GPUs). The workers turn spec.host_replay on themselves, so the test holds
 whatever its default. Passed at W=2 on 2x H100 (2026-11-26, run 2; run 1 held the last call's
 outputs while the next allocated, so a training plan's addresses never repeated)."""
 from __future__ import annotations
@@ -58,7 +59,46 @@ def _replays_vs_reference() -> list[str]:
         if graphed < CALLS - 2:
             fails.append(f"rank {rank} saves={saves}: {graphed} of {CALLS} calls ran from graphs "
                          f"({dict(op_graphs.stats)}, failures: {op_graphs.failures()})")
+    fails += _backward_replays(group, rank, w, dev)
     torch.cuda.synchronize()
+    return fails
+
+
+def _backward_replays(group: str, rank: int, w: int, dev) -> list[str]:
+    """moe_fused_backward's copy-engine path through op_graphs: every call refills the gradient
+    slots in place and is compared with the section as written (backward_reference.run_as_written);
+    from the third call on the calls run from graphs."""
+    from overlap_compile.runtime import op_graphs
+    from overlap_compile.templates.moe_fused import backward_op
+    from overlap_compile.templates.plans import MoePlan
+
+    plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"split": "source", "transport": "p2p"}, direction="backward")
+    shapes = backward_op.operand_shapes(plan)
+    # tokens_t and act_t as a training graph hands them over: transposed views of the saved tensors
+    operands = [torch.randn(*s[:-2], s[-1], s[-2], device=dev).transpose(-1, -2) / 8 if k in ("tokens_t", "act_t")
+                else torch.randn(*s, device=dev) / 8 for k, s in shapes.items()]
+    before = op_graphs.stats["captured"] + op_graphs.stats["replayed"]
+    fails = []
+    for call in range(CALLS):
+        fails += _one_backward_call(operands, group, plan, rank, call)
+    graphed = op_graphs.stats["captured"] + op_graphs.stats["replayed"] - before
+    if graphed < CALLS - 2:
+        fails.append(f"rank {rank} backward: {graphed} of {CALLS} calls ran from graphs "
+                     f"({dict(op_graphs.stats)}, failures: {op_graphs.failures()})")
+    return fails
+
+
+def _one_backward_call(operands, group: str, plan, rank: int, call: int) -> list[str]:
+    from overlap_compile.templates.moe_fused import backward_reference
+
+    operands[0].copy_(torch.randn_like(operands[0]))  # the gradient slots: same address, new numbers
+    got = torch.ops.overlap_compile.moe_fused_backward(*operands, group, plan.to_json())
+    want = backward_reference.run_as_written(*operands, group, plan)
+    fails = []
+    for name, have, exact in zip(("d_buf", "dw1", "dw3", "dw2"), got, want):
+        err = ((have - exact).norm() / exact.norm()).item()
+        if not err < 1e-5:
+            fails.append(f"rank {rank} backward call {call}: {name} rel err {err:.3g}")
     return fails
 
 

@@ -8,6 +8,8 @@ backward_reference.run_routed (routed.py's rounds, functional collectives or NCC
 under CUDA-graph capture; ``"transport": "p2p"`` where the copy engine can run it runs
 backward_p2p.py; otherwise CUDA tensors on an NCCL group run backward_nccl.py; everything else
 runs backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
+Host-launched copy-engine calls replay from per-site CUDA graphs (runtime.op_graphs) as the
+forward's do, under the same switch (dispatch.replayable).
 Registered when op.py is imported (the registry imports ``<template>.op``)."""
 from __future__ import annotations
 
@@ -51,26 +53,48 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
-    from .dispatch import path
+    from .dispatch import path, replayable
 
     how = path(group_name, grad_buf.device, p)
+    operands = (grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t)
+    if how == "p2p" and replayable():
+        return _replayed(operands, group_name, plan, p)
     if how == "routed":
-        return backward_reference.run_routed(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
+        return backward_reference.run_routed(*operands, group_name, p)
     if how == "p2p":
         from . import backward_p2p as impl
     elif how == "nccl":
         from . import backward_nccl as impl
     else:
         impl = backward_reference
-    return impl.run(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, p)
+    return impl.run(*operands, group_name, p)
+
+
+def _replayed(operands: tuple, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
+    """The copy-engine path through runtime.op_graphs, as op.py's forward: its work is stream work
+    only (backward_p2p.py), so a host-launched call with the same buffers replays it from a CUDA
+    graph. Its outputs are allocated here, before the lookup."""
+    from ...runtime import op_graphs
+    from . import backward_p2p, kernels
+
+    grad_buf = operands[0]
+    outs = _new_outputs(grad_buf, operands[2], p)
+    op_graphs.run((kernels.TEMPLATE, group_name, plan), grad_buf.device, operands, outs,
+                  lambda: backward_p2p.run(*operands, group_name, p, outs=outs),
+                  lambda: kernels.check_errors(grad_buf.device, synchronize=False))
+    return outs
+
+
+def _new_outputs(grad_buf: torch.Tensor, gate: torch.Tensor, p: MoePlan) -> list[torch.Tensor]:
+    """d_buf, dw1, dw3, dw2."""
+    e, h, f = p.e_local, p.hidden, p.ffn
+    return [grad_buf.new_empty(grad_buf.shape), gate.new_empty(e, h, f), gate.new_empty(e, h, f),
+            gate.new_empty(e, f, h)]
 
 
 @moe_fused_backward.register_fake
 def _(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, plan):
-    p = MoePlan.from_json(plan)
-    e, h, f = p.e_local, p.hidden, p.ffn
-    return [grad_buf.new_empty(grad_buf.shape), gate.new_empty(e, h, f), gate.new_empty(e, h, f),
-            gate.new_empty(e, f, h)]
+    return _new_outputs(grad_buf, gate, MoePlan.from_json(plan))
 
 
 def measured_call(match: Any, plan: MoePlan | None, rnd: Callable[..., torch.Tensor]) -> Callable[[], Any]:

@@ -20,10 +20,13 @@ from . import kernels
 
 
 def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
-        plan: MoePlan) -> list[torch.Tensor]:
+        plan: MoePlan, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``outs``: the op's outputs to write into (d_buf, dw1, dw3, dw2): stream work into buffers
+    the caller owns is what runtime.op_graphs replays (backward_op.py)."""
     call = kernels.open_call(grad_buf, group_name, plan)
-    out = torch.empty_like(call.slots)
-    pieces = bref.Pieces(call.slots, out, call.r, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
+    out = torch.empty_like(call.slots) if outs is None else outs[0].view(call.slots.shape)
+    pieces = bref.Pieces(call.slots, out, call.r, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t,
+                         grads_into=None if outs is None else outs[1:])
     used = kernels.rounds(call, pieces.own, pieces.peer, pieces.after)
     kernels.finish_call(call, out, [grad_buf, *used])
     return pieces.result()

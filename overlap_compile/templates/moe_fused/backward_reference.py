@@ -53,7 +53,9 @@ class Pieces:
     ``after()`` as reference.exchange_by_source / kernels_nccl.rounds_by_source call them."""
 
     def __init__(self, slots: torch.Tensor, out: torch.Tensor, rank: int, plan: MoePlan, tokens_t, gate, up,
-                 act_t, w1t, w3t, w2t):
+                 act_t, w1t, w3t, w2t, grads_into: list[torch.Tensor] | None = None):
+        """``grads_into``: dw1, dw3, dw2 to write into (backward_op.py hands its outputs over so
+        that a replayed call writes where the caller reads); new ones when None."""
         w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
         self.slots, self.out, self.rank, self.shape = slots, out, rank, (e, c, h)
         self.tokens_t, self.gate, self.up, self.act_t, self.ws = tokens_t, gate, up, act_t, (w1t, w3t, w2t)
@@ -61,6 +63,7 @@ class Pieces:
         self.g = slots.new_empty(e, w * c, h)
         self.d_gate, self.d_up = gate.new_empty(e, w * c, f), gate.new_empty(e, w * c, f)
         self.grads: list[torch.Tensor] = []
+        self.grads_into = grads_into
 
     def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         e, c, h = self.shape
@@ -77,8 +80,10 @@ class Pieces:
         return self._rows(src, got).view(got.shape[0], -1)
 
     def after(self) -> None:
-        self.grads = [torch.bmm(self.tokens_t, self.d_gate), torch.bmm(self.tokens_t, self.d_up),
-                      torch.bmm(self.act_t, self.g)]
+        into = self.grads_into or [None, None, None]
+        self.grads = [torch.bmm(a, b, out=o) if o is not None else torch.bmm(a, b)
+                      for (a, b), o in zip(((self.tokens_t, self.d_gate), (self.tokens_t, self.d_up),
+                                            (self.act_t, self.g)), into)]
 
     def result(self) -> list[torch.Tensor]:
         """[d_buf [W * E * C, H], dw1, dw3, dw2]: what the op returns."""

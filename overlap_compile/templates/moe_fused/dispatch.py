@@ -24,3 +24,13 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
     if kernels_nccl.usable(group_name, device):
         return "nccl"
     return "reference"
+
+
+def replayable() -> bool:
+    """Whether host-launched copy-engine calls (bmm experts), either direction, go through
+    runtime.op_graphs: where the op_graphs option is on and the spec says the path replays
+    (``host_replay``)."""
+    from ... import config
+    from .spec import SPEC
+
+    return config.current().op_graphs and SPEC.host_replay

@@ -20,8 +20,9 @@ import torch
 
 from ..base import LIB
 from ..plans import MoePlan
-from .dispatch import path  # which implementation a call runs (also read as op.path)
+from .dispatch import path, replayable  # which implementation a call runs (also read as op.path)
 from . import backward_op  # noqa: F401  (registers moe_fused_backward: the registry imports op.py)
+from . import scatter  # noqa: F401  (registers moe_scatter_rows, which passes/moe_scatter.py emits)
 from . import reference
 
 
@@ -51,19 +52,10 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         from . import kernels_nccl as impl
     else:
         impl = reference
-    if where == "p2p" and p.config.get("experts", "bmm") == "bmm" and _replayable():
+    if where == "p2p" and p.config.get("experts", "bmm") == "bmm" and replayable():
         return _replayed(buf, w1, w3, w2, group_name, plan, p)
     got = impl.run(buf, w1, w3, w2, group_name, p)
     return got if isinstance(got, list) else [got]
-
-
-def _replayable() -> bool:
-    """Replays run where the op_graphs option is on and the spec says the path replays
-    (``host_replay``)."""
-    from ... import config
-    from .spec import SPEC
-
-    return config.current().op_graphs and SPEC.host_replay
 
 
 def _replayed(buf, w1, w3, w2, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
