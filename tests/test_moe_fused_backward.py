@@ -377,3 +377,21 @@ def test_backward_pieces_fill_the_weight_gradients_handed_over():
     assert got[0].data_ptr() == outs[0].data_ptr()
     for g, want in zip(got, fresh):
         torch.testing.assert_close(g, want)
+
+
+def test_host_replay_is_priced_per_direction():
+    """Host-launched, the forward section's op replays from CUDA graphs and the backward's runs
+    piece by piece (spec.backward_host_replay is off: spec.py says why): the predictor prices
+    each as it runs (price_config reads replays_on_host), and the op takes the same path."""
+    import types
+
+    from overlap_compile import config
+    from overlap_compile.templates.moe_fused import dispatch
+    from overlap_compile.templates.moe_fused.spec import SPEC
+
+    forward, backward = types.SimpleNamespace(direction="forward"), types.SimpleNamespace(direction="backward")
+    assert SPEC.replays_on_host(forward) and not SPEC.replays_on_host(backward)
+    with config.patch(op_graphs=True):
+        assert dispatch.replayable("forward") and not dispatch.replayable("backward")
+    with config.patch(op_graphs=False):
+        assert not dispatch.replayable("forward")

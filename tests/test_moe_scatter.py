@@ -6,16 +6,13 @@ sizes, slots with one writer, several writers, none, negative and out-of-range i
 errors name what is wrong."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.interpreter import run_interpreted
+
 from overlap_compile.templates.moe_fused import scatter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (choices n, width, rows, dtype, index kind)
 CASES = [(1, 1, 1, torch.float32, "unique"), (37, 129, 53, torch.float32, "unique"),
          (40, 300, 40, torch.float16, "permutation"), (64, 257, 20, torch.float32, "duplicates"),
@@ -83,7 +80,6 @@ def test_bad_operands_are_named():
 
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = ("import tests.test_moe_scatter as t\n"
             "from overlap_compile.templates.moe_fused import scatter as s\n"
             "import torch\n"
@@ -94,5 +90,4 @@ def test_triton_kernels_under_interpreter():
             "got = s.scatter_add_rows(torch.tensor([4, 0, 2, 1, 3, 5]), x, 6)\n"
             "assert torch.equal(got, torch.zeros(6, 5).index_add_(0, torch.tensor([4, 0, 2, 1, 3, 5]), x))\n"
             "print('ALL OK')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_interpreted(code)

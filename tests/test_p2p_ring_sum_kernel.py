@@ -3,16 +3,13 @@ sum in float64: the torch path (CPU tensors) and the Triton kernel through Trito
 (in a subprocess, so TRITON_INTERPRET=1 leaks into no other test), odd sizes, in place."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.interpreter import run_interpreted
+
 from overlap_compile.templates.p2p_ring.sum_kernel import sum_into
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [((1, 1), torch.float32, False, 1.0), ((37, 129), torch.float16, True, 0.25), ((5, 2049), torch.float32, True, 1.0),
          ((3, 4101), torch.float16, False, 0.5)]
 
@@ -49,12 +46,10 @@ def test_bad_inputs_are_named():
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = ("import tests.test_p2p_ring_sum_kernel as t\n"
             "from overlap_compile.templates.p2p_ring import sum_kernel as k\n"
             "import torch\n"
             "assert k._use_triton(torch.zeros(1)), 'the interpreter path is not taken'\n"
             "for c in t.CASES:\n    t.check(*c, in_place=True); t.check(*c, in_place=False)\n"
             "print('ALL OK')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_interpreted(code)

@@ -342,7 +342,9 @@ def price_config(spec: Any, match: Any, config: dict, profile: HardwareProfile, 
     where the baseline ran plain kernels: when kernels are host-launched its dispatch, plan
     handling and stream/event work add to the site's own host time (profile "op_overhead_ms"; 0
     under CUDA graphs, which replay no host code)."""
-    replayed = (ctx.mode == "eager" and op_graphs and getattr(spec, "host_replay", False)
+    per_site = getattr(spec, "replays_on_host", None)  # TemplateSpec's; stand-ins may have the flag only
+    replays = per_site(match) if per_site is not None else getattr(spec, "host_replay", False)
+    replayed = (ctx.mode == "eager" and op_graphs and replays
                 and "replayed" in profile.raw.get("op_overhead_ms", {}))
     sched = schedule_for(spec, match, config, profile, dataclasses.replace(ctx, mode="cuda_graph") if replayed
                          else ctx, site)

@@ -39,6 +39,11 @@ class TemplateSpec:
     # graphable route): the predictor prices their host time as a graph replay
     host_replay: bool = False
 
+    def replays_on_host(self, match: Match) -> bool:
+        """Whether host-launched calls of this site's op replay from per-site CUDA graphs (what
+        the predictor prices); a template whose ops differ per site overrides it."""
+        return self.host_replay
+
     # -- what it can do -------------------------------------------------------------------
     def supports(self, match: Match) -> str | None:
         """None when this template can rewrite the site, else the reason it cannot."""

@@ -31,7 +31,7 @@ def _replays_vs_reference() -> list[str]:
     load_all_ops()
     from overlap_compile.templates.moe_fused.spec import SPEC
 
-    SPEC.host_replay = True  # whatever the default, this worker replays
+    SPEC.host_replay = SPEC.backward_host_replay = True  # whatever the defaults, this worker replays
     rank, w = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False

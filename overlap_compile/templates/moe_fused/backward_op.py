@@ -8,8 +8,8 @@ backward_reference.run_routed (routed.py's rounds, functional collectives or NCC
 under CUDA-graph capture; ``"transport": "p2p"`` where the copy engine can run it runs
 backward_p2p.py; otherwise CUDA tensors on an NCCL group run backward_nccl.py; everything else
 runs backward_reference.py. The plan must be a backward one (``MoePlan.direction``) by source.
-Host-launched copy-engine calls replay from per-site CUDA graphs (runtime.op_graphs) as the
-forward's do, under the same switch (dispatch.replayable).
+Host-launched copy-engine calls can replay from per-site CUDA graphs (runtime.op_graphs) as the
+forward's do, where ``spec.backward_host_replay`` is on (it is off: spec.py says why).
 Registered when op.py is imported (the registry imports ``<template>.op``)."""
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     how = path(group_name, grad_buf.device, p)
     operands = (grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t)
-    if how == "p2p" and replayable():
+    if how == "p2p" and replayable("backward"):
         return _replayed(operands, group_name, plan, p)
     if how == "routed":
         return backward_reference.run_routed(*operands, group_name, p)

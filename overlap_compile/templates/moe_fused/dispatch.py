@@ -26,11 +26,11 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
     return "reference"
 
 
-def replayable() -> bool:
-    """Whether host-launched copy-engine calls (bmm experts), either direction, go through
-    runtime.op_graphs: where the op_graphs option is on and the spec says the path replays
-    (``host_replay``)."""
+def replayable(direction: str = "forward") -> bool:
+    """Whether host-launched copy-engine calls (bmm experts) of ``direction`` go through
+    runtime.op_graphs: where the op_graphs option is on and the spec says that direction's path
+    replays (``host_replay``, and ``backward_host_replay`` for the backward)."""
     from ... import config
     from .spec import SPEC
 
-    return config.current().op_graphs and SPEC.host_replay
+    return config.current().op_graphs and SPEC.host_replay and (direction == "forward" or SPEC.backward_host_replay)

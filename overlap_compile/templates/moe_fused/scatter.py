@@ -13,10 +13,11 @@ Here the same sum is made in three launches::
     _count_kernel    counts[r] = number of choices whose index is r      (int32 atomics, one per choice)
     _clear_kernel    zero every row whose count is not 1                 (rows with one writer are not written twice)
     _scatter_kernel  a choice whose row has one writer stores its row;   (plain, vectorised stores)
-                     the others add theirs atomically, as ATen does
+                     the others add their nonzero elements atomically
 
-Exact: a row with one writer is 0 + src = src; a shared row is the atomic sum of its writers, in
-the nondeterministic order ATen's index_add also has (so a rewrite is refused while
+Exact: a row with one writer is 0 + src = src; a shared row is the atomic sum of its writers'
+nonzero elements (adding a zero changes nothing but the sign of a zero: -0.0 + 0.0 is +0.0 in
+ATen's sum and stays -0.0 here), in the nondeterministic order ATen's index_add also has (so a rewrite is refused while
 ``torch.use_deterministic_algorithms`` is on: passes/rewrite.py). Negative indices count from the
 end (index_put's meaning); an index outside [-rows, rows) writes nothing (ATen would raise a
 device-side assert).
@@ -83,7 +84,9 @@ if HAVE_TRITON:
         row = tl.load(src_ptr + i.to(tl.int64)[:, None] * src_stride + c[None, :], mask=valid[:, None] & cols)
         dest = out_ptr + idx[:, None] * width + c[None, :]
         tl.store(dest, row, mask=(valid & sole)[:, None] & cols)
-        tl.atomic_add(dest, row, mask=(valid & ~sole)[:, None] & cols, sem="relaxed")
+        # zeros add nothing: the choices dropped past the capacity (zero rows, all clamped onto
+        # one kept slot of the expert) would otherwise all add into that one row at once
+        tl.atomic_add(dest, row, mask=(valid & ~sole)[:, None] & cols & (row != 0), sem="relaxed")
 
 
 def _use_triton(t: torch.Tensor) -> bool:
