@@ -96,10 +96,14 @@ def _one_backward_call(operands, group: str, plan, rank: int, call: int) -> list
     want = backward_reference.run_as_written(*operands, group, plan)
     fails = []
     for name, have, exact in zip(("d_buf", "dw1", "dw3", "dw2"), got, want):
-        err = ((have - exact).norm() / exact.norm()).item()
+        err = _rel(have, exact)
         if not err < 1e-5:
             fails.append(f"rank {rank} backward call {call}: {name} rel err {err:.3g}")
     return fails
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
 
 
 def _one_call(op, buf, ws, group, plan, one_shot, rank: int, call: int) -> list[str]:
@@ -113,14 +117,14 @@ def _one_call(op, buf, ws, group, plan, one_shot, rank: int, call: int) -> list[
     buf.copy_(torch.randn_like(buf))  # same address, new numbers: a stale replay shows
     got = op(buf, *ws, group, plan.to_json())
     want = reference.run(buf, *ws, group, one_shot)
-    err = ((got[0] - want).norm() / want.norm()).item()
+    err = _rel(got[0], want)
     if not err < 1e-5:
         fails.append(f"rank {rank} saves={plan.saves} call {call}: rel err {err:.3g}")
     if plan.saves:  # the experts' input and activations, expert-major [E, W * C, *]
         tokens = got[1]
         gate, up = torch.bmm(tokens, ws[0]), torch.bmm(tokens, ws[1])
         for name, have, exact in (("gate", got[2], gate), ("up", got[3], up), ("act", got[4], F.silu(gate) * up)):
-            e = ((have - exact).norm() / exact.norm()).item()
+            e = _rel(have, exact)
             if not e < 1e-5:
                 fails.append(f"rank {rank} call {call}: saved {name} rel err {e:.3g}")
     return fails

@@ -53,12 +53,16 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
 
     check_plan_agreement(group_name, plan, "moe_fused_backward")
     grad_buf = grad_buf.contiguous()  # the pieces are views of its rows
-    from .dispatch import path, replayable
+    from .dispatch import path, replayable, run_replayed
 
     how = path(group_name, grad_buf.device, p)
     operands = (grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t)
     if how == "p2p" and replayable("backward"):
-        return _replayed(operands, group_name, plan, p)
+        from . import backward_p2p
+
+        outs = _new_outputs(grad_buf, gate, p)
+        return run_replayed(group_name, plan, operands, outs,
+                            lambda: backward_p2p.run(*operands, group_name, p, outs=outs))
     if how == "routed":
         return backward_reference.run_routed(*operands, group_name, p)
     if how == "p2p":
@@ -68,21 +72,6 @@ def moe_fused_backward(grad_buf: torch.Tensor, tokens_t: torch.Tensor, gate: tor
     else:
         impl = backward_reference
     return impl.run(*operands, group_name, p)
-
-
-def _replayed(operands: tuple, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
-    """The copy-engine path through runtime.op_graphs, as op.py's forward: its work is stream work
-    only (backward_p2p.py), so a host-launched call with the same buffers replays it from a CUDA
-    graph. Its outputs are allocated here, before the lookup."""
-    from ...runtime import op_graphs
-    from . import backward_p2p, kernels
-
-    grad_buf = operands[0]
-    outs = _new_outputs(grad_buf, operands[2], p)
-    op_graphs.run((kernels.TEMPLATE, group_name, plan), grad_buf.device, operands, outs,
-                  lambda: backward_p2p.run(*operands, group_name, p, outs=outs),
-                  lambda: kernels.check_errors(grad_buf.device, synchronize=False))
-    return outs
 
 
 def _new_outputs(grad_buf: torch.Tensor, gate: torch.Tensor, p: MoePlan) -> list[torch.Tensor]:

@@ -29,8 +29,23 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
 def replayable(direction: str = "forward") -> bool:
     """Whether host-launched copy-engine calls (bmm experts) of ``direction`` go through
     runtime.op_graphs: where the op_graphs option is on and the spec says that direction's path
-    replays (``host_replay``, and ``backward_host_replay`` for the backward)."""
+    replays (``spec.replays``)."""
     from ... import config
     from .spec import SPEC
 
-    return config.current().op_graphs and SPEC.host_replay and (direction == "forward" or SPEC.backward_host_replay)
+    return config.current().op_graphs and SPEC.replays(direction)
+
+
+def run_replayed(group_name: str, plan: str, inputs: tuple, outs: list[torch.Tensor], call) -> list[torch.Tensor]:
+    """A copy-engine call, either direction, through runtime.op_graphs: ``call()`` is stream work
+    only (kernels.py, backward_p2p.py) writing into ``outs``, which the op allocated before the
+    lookup, so a host-launched call with the same buffers replays it from a CUDA graph (one launch
+    instead of the pipeline's dozens of host calls), as the other templates' ops do
+    (base.define_gemm_collective_op)."""
+    from ...runtime import op_graphs
+    from . import kernels
+
+    device = inputs[0].device
+    op_graphs.run((kernels.TEMPLATE, group_name, plan), device, inputs, outs, call,
+                  lambda: kernels.check_errors(device, synchronize=False))
+    return outs

@@ -20,7 +20,7 @@ import torch
 
 from ..base import LIB
 from ..plans import MoePlan
-from .dispatch import path, replayable  # which implementation a call runs (also read as op.path)
+from .dispatch import path, replayable, run_replayed  # path: which implementation runs (also read as op.path)
 from . import backward_op  # noqa: F401  (registers moe_fused_backward: the registry imports op.py)
 from . import scatter  # noqa: F401  (registers moe_scatter_rows, which passes/moe_scatter.py emits)
 from . import reference
@@ -53,24 +53,11 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
     else:
         impl = reference
     if where == "p2p" and p.config.get("experts", "bmm") == "bmm" and replayable():
-        return _replayed(buf, w1, w3, w2, group_name, plan, p)
+        outs = _new_outputs(buf, p)
+        return run_replayed(group_name, plan, (buf, w1, w3, w2), outs,
+                            lambda: impl.run(buf, w1, w3, w2, group_name, p, outs=outs))
     got = impl.run(buf, w1, w3, w2, group_name, p)
     return got if isinstance(got, list) else [got]
-
-
-def _replayed(buf, w1, w3, w2, group_name: str, plan: str, p: MoePlan) -> list[torch.Tensor]:
-    """The copy-engine path with bmm experts through runtime.op_graphs: its work is stream work
-    only (kernels.py), so a host-launched call with the same buffers replays it from a CUDA graph
-    (one launch instead of the pipeline's dozens of host calls). Its outputs are allocated here,
-    before the lookup, as the other templates' ops do (base.define_gemm_collective_op)."""
-    from ...runtime import op_graphs
-    from . import kernels
-
-    outs = _new_outputs(buf, p)
-    op_graphs.run((kernels.TEMPLATE, group_name, plan), buf.device, (buf, w1, w3, w2), outs,
-                  lambda: kernels.run(buf, w1, w3, w2, group_name, p, outs=outs),
-                  lambda: kernels.check_errors(buf.device, synchronize=False))
-    return outs
 
 
 def _new_outputs(buf: torch.Tensor, p: MoePlan) -> list[torch.Tensor]:

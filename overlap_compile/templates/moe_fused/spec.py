@@ -70,8 +70,12 @@ class MoeFusedSpec(TemplateSpec):
     # runs piece by piece and is priced so
     backward_host_replay = False
 
+    def replays(self, direction: str) -> bool:
+        """Whether host-launched copy-engine calls of ``direction``'s op replay (op.py, backward_op.py)."""
+        return self.host_replay and (direction == "forward" or self.backward_host_replay)
+
     def replays_on_host(self, match) -> bool:
-        return self.host_replay and (self.backward_host_replay or not is_backward(match))
+        return self.replays("backward" if is_backward(match) else "forward")
 
     def supports(self, match: Match) -> str | None:
         reason = super().supports(match)
