@@ -246,10 +246,12 @@ def test_a_training_sections_saved_intermediates_are_charged():
 
 
 def test_copy_engine_all_reduce_chunk_pipeline():
-    """p2p_ring's all-reduce in c row chunks (model.p2p_ring_allreduce_chunked): chunk i's reduced
-    stripe travels while chunk i+1's GEMMs run, so on a communication-heavy all-reduce 4 chunks
-    end earlier than the whole (whose gather trails the GEMM); only the copy engine has it, and
-    rows that do not split into W * c stripes get no schedule."""
+    """p2p_ring's all-reduce in c row chunks (model.p2p_ring_allreduce_chunked): every chunk's
+    partials for the peer are computed and pushed first, then each chunk's own stripe is summed
+    (after its partials landed) and its reduced stripe travels while the next chunk's GEMM runs,
+    so on a communication-heavy all-reduce 4 chunks end earlier than the whole (whose gather
+    trails the GEMM); only the copy engine has it, and rows that do not split into W * c stripes
+    get no schedule."""
     p = h200(contention={"gemm_slowdown_copy_engine": 1.02}, peer_sync_ms=0.01)
     site = Site("gemm_allreduce", ((16384, 16384, 2048),), 2, "bfloat16")
     ctx = Ctx(mode="cuda_graph")
@@ -258,8 +260,11 @@ def test_copy_engine_all_reduce_chunk_pipeline():
     four = ring_model.p2p_ring(site, {**cfg, "chunks": 4}, p, ctx)
     assert four.total_ms < whole.total_ms
     ev = {e.label: e for e in four.events}
-    assert ev["push reduced 0"].start < ev["GEMM chunk 1 own stripe"].end  # the gather hides behind chunk 1
+    assert ev["push reduced 0"].start < ev["GEMM + sum chunk 1"].end  # the gather hides behind chunk 1
     assert ev["copy out chunk 3"].end == pytest.approx(four.total_ms)  # the last chunk's gather trails
+    assert ev["GEMM chunk 3 stripe 0"].end <= ev["GEMM + sum chunk 0"].start + 1e-12  # phase 1 first
+    for i in range(4):  # a chunk is summed only once its partials are in
+        assert ev[f"GEMM + sum chunk {i}"].start >= ev[f"push partial {i}.0"].end - 1e-12
     gemms = [e for e in four.events if e.label.startswith("GEMM")]
     assert len(gemms) == 4 * 2 and all(a.end <= b.start + 1e-12 for a, b in zip(gemms, gemms[1:]))
     assert ring_model.p2p_ring(site, {**cfg, "transport": "nccl", "chunks": 4}, p, ctx) is None

@@ -92,16 +92,15 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
 
 def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
     """``"chunks": c`` (kernels.run_allreduce; the reference computes the same chunk by chunk):
-    c row chunks in a pipeline on two lanes. Per chunk: the peers' stripes' GEMMs, each partial
-    pushed once computed; the own stripe's GEMM; the wait for the peers' partials and the sum;
-    then the previous chunk's reduced stripes, waited for and copied out of the inbox on the copy
-    lane; then this chunk's reduced stripe pushed to every peer. The copy lane is one queue
-    (pushes and copy-outs in issue order); GEMMs beside it run ``copy_engine_slowdown`` slower.
-    After the last chunk: its reduced stripes waited for and copied out. NCCL transport: None
-    (the chunked pipeline is the copy engine's). Optimistic: on 2x H100 it predicted 1.34-1.54x
-    for 4 chunks of the large all-reduces where 1.17-1.29x was measured, and 1.50x for AR
-    4096x8192x2048 where 0.87x was (per-chunk flag waits, events and smaller GEMMs it does not
-    price); that is why the spec does not offer it."""
+    c row chunks in two phases on two lanes. Phase 1: every chunk's peer stripes' GEMMs, each
+    partial pushed once computed. Phase 2, per chunk: wait for the peers' partials of the chunk
+    (pushed in phase 1), my stripe's GEMM with them added (W = 2: one addmm, the partial copied
+    into the output first; W > 2: the GEMM, then the fp32 sums of rs_accumulate_bytes), its
+    reduced stripe pushed to every peer, then the previous chunk's reduced stripes waited for and
+    copied out of the inbox on the copy lane. After the last chunk: its reduced stripes waited for
+    and copied out. The copy lane is one queue (pushes and copy-outs in issue order); GEMMs beside
+    it run ``copy_engine_slowdown`` slower. NCCL transport: None (the pipeline is the copy
+    engine's)."""
     W, c = site.world, int(config.get("chunks", 1))
     if config.get("transport", "nccl") != "p2p" or site.m % (W * c):
         return None
@@ -109,9 +108,12 @@ def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfil
     stripe_bytes = stripe_rows * site.n * site.itemsize
     hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective="copy_engine", contended=False)
     g = slice_ms(site, profile, stripe_rows) * copy_engine_slowdown(profile)
-    total_sum = hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize))
+    if W == 2:
+        own = g + hbm_ms(profile, 2 * stripe_bytes)  # the partial copied into the output, then C of the addmm
+    else:
+        own = g + hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize))
     copy_out = hbm_ms(profile, 2 * (W - 1) * stripe_bytes)
-    t_c, t_x, landed = peer_sync_ms(profile), 0.0, None
+    t_c, t_x = peer_sync_ms(profile), 0.0
     events: list[Event] = []
 
     def compute(label: str, ms: float) -> None:
@@ -119,24 +121,28 @@ def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfil
         events.append(Event("compute", label, t_c, t_c + ms))
         t_c += ms
 
-    def copy(label: str, ms: float) -> None:
+    def copy(label: str, ms: float) -> float:
         nonlocal t_x
         t_x = max(t_x, t_c)
         events.append(Event("comm", label, t_x, t_x + ms))
         t_x += ms
+        return t_x
 
+    arrived = []  # per chunk: when the peers' partials are in my slots (theirs are pushed as mine)
     for i in range(c):
         for j in range(W - 1):
             compute(f"GEMM chunk {i} stripe {j}", g)
-            copy(f"push partial {i}.{j}", hop)
-        compute(f"GEMM chunk {i} own stripe", g)
-        t_c = max(t_c, t_x)  # the peers' partials (pushed as mine were) and the streams' join
-        compute(f"sum chunk {i}", total_sum)
+            done = copy(f"push partial {i}.{j}", hop)
+        arrived.append(done)
+    landed = None
+    for i in range(c):
+        t_c = max(t_c, arrived[i])
+        compute(f"GEMM + sum chunk {i}", own)
+        pushed = copy(f"push reduced {i}", (W - 1) * hop)
         if landed is not None:
             t_c = max(t_c, landed)
             copy(f"copy out chunk {i - 1}", copy_out)
-        copy(f"push reduced {i}", (W - 1) * hop)
-        landed = t_x
+        landed = pushed
     t_c = max(t_c, landed)
     copy(f"copy out chunk {c - 1}", copy_out)
     end = max(t_c, t_x)

@@ -27,6 +27,7 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 SLICE_CHOICES = (1, 2, 4)
+AR_CHUNK_CHOICES = (2, 4)  # the copy-engine all-reduce's pipeline (kernels.run_allreduce)
 
 
 class P2PRingSpec(TemplateSpec):
@@ -80,13 +81,14 @@ class P2PRingSpec(TemplateSpec):
         for W > 2, where the two rings use different links. Under a GPU profile only the configs
         with a GPU path that measured faster: the copy engine (see gpu_implemented); none where the
         site has no copy-engine path (stripes not along the leading dimension). The copy engine's
-        all-reduce in a chunk pipeline ("chunks", kernels.run_allreduce) is not offered: on 2x H100
-        it measured 0.87-1.29x of sequential where the whole measured 1.05-1.40x (CUDA graphs,
-        ops-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-allreduce-chunks.json), faster only on
-        the largest, communication-heavy shape; force_config runs it."""
+        all-reduce also comes in a pipeline of ``chunks`` row chunks (kernels.run_allreduce: every
+        chunk's partials pushed first, then each chunk summed and its reduced stripe sent while the
+        next chunk's GEMM runs), 2 and 4 where the rows split into W stripes per chunk."""
         out = []
         if self._stripes(match).outer == 1:
             out.append({"slices": 1, "bidirectional": False, "transport": "p2p"})
+            if match.kind == "gemm_allreduce":
+                out += [{**out[0], "chunks": c} for c in AR_CHUNK_CHOICES if match.m % (match.world_size * c) == 0]
         if gpu_profile(profile):
             return out
         for bidir in self._directions(match):
