@@ -12,10 +12,13 @@ All-gather -> GEMM sites::
  becomes
     <template op>(view(shard, [M/W, K]), [b_i], [bias_i], group, plan) -> (gathered, y_0, y_1, ...)
     gathered -> the other users of the [M, K] matrix (e.g. saved for backward); y_i -> users_i
+    (none: the plan says so, ``gathered: false``, and the op may leave that output unwritten)
 
 Nodes of the old site are erased once nothing reads them.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch.fx as fx
 
@@ -98,6 +101,10 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
         for user in others:
             user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
+    if not gathered.users:  # only the GEMMs read the gathered rows: the op need not write them out
+        op_node = gathered.args[0]
+        op_node.args = (*op_node.args[:-1], dataclasses.replace(plan, gathered=False).to_json())
+        graph.erase_node(gathered)
 
 
 def _rewrite_moe(graph: fx.Graph, m: MoeSectionMatch, plan) -> None:

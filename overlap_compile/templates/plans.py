@@ -35,6 +35,7 @@ class GemmCollectivePlan:
     has_bias: bool
     config: dict
     timeout_ms: int = 10000
+    gathered: bool = True
 
     @property
     def stripes(self) -> RowStripes:
@@ -59,7 +60,9 @@ class GemmCollectivePlan:
 @dataclasses.dataclass(frozen=True)
 class AllGatherGemmPlan:
     """All-gather of ``[m / world, k]`` row shards (placed by ``outer``/``chunk`` stripes) feeding
-    one GEMM per entry of ``ns`` (``[m, k] @ [k, n_i] (+ bias_i)``)."""
+    one GEMM per entry of ``ns`` (``[m, k] @ [k, n_i] (+ bias_i)``). ``gathered``: whether the
+    graph reads the gathered matrix (the op's first output) beyond those GEMMs; where it does not
+    (passes/rewrite.py finds out), a template may leave that output unwritten."""
 
     template: str
     m: int
@@ -71,6 +74,7 @@ class AllGatherGemmPlan:
     has_bias: tuple[bool, ...]
     config: dict
     timeout_ms: int = 10000
+    gathered: bool = True
 
     @property
     def stripes(self) -> RowStripes:

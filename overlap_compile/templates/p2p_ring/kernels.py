@@ -22,6 +22,8 @@ before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, 
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
                   gathered[rows of src]; once both are done, BUSY[me] = 0 on src
 
+The copies into ``gathered`` are left out where the graph reads only the GEMMs' outputs
+(``plan.gathered`` false: passes/rewrite.py); that output is then left unwritten.
 ``slices`` do not apply to this path: each shard travels in one copy, with one READY.
 
 GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
@@ -149,7 +151,7 @@ class _Gather:
     """An all-gather under way (``_gather_start`` -> ``_gather_finish``)."""
 
     shard: torch.Tensor
-    gathered: torch.Tensor
+    gathered: torch.Tensor | None  # None: not written (plan.gathered)
     inbox: symm.SymmBuffer
     flags: peer_flags.PeerFlags
     r: int
@@ -200,11 +202,14 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
             inbox.peer(d)[r].copy_(shard)
             flags.ready(d)
         mine = gathered[r * rows:(r + 1) * rows]
-        if mine.data_ptr() != shard.data_ptr():  # an all-reduce's chunk sums straight into its rows
+        # an all-reduce's chunk sums straight into its rows; a graph that reads only the GEMMs'
+        # outputs gets no gathered matrix (plan.gathered, passes/rewrite.py)
+        if plan.gathered and mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
     shard.record_stream(copier)
     gathered.record_stream(copier)
-    return _Gather(shard, gathered, inbox, flags, r, rows, [ag_source(r, w, s) for s in range(1, w)], compute, copier)
+    return _Gather(shard, gathered if plan.gathered else None, inbox, flags, r, rows,
+                   [ag_source(r, w, s) for s in range(1, w)], compute, copier)
 
 
 def _gather_finish(g: _Gather, bs: list[torch.Tensor], biases: list[torch.Tensor | None],
@@ -215,11 +220,12 @@ def _gather_finish(g: _Gather, bs: list[torch.Tensor], biases: list[torch.Tensor
     for step, src in enumerate(g.sources, start=1):
         g.flags.wait_ready(src, step)  # on the compute stream, between GEMMs: the SMs are free
         piece = g.inbox.local[src]
-        landed = torch.cuda.Event()
-        landed.record(g.compute)
-        with torch.cuda.stream(g.copier):  # into the gathered output beside the GEMMs
-            g.copier.wait_event(landed)
-            g.gathered[src * rows:(src + 1) * rows].copy_(piece)
+        if g.gathered is not None:
+            landed = torch.cuda.Event()
+            landed.record(g.compute)
+            with torch.cuda.stream(g.copier):  # into the gathered output beside the GEMMs
+                g.copier.wait_event(landed)
+                g.gathered[src * rows:(src + 1) * rows].copy_(piece)
         for b, bias, y in zip(bs, biases, ys):
             _gemm(piece, b, bias, out=y[src * rows:(src + 1) * rows])
         read = torch.cuda.Event()
