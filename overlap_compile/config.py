@@ -58,9 +58,9 @@ class Options:
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
     # data gradient's collective); not under force_template="baseline" (the graph as written)
     defer_compute: bool = True
-    # a site kept as written whose predicted gain is under the bar by less than the model's error
-    # is timed once on its group (GPU groups only) and decided by the measured gain
-    # (passes/settle.py)
+    # a site whose decision lies within the model's error (its predicted gain within the error
+    # of min_speedup, or a rival template predicted within the error of the chosen one) is timed
+    # once on its group (GPU groups only) and decided by the measured gain (passes/settle.py)
     measure_uncertain: bool = True
     # each MoE section's dispatch buffer (zeros + index_put with accumulate, on CUDA) is filled by
     # templates/moe_fused/scatter.py: a store per slot with one writer instead of ATen's atomic

@@ -1,5 +1,6 @@
-"""passes/settle.py: a site kept as written whose predicted gain is under the bar by less than the
-model's error is timed on its group and decided by the measured gain. Sites decided under the
+"""passes/settle.py: a site whose decision lies within the model's error (kept as written with a
+predicted gain within the error of min_speedup, or rewritten with a rival template predicted
+within the error) is timed on its group and decided by the measured gain. Sites decided under the
 built-in H200 profile on a fake 2-rank group; the timings come from ``exhaustive.set_measure``
 (on a CPU machine nothing else can time a GPU), including the committed 2x H200 measurements."""
 import glob
@@ -72,16 +73,20 @@ def test_in_band_site_measured_faster_is_rewritten(h200):
 
 
 def test_the_fastest_measured_template_wins_over_the_predicted_best(h200):
-    """AR 2048x8192x8192 at W=2: priority_stream is predicted best (1.10x), p2p_ring next; on
-    2x H200 p2p_ring measured 1.14x and priority_stream 1.05x (CUDA graph). Each template's best
-    configuration is timed, and the measured fastest is taken."""
+    """AR 2048x8192x8192 at W=2 (in the band): p2p_ring and priority_stream are both timed, each at
+    its best predicted configuration; the one predicted second measures fastest (on 2x H200 the
+    predicted order and the measured one disagreed on this site) and is taken."""
     site = traced_site("gemm_allreduce", 2048, 8192, 8192, 2)
-    exhaustive.set_measure(lambda t, m, c, o: {"baseline": 1.0, "p2p_ring": 1 / 1.137}.get(t, 1 / 1.048))
+    with config.patch(measure_uncertain=False):
+        (predicted,) = decide([site], config.current(), h200)
+    ranked = sorted((c for c in predicted.candidates[1:] if c.predicted_ms), key=lambda c: c.predicted_ms)
+    first = ranked[0].template
+    second = next(c.template for c in ranked if c.template != first)
+    assert {first, second} == {"p2p_ring", "priority_stream"}
+    exhaustive.set_measure(lambda t, m, c, o: {"baseline": 1.0, second: 1 / 1.137}.get(t, 1 / 1.048))
     (d,) = decide([site], config.current(), h200)
-    ranked = sorted((c for c in d.candidates[1:] if c.predicted_ms), key=lambda c: c.predicted_ms)
-    assert ranked[0].template == "priority_stream"
-    assert d.template == "p2p_ring" and d.measured["measured_gain"] == pytest.approx(1.137)
-    assert set(d.measured["tried"]) == {"priority_stream", "p2p_ring"}
+    assert d.template == second and d.measured["measured_gain"] == pytest.approx(1.137)
+    assert {"priority_stream", "p2p_ring"} <= set(d.measured["tried"]) and len(d.measured["tried"]) <= settle.MAX_TRIES
 
 
 def test_in_band_site_measured_slower_stays(h200):
@@ -114,10 +119,10 @@ def test_only_sites_inside_the_band_are_measured(h200):
 def test_measured_once_per_site(h200):
     """The same site again (a repeated layer, a recompile) reuses the measurement."""
     calls = _timings({traced_site(*IN_BAND, 2).signature(): 1.2})
-    decide([traced_site(*IN_BAND, 2), traced_site(*IN_BAND, 2)], config.current(), h200)
+    first, _ = decide([traced_site(*IN_BAND, 2), traced_site(*IN_BAND, 2)], config.current(), h200)
     predictor.clear_cache()
     decide([traced_site(*IN_BAND, 2)], config.current(), h200)
-    assert len(calls) == 2
+    assert len(calls) == 1 + len(first.measured["tried"])  # the site as written and each try, once
 
 
 @pytest.mark.parametrize("patch", [{"measure_uncertain": False}, {"search": "measure"},
@@ -260,3 +265,65 @@ def test_clear_rewrites_and_captured_graphs_are_not_measured(h200):
     assert d.template != "baseline" and d.measured is None and calls == []
     (g,) = decide([traced_site(*EAGER_SMALL_REWRITE, 2)], config.current(), h200)  # CUDA graphs (fixture)
     assert g.template == "p2p_ring" and g.measured is None and calls == []
+
+
+@pytest.fixture
+def h100():
+    return predictor.load_profile("h100")
+
+
+def test_site_predicted_just_under_min_speedup_is_measured(h100):
+    """RS 8192x4608x9216 at W=2 under the H100 profile in a captured graph: predicted about 1.03x,
+    under min_speedup but within the model error of it; on 2x H100 p2p_ring measured 1.13x there.
+    It is timed and rewritten; with the measurement below min_speedup it stays as written."""
+    site = traced_site("gemm_reducescatter", 8192, 4608, 9216, 2)
+    needed = required_gain(config.current(), h100)
+    low = config.current().min_speedup ** 2 / needed
+    with config.patch(measure_uncertain=False):
+        (predicted,) = decide([site], config.current(), h100)
+    gain = predicted.candidates[0].predicted_ms / min(c.predicted_ms for c in predicted.candidates[1:] if c.predicted_ms)
+    assert predicted.template == "baseline" and low <= gain < config.current().min_speedup, gain
+    for measured, want in ((1.13, "p2p_ring"), (1.01, "baseline")):
+        settle.clear_cache()
+        calls = _timings({site.signature(): measured})
+        (d,) = decide([site], config.current(), h100)
+        assert d.template == want, d.reason
+        assert calls[0][0] == "baseline" and "p2p_ring" in [t for t, _ in calls]
+        assert d.measured["settled"] and f"measured on the group: p2p_ring {measured:.2f}x" in d.reason
+
+
+def test_rewrite_with_a_rival_within_the_model_error_is_measured(h100):
+    """AG 8192x7392x8192 at W=2 under the H100 profile in a captured graph: tile_fused predicted
+    a little ahead of p2p_ring, inside the model error; on 2x H100 tile_fused measured 1.02x and
+    p2p_ring 1.14x. Both are timed and the faster taken; a rewrite no other template comes near
+    is not timed (test_only_sites_inside_the_band_are_measured)."""
+    site = traced_site("allgather_gemm", 8192, 7392, 8192, 2)
+    with config.patch(measure_uncertain=False):
+        (predicted,) = decide([site], config.current(), h100)
+    assert predicted.template == "tile_fused"
+    exhaustive.set_measure(lambda t, m, c, o: {"baseline": 1.0, "p2p_ring": 1 / 1.14, "tile_fused": 1 / 1.02}[t])
+    (d,) = decide([site], config.current(), h100)
+    assert d.template == "p2p_ring" and d.measured["measured_gain"] == pytest.approx(1.14)
+    assert set(d.measured["tried"]) == {"tile_fused", "p2p_ring"} and "model error" in d.reason
+    exhaustive.set_measure(lambda t, m, c, o: {"baseline": 1.0, "p2p_ring": 1 / 1.01, "tile_fused": 1 / 1.02}[t])
+    settle.clear_cache()
+    (lost,) = decide([site], config.current(), h100)  # neither clears min_speedup: as written
+    assert lost.template == "baseline" and "kept as written" in lost.reason
+
+
+def test_configurations_of_one_template_within_the_model_error_are_measured(h100):
+    """AR 4096x8192x2048 at W=2 under the H100 profile in a captured graph: p2p_ring's all-reduce
+    in 4 chunks is predicted best, 2 chunks within the model error of it; on 2x H100 4 chunks
+    measured 1.13x and 2 chunks 1.19x. Both configurations are timed (named apart in ``tried``)
+    and the faster taken."""
+    site = traced_site("gemm_allreduce", 4096, 8192, 2048, 2)
+    with config.patch(measure_uncertain=False):
+        (predicted,) = decide([site], config.current(), h100)
+    assert predicted.template == "p2p_ring" and predicted.config.get("chunks") == 4
+    gains = {4: 1.13, 2: 1.19}
+    exhaustive.set_measure(lambda t, m, c, o: 1.0 if t == "baseline" else 1 / gains.get((c or {}).get("chunks"), 1.0))
+    (d,) = decide([site], config.current(), h100)
+    assert d.template == "p2p_ring" and d.config.get("chunks") == 2, d.reason
+    tried = d.measured["tried"]
+    assert "p2p_ring" in tried and any(k.startswith("p2p_ring {") and '"chunks":2' in k for k in tried)
+    assert d.measured["measured_gain"] == pytest.approx(1.19)

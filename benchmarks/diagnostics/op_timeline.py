@@ -40,14 +40,23 @@ def method_fn(name: str, kind: str, a, b, group: str, world: int):
     if name == "sequential":
         seq = gemm_then_collective(kind, group, world)
         return (lambda: seq(a, b)), "sequential"
-    with ic.patch({"triton.cudagraphs": True}):  # decide as for a captured graph, as ops.py's cuda_graph rows
+    # "auto" decides as for a captured graph, as ops.py's cuda_graph rows; the rest as ops.py
+    # builds them (async-TP's compile must not capture graphs of its own)
+    with ic.patch({"triton.cudagraphs": name == "auto"}):
         fn, config, _, _ = ops._site(name, kind, a, b, group, world)
     return fn, str(config)
 
 
+ALIGN = "AllReduce_Sum_f64"  # the all-reduce that lines the ranks' streams up before the replay
+
+
 def activities(prof) -> list[dict]:
-    """GPU activities of a profile, start-sorted, times in us from the first one."""
+    """GPU activities of a profile after the aligning all-reduce, start-sorted, times in us from
+    the first one."""
     evs = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: e.time_range.start)
+    align = [i for i, e in enumerate(evs) if ALIGN in e.name]
+    evs = evs[align[0] + 1:] if align else evs
     rows = [{"name": e.name, "stream": getattr(e, "device_resource_id", -1), "start": e.time_range.start,
              "dur": e.time_range.end - e.time_range.start} for e in evs]
     rows.sort(key=lambda r: r["start"])
@@ -60,9 +69,13 @@ def activities(prof) -> list[dict]:
 def profile_replay(fn) -> list[dict]:
     replay = graphed(fn)
     time_ms(replay, iters=5)  # warm: every rank has replayed before the profiled one
+    token = torch.ones(1, dtype=torch.float64, device="cuda")
     dist.barrier()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        # the replay queued behind an all-reduce: both ranks start it as that ends, within
+        # microseconds (a host barrier alone leaves the ranks' profilers and launches apart)
+        dist.all_reduce(token)
         replay()
         torch.cuda.synchronize()
     return activities(prof)

@@ -1,6 +1,8 @@
 """p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
 buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
-flags in symmetric memory. Row stripes only (``outer == 1``), one direction; ``slices`` row slices
+flags in symmetric memory. A copy's flag writes follow it (BUSY, then READY): with the BUSY
+write queued ahead of it, the first copy of a call started ~20 us after what it waits for in a
+CUDA-graph replay on 2x H100 (benchmarks/diagnostics/op_timeline.py). Row stripes only (``outer == 1``), one direction; ``slices`` row slices
 per peer message of the reduce-scatter and all-to-all (each computed and pushed on its own;
 checked on GPUs, speed not measured, not offered).
 
@@ -16,7 +18,7 @@ All-gather -> GEMMs (push, straight from the shard: no staging copy, no meeting 
 before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, slot q for q's shard)::
 
     compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
-    copy stream   for d = r+1, r+2, ...: BUSY[d] = 1; peer(d).inbox[me] <- shard (copy engine);
+    copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
                   READY[me] = 1 on d; then gathered[rows of r] <- shard
     compute       y[rows of r] = shard @ b; for s = 1..W-1: src = ag_source(r, s): wait READY[src];
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
@@ -29,8 +31,8 @@ The copies into ``gathered`` are left out where the graph reads only the GEMMs' 
 GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
 
     copy stream   wait BUSY[d] == 0 for every d (owners done summing my last partials)
-                  for step j < W-1: d = rs_stripe(r, j): wait event_j; BUSY[d] = 1;
-                                    peer(d).slot[me] <- partial_j (copy engine); READY[me] = 1 on d
+                  for step j < W-1: d = rs_stripe(r, j): wait event_j;
+                                    peer(d).slot[me] <- partial_j (copy engine); BUSY[d] = 1; READY[me] = 1 on d
     compute       partial_j = a[stripe d] @ b (+ bias) for j = 0..W-2; then for j = 0..W-3:
                   wait READY[r + j + 1], acc (fp32) += slot[r + j + 1], BUSY[me] = 0 on r + j + 1;
                   my own stripe's GEMM; the last arrival; out = (acc + own + last) (/ W) in one
@@ -197,9 +199,9 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
             flags.wait_free(d)
         copier.wait_stream(compute)
     with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
-        for d in dests:
-            flags.busy(d)
+        for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
             inbox.peer(d)[r].copy_(shard)
+            flags.busy(d)
             flags.ready(d)
         mine = gathered[r * rows:(r + 1) * rows]
         # an all-reduce's chunk sums straight into its rows; a graph that reads only the GEMMs'
@@ -278,7 +280,9 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     chunks = allreduce_chunks(plan)
     if len(chunks) == 1:
         _claim(a, group_name, [plan], [""])
-        mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan), claimed=True)
+        r, rows = comm.rank_and_size(group_name)[0], plan.m // plan.world
+        mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan), out=out[r * rows:(r + 1) * rows],
+                                 claimed=True)  # summed straight into its rows of the result
         gather = _gather_start(mine, group_name, allreduce_gather(plan), out, claimed=True)
         _gather_finish(gather, [], [], [])
         gather.compute.wait_stream(gather.copier)
@@ -352,10 +356,9 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
             ev.record(compute)
             with torch.cuda.stream(copier):
                 copier.wait_event(ev)
-                if i == 0:
-                    flags.busy(d)
                 data.peer(d)[r][lo:hi].copy_(part)
-                if i == len(parts) - 1:
+                if i == len(parts) - 1:  # BUSY before READY (the receiver's release follows READY)
+                    flags.busy(d)
                     flags.ready(d)
             part.record_stream(copier)
     return data, flags, compute, copier, r

@@ -90,6 +90,14 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
                                       f"gather {W - 1} reduced stripes", "the reduced stripes gathered")
 
 
+# What a chunk's pieces cost beyond their rate, read off a replay of AR 4096x8192x2048 in 4 chunks
+# on 2x H100 (benchmarks/results/op_timeline-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-gemm_allreduce-4096x8192x2048.json):
+# each 512-row GEMM took 28 us where the whole GEMM's rate gives 23-25 us, and each bounded
+# wait kernel 1.5-2 us on the compute stream (phase 2 has two per chunk).
+CHUNK_GEMM_MS = 0.003
+WAIT_MS = 0.002
+
+
 def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> Schedule | None:
     """``"chunks": c`` (kernels.run_allreduce; the reference computes the same chunk by chunk):
     c row chunks in two phases on two lanes. Phase 1: every chunk's peer stripes' GEMMs, each
@@ -107,11 +115,11 @@ def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfil
     stripe_rows = site.m // (W * c)
     stripe_bytes = stripe_rows * site.n * site.itemsize
     hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective="copy_engine", contended=False)
-    g = slice_ms(site, profile, stripe_rows) * copy_engine_slowdown(profile)
-    if W == 2:
-        own = g + hbm_ms(profile, 2 * stripe_bytes)  # the partial copied into the output, then C of the addmm
+    g = slice_ms(site, profile, stripe_rows) * copy_engine_slowdown(profile) + CHUNK_GEMM_MS
+    if W == 2:  # the partial copied into the output, then read again as C of the addmm
+        own = g + hbm_ms(profile, 3 * stripe_bytes) + 2 * WAIT_MS
     else:
-        own = g + hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize))
+        own = g + hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize)) + 2 * WAIT_MS
     copy_out = hbm_ms(profile, 2 * (W - 1) * stripe_bytes)
     t_c, t_x = peer_sync_ms(profile), 0.0
     events: list[Event] = []
