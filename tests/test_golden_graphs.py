@@ -27,7 +27,7 @@ class GoldenGraphs(expecttest.TestCase):
     def test_signal_reorder_reducescatter_dtensor_dim1(self):
         self.assertExpectedInline(self.rewrite(gc.gemm_reducescatter_dim1, "signal_reorder", batch=2, seq=4), """\
 def forward(self, a_1, b_1, c_1):
-    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":2,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":4,"wave_groups":[1]},"has_bias":false,"k":12,"kind":"gemm_reducescatter","m":8,"n":20,"outer":2,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
+    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":2,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":4,"wave_groups":[1]},"gathered":true,"has_bias":false,"k":12,"kind":"gemm_reducescatter","m":8,"n":20,"outer":2,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
     view_default = torch.ops.aten.view.default(signal_reorder_gemm_collective_default, [2, 1, 16, 16]);  signal_reorder_gemm_collective_default = None
     permute_default = torch.ops.aten.permute.default(view_default, [1, 2, 0, 3]);  view_default = None
     clone_default = torch.ops.aten.clone.default(permute_default, memory_format = torch.contiguous_format);  permute_default = None
@@ -42,7 +42,7 @@ def forward(self, a_1, b_1, c_1):
         # 10 tile rows (one full group of 8 + 2), 2 tile cols with padding; the plan is the predictor's (cpu-gloo)
         self.assertExpectedInline(self.rewrite(gc.gemm_allreduce, "signal_reorder", m=150, n=20, k=8), """\
 def forward(self, a_1, b_1, c_1):
-    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":150,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":8,"wave_groups":[1,2]},"has_bias":false,"k":8,"kind":"gemm_allreduce","m":150,"n":20,"outer":1,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
+    signal_reorder_gemm_collective_default = torch.ops.overlap_compile.signal_reorder_gemm_collective.default(a_1, b_1, None, 'G', '{"chunk":150,"config":{"block_m":16,"block_n":16,"group_m":8,"programs":8,"wave_groups":[1,2]},"gathered":true,"has_bias":false,"k":8,"kind":"gemm_allreduce","m":150,"n":20,"outer":1,"reduce_op":"sum","template":"signal_reorder","timeout_ms":10000,"world":2}');  a_1 = b_1 = None
     slice_tensor = torch.ops.aten.slice.Tensor(signal_reorder_gemm_collective_default, 0, 0, 16)
     view_default = torch.ops.aten.view.default(slice_tensor, [1, 2, 8, 16, 16]);  slice_tensor = None
     permute_default = torch.ops.aten.permute.default(view_default, [0, 2, 3, 1, 4]);  view_default = None
