@@ -8,7 +8,7 @@ checked on GPUs, speed not measured, not offered).
 
 STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
 CUDA-graph replays) and on 2x H100 (2026-11-26, with the push all-gather and the chunked
-all-reduce below); spec.gpu_implemented is True.
+all-reduce below, in its two-phase form too); spec.gpu_implemented is True.
 
 The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair). Each
 data buffer has a READY / BUSY flag pair per peer (runtime.peer_flags: written by stream memory
@@ -40,20 +40,23 @@ GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive):
 
 GEMM -> all-reduce: the reduce-scatter above over W row stripes of the output, then the
 all-gather above of the reduced stripes (no GEMM); every slot wait of both halves runs on the
-compute stream before the first GEMM (_claim). With ``"chunks": c`` the rows are cut into c
-chunks, each reduce-scattered and gathered on its own buffers and flags, in a pipeline (measured
-slower than the whole on most shapes: the spec does not offer it)::
+compute stream before the first GEMM (_claim); my reduced stripe is summed straight into its
+rows of the result. With ``"chunks": c`` the rows are cut into c chunks, each with its own W
+stripes, buffers and flags, in two phases (run_allreduce)::
 
-    for chunk i: reduce-scatter(i) (its GEMMs, pushes, sum); then chunk i-1's reduced stripes
-                 waited for and copied out of the inbox; then chunk i's reduced stripe pushed
+    phase 1   for chunk i: the peers' stripes' GEMMs, each partial pushed once computed
+    phase 2   for chunk i: wait for the peers' partials of chunk i; my stripe's GEMM with them
+              added (W = 2, no bias: one addmm with the partial as C) into the result; its
+              reduced rows pushed to every peer; chunk i-1's reduced stripes waited for and
+              copied out of the inbox
     chunk c-1's reduced stripes waited for and copied out
 
-so chunk i's gather travels while chunk i+1's GEMMs run, and only the last chunk's trails.
+so chunk i's gather travels while chunk i+1's GEMM runs, and only the last chunk's trails.
 
 GEMM -> all-to-all (push blocks to their destination)::
 
     copy stream   wait BUSY[dst] == 0 for every dst; for s: (dst, src) = a2a_pair(r, s):
-                  wait event_s; BUSY[dst] = 1; peer(dst).slot[me] <- block_s; READY[me] = 1 on dst
+                  wait event_s; peer(dst).slot[me] <- block_s; BUSY[dst] = 1; READY[me] = 1 on dst
     compute       block_s = a[stripe dst] @ b for s = 1..W-1; my own block straight into out;
                   then for every src: wait READY[src]; out[rows of src] <- slot[src];
                   BUSY[me] = 0 on src
