@@ -75,13 +75,39 @@ class OverlapPass(CustomGraphPass):
 
         # A profile JSON outside the package is not in the source hash: key on its content too.
         profile_key = getattr(predictor.load_profile(self.options.profile), "key", "")
-        parts = [_source_hash(), self.options.to_json(), torch.__version__, str(profile_key)]
+        return _keyed([_source_hash(), self.options.to_json(), torch.__version__, str(profile_key)], self.chained)
+
+
+def _keyed(parts: list[str], chained: list[Any]) -> str | None:
+    """The cache key of a pass: ``parts`` and every chained pass's own key (None where one has
+    none: a plain callable cannot be keyed, so Inductor bypasses its cache)."""
+    for p in chained:
+        u = p.uuid() if hasattr(p, "uuid") else None
+        if u is None:
+            return None
+        parts = parts + [u.hex() if isinstance(u, bytes) else str(u)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+class RecomputeZerosPass(CustomGraphPass):
+    """Inductor's ``joint_custom_post_pass`` where moe_scatter is on: the passes the user had
+    there (``chained``, run first), then passes/recompute_zeros.py on the joint graph."""
+
+    def __init__(self, chained: Any = None) -> None:
+        self.chained = [p for p in _as_list(chained) if not isinstance(p, RecomputeZerosPass)]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from .passes.recompute_zeros import mark_zeros_for_recompute
+
         for p in self.chained:
-            u = p.uuid() if hasattr(p, "uuid") else None
-            if u is None:
-                return None  # a plain callable cannot be keyed: let Inductor bypass the cache
-            parts.append(u.hex() if isinstance(u, bytes) else str(u))
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+            p(graph)
+        mark_zeros_for_recompute(graph)
+
+    def __deepcopy__(self, memo: dict) -> "RecomputeZerosPass":
+        return self  # stateless but for the chained passes, which Inductor's copy would share too
+
+    def uuid(self) -> Any:
+        return _keyed([_source_hash(), "recompute_zeros"], self.chained)
 
 
 def make_pass(options: oc_config.Options | None = None, report: Report | None = None) -> OverlapPass:
@@ -102,10 +128,18 @@ def inductor_patches(p: OverlapPass) -> dict[str, Any]:
     finder sees then depends on a timing, which can come out differently on each rank and in each
     run; but every rank must find and decide the same sites. Seen on 2x H100: the MoE layer's
     backward section (capacity 313 rows) was found in one run of the same test and refused in the
-    next, on both world sizes."""
+    next, on both world sizes.
+
+    Where MoE buffers are filled by moe_scatter, the zeros an accumulating index_put starts from
+    are recomputed in the backward instead of saved (RecomputeZerosPass), so the backward's buffer
+    is provably zeros and moe_scatter takes it too."""
+    from torch._inductor import config as inductor_config
+
     patches: dict[str, Any] = {"post_grad_custom_post_pass": p}
     if p.options.enabled:
         patches["shape_padding"] = False
+    if p.options.fills_moe_buffers:  # the backward's MoE buffers start from zeros of their own
+        patches["joint_custom_post_pass"] = RecomputeZerosPass(inductor_config.joint_custom_post_pass)
     if p.options.moves_compute:
         patches["reorder_for_peak_memory"] = False
     return patches

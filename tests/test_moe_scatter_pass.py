@@ -1,7 +1,8 @@
 """passes/moe_scatter.py on demo.moe's layer compiled at W = 2 over gloo, with the rewrite
 allowed on CPU tensors (it is CUDA-only by default: ``DEVICES``): the dispatch buffer's
-index_put into zeros becomes moe_scatter_rows, the report says so, and the layer's output (and
-in training, every gradient) equals eager's, with routing that overflows the capacity (dropped
+index_put into zeros becomes moe_scatter_rows (in training also the backward's buffer, whose
+zeros passes/recompute_zeros.py keeps out of the saved tensors), the report says so, and the
+layer's output (and in training, every gradient) equals eager's, with routing that overflows the capacity (dropped
 choices clamped onto kept slots: the slots with several writers). Left as written, with the
 reason: under force_template="baseline" (no line), with deterministic algorithms on, and on CPU
 by default."""
@@ -43,8 +44,12 @@ def _compiled_vs_eager(capacity_factor: float, train: bool, devices: tuple, **op
     want_grads = torch.autograd.grad(want.square().mean(), [x, *layer.parameters()]) if train else []
     errs = [((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip([got, *grads], [want, *want_grads])]
     forward = [r for r in report.records if r.name.startswith("forward")]
+    backward = [r for r in report.records if r.name.startswith("backward")]
     return {"errs": errs, "lines": [b for r in forward for b in r.moe_buffers],
-            "after": "\n".join(r.after for r in forward)}
+            "after": "\n".join(r.after for r in forward),
+            "backward_lines": [b for r in backward for b in r.moe_buffers],
+            "backward_before": "\n".join(r.before for r in backward),
+            "backward_after": "\n".join(r.after for r in backward)}
 
 
 def _cases() -> dict:
@@ -72,6 +77,16 @@ def test_dispatch_buffer_is_filled_by_moe_scatter_rows_and_the_layer_is_unchange
         assert len(r["lines"]) == 1 and "filled by moe_scatter_rows" in r["lines"][0], (name, r["lines"])
         assert "moe_scatter_rows" in r["after"] and "index_put" not in r["after"], (name, r["after"])
         assert max(r["errs"]) < 1e-5, (name, r["errs"])
+
+
+def test_training_backward_buffer_is_filled_by_moe_scatter_rows_too():
+    """The backward's gradient of the combine's gather starts from zeros of its own (recomputed,
+    passes/recompute_zeros.py, not a saved forward tensor), so its index_put is taken as well;
+    every gradient equals eager's (checked in the test above)."""
+    r = _results()["training overflow"]
+    assert len(r["backward_lines"]) == 1 and "filled by moe_scatter_rows" in r["backward_lines"][0], r["backward_lines"]
+    assert "aten.full.default" in r["backward_before"], "the backward's zeros were not recomputed in it"
+    assert "moe_scatter_rows" in r["backward_after"] and "index_put" not in r["backward_after"], r["backward_after"]
 
 
 def test_buffers_left_as_written_say_why():

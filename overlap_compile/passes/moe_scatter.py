@@ -13,7 +13,10 @@ After::
     moe_scatter_rows = overlap_compile.moe_scatter_rows(slot, src, rows)
     all_to_all_single = all_to_all_single(moe_scatter_rows, ...)
 
-``index_add(full(0), 0, slot, src)`` (alpha 1) is taken the same way. Only buffers on CUDA devices
+``index_add(full(0), 0, slot, src)`` (alpha 1) is taken the same way. A training step's backward
+section fills its buffer (the gradient of the combine's gather, sent back by the backward's first
+all-to-all) the same way and is taken too: its zeros are recomputed in the backward rather than
+saved from the forward (passes/recompute_zeros.py), so they are seen to be zeros. Only buffers on CUDA devices
 (on CPUs ATen's kernel has no atomics to save), of the sections the finder verified (find_moe:
 ``buffer_node``), with a 1-D index and 2-D rows of the buffer's dtype; never while
 ``torch.use_deterministic_algorithms`` is on (a slot with several writers sums them in the order
@@ -35,12 +38,13 @@ DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def scatter_moe_buffers(graph: fx.Graph, matches: list[Match], devices: tuple[str, ...] | None = None) -> list[str]:
-    """Rewrite every verified forward MoE section's buffer (module doc) whose tensors live on one
-    of ``devices`` (default ``DEVICES``); one line per section: what was done, or why not."""
+    """Rewrite every verified MoE section's buffer (module doc; a backward section's is the
+    gradient of the combine's gather) whose tensors live on one of ``devices`` (default
+    ``DEVICES``); one line per section: what was done, or why not."""
     devices = DEVICES if devices is None else devices
     lines = []
     for m in matches:
-        if not isinstance(m, MoeSectionMatch) or m.direction != "forward" or m.buffer_node is None:
+        if not isinstance(m, MoeSectionMatch) or m.buffer_node is None:
             continue
         node = m.buffer_node
         why = _refusal(node, devices)

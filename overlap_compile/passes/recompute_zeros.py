@@ -1,0 +1,58 @@
+"""A joint-graph pass: the zeros an accumulating index_put / index_add starts from are recomputed
+where they are read, never saved for backward.
+
+A training MoE layer (demo.moe) fills two buffers from zeros with an accumulating index_put: the
+forward's dispatch buffer, and the backward's gradient of the combine's gather. AOTAutograd's
+partitioner saves the forward's ``full([rows, H], 0)`` and hands it to the backward as an input
+(it does not recompute a tensor that the backward materialises), so the backward graph reads::
+
+    def backward(..., full_default, ..., tangents_1):
+        index_put_1 = index_put(full_default, [slot], grad_rows, True)   # full_default: a placeholder
+
+and passes/moe_scatter.py cannot prove that buffer starts from zeros. Marked ``MUST_RECOMPUTE``
+(the policy selective activation checkpointing uses), the zeros are made again in the backward::
+
+    def backward(..., tangents_1):
+        full_default = full([rows, H], 0)
+        index_put_1 = index_put(full_default, [slot], grad_rows, True)
+
+which is what moe_scatter takes; the forward no longer keeps a buffer-sized tensor of zeros alive
+until the backward. Run as Inductor's ``joint_custom_post_pass`` where moe_scatter is on
+(inductor_hook.RecomputeZerosPass, after a pass the user had set there).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+ZERO_FILLS = (aten.full.default, aten.zeros.default, aten.new_zeros.default)
+
+
+def accumulated_zeros(graph: fx.Graph) -> list[fx.Node]:
+    """Zero fills that are the base of an accumulating index_put or of an index_add."""
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        accumulates = ((n.target is aten.index_put.default and len(n.args) > 3 and n.args[3] is True)
+                       or n.target is aten.index_add.default)
+        base = n.args[0]
+        if accumulates and base.op == "call_function" and base.target in ZERO_FILLS and _is_zero_fill(base):
+            out.append(base)
+    return list(dict.fromkeys(out))
+
+
+def _is_zero_fill(n: fx.Node) -> bool:
+    return n.target is not aten.full.default or (len(n.args) > 1 and n.args[1] == 0)
+
+
+def mark_zeros_for_recompute(graph: fx.Graph) -> int:
+    """Mark every accumulated-into zero fill MUST_RECOMPUTE; how many were marked."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    nodes = accumulated_zeros(graph)
+    for n in nodes:
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(nodes)
