@@ -22,6 +22,13 @@ def is_call(node: Any, ops: Any) -> bool:
     return node.target in ops if isinstance(ops, tuple) else node.target == ops
 
 
+def is_zero_fill(node: Any) -> bool:
+    """A tensor of zeros made from nothing: ``full(size, 0)``, ``zeros`` or ``new_zeros``."""
+    if is_call(node, aten.full.default):
+        return node.args[1] == 0
+    return is_call(node, (aten.zeros.default, aten.new_zeros.default))
+
+
 def val(node: fx.Node) -> Any:
     return node.meta.get("val")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import val
+from .graph_utils import is_zero_fill, val
 from .matches import Match, MoeSectionMatch
 
 aten = torch.ops.aten
@@ -66,14 +66,6 @@ def scatter_moe_buffers(graph: fx.Graph, matches: list[Match], devices: tuple[st
     return lines
 
 
-def _zeros(n: fx.Node) -> bool:
-    if n.op != "call_function":
-        return False
-    if n.target is aten.full.default:
-        return n.args[1] == 0
-    return n.target in (aten.zeros.default, aten.new_zeros.default)
-
-
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, int]:
     """(index, src, rows) of an index_put / index_add into zeros (``_refusal`` checked the form)."""
     if node.target is aten.index_put.default:
@@ -95,7 +87,7 @@ def _refusal(node: fx.Node, devices: tuple[str, ...]) -> str | None:
         return "index_add along a dim other than 0 or with an alpha"
     index, src, _ = _operands(node)
     base = node.args[0]
-    if not isinstance(base, fx.Node) or not _zeros(base):
+    if not is_zero_fill(base):
         return "the rows are not added into zeros"
     out, idx, rows = val(node), val(index), val(src)
     if out is None or idx is None or rows is None:

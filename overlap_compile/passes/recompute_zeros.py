@@ -25,27 +25,22 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-aten = torch.ops.aten
+from .graph_utils import is_zero_fill
 
-ZERO_FILLS = (aten.full.default, aten.zeros.default, aten.new_zeros.default)
+aten = torch.ops.aten
 
 
 def accumulated_zeros(graph: fx.Graph) -> list[fx.Node]:
     """Zero fills that are the base of an accumulating index_put or of an index_add."""
     out = []
     for n in graph.nodes:
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        if n.op != "call_function" or not n.args:
             continue
         accumulates = ((n.target is aten.index_put.default and len(n.args) > 3 and n.args[3] is True)
                        or n.target is aten.index_add.default)
-        base = n.args[0]
-        if accumulates and base.op == "call_function" and base.target in ZERO_FILLS and _is_zero_fill(base):
-            out.append(base)
+        if accumulates and is_zero_fill(n.args[0]):
+            out.append(n.args[0])
     return list(dict.fromkeys(out))
-
-
-def _is_zero_fill(n: fx.Node) -> bool:
-    return n.target is not aten.full.default or (len(n.args) > 1 and n.args[1] == 0)
 
 
 def mark_zeros_for_recompute(graph: fx.Graph) -> int:

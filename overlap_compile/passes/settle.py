@@ -102,11 +102,17 @@ def uncertain(d: Decision, options: Options, needed: float) -> tuple[Candidate, 
 def _best_per_template(cands, limit: int = MAX_TRIES) -> list[Candidate]:
     """At most ``limit`` of ``cands`` (fastest predicted first): each template's best, then the
     next configurations in predicted order."""
-    cands = list(cands)
-    firsts = list({c.template: c for c in reversed(cands)}.values())[::-1]  # each template's first, in order
-    firsts.sort(key=cands.index)
-    rest = [c for c in cands if all(c is not f for f in firsts)]
+    firsts, rest, seen = [], [], set()
+    for c in cands:
+        (rest if c.template in seen else firsts).append(c)
+        seen.add(c.template)
     return (firsts + rest)[:limit]
+
+
+def _chosen(d: Decision) -> Candidate | None:
+    """The priced candidate a rewriting decision took."""
+    return next((c for c in d.candidates[1:] if c.template == d.template and c.config == d.config
+                 and c.predicted_ms), None)
 
 
 def label(c: Candidate, before: list[Candidate]) -> str:
@@ -120,10 +126,8 @@ def label(c: Candidate, before: list[Candidate]) -> str:
 def _rivals(d: Decision, timed: list[Candidate], err: float) -> tuple[Candidate, list[Candidate], str] | None:
     """A rewrite in a captured graph with other candidates (templates or configurations) predicted
     within the model error of it: (baseline, [chosen, rivals], why), else None."""
-    if predictor.launch_mode() != "cuda_graph":
-        return None
-    chosen = next((c for c in timed if c.template == d.template and c.config == d.config), None)
-    if chosen is None:
+    chosen = _chosen(d)
+    if predictor.launch_mode() != "cuda_graph" or chosen is None:
         return None
     rivals = _best_per_template((c for c in timed if c is not chosen
                                  and c.predicted_ms <= chosen.predicted_ms * (1.0 + err)), MAX_TRIES - 1)
@@ -149,8 +153,7 @@ def doubtful_rewrite(d: Decision, needed: float) -> tuple[Candidate, list[Candid
     if predictor.launch_mode() != "eager":
         return None
     base = d.candidates[0]
-    chosen = next((c for c in d.candidates[1:] if c.template == d.template and c.config == d.config
-                   and c.predicted_ms), None)
+    chosen = _chosen(d)
     if chosen is None:
         return None
     gain, share = base.predicted_ms / chosen.predicted_ms, chosen.host_ms / chosen.predicted_ms

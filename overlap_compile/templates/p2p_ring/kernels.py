@@ -278,10 +278,9 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     partials to the previous chunk's sum (the earlier chunk-by-chunk order measured 0.87-1.29x of
     sequential where the whole measured 1.05-1.40x, 2x H100)."""
     a = a.contiguous()
-    _check_reduce_op(plan)
     out = a.new_empty(plan.m, plan.n) if out is None else out
     chunks = allreduce_chunks(plan)
-    if len(chunks) == 1:
+    if len(chunks) == 1:  # run_reducescatter checks the reduce op
         _claim(a, group_name, [plan], [""])
         r, rows = comm.rank_and_size(group_name)[0], plan.m // plan.world
         mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan), out=out[r * rows:(r + 1) * rows],
@@ -290,20 +289,20 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         _gather_finish(gather, [], [], [])
         gather.compute.wait_stream(gather.copier)
         return out
+    _check_reduce_op(plan)
     keys = [f"/c{i}" for i in range(len(chunks))]
     _claim(a, group_name, [sub for _, _, sub in chunks], keys)
     r = comm.rank_and_size(group_name)[0]
     dests = _scatter_dests(r, plan.world)
-    pushed = [_push_all(a[lo:hi], b, bias, group_name, allreduce_stripes(sub), "reducescatter" + key,
-                        "gemm_reducescatter", dests, claimed=True)
-              for (lo, hi, sub), key in zip(chunks, keys)]
+    stripes = [allreduce_stripes(sub) for _, _, sub in chunks]
+    pushed = [_push_all(a[lo:hi], b, bias, group_name, st, "reducescatter" + key, "gemm_reducescatter", dests,
+                        claimed=True)
+              for (lo, hi, _), st, key in zip(chunks, stripes, keys)]
     pending = None
-    for (lo, hi, sub), key, push in zip(chunks, keys, pushed):
-        rows = sub.m // plan.world
-        mine = out[lo + r * rows:lo + (r + 1) * rows]
-        _reduce_own(a[lo + r * rows:lo + (r + 1) * rows], b, bias, allreduce_stripes(sub), push, mine,
-                    fused=True, join=False)
-        gather = _gather_start(mine, group_name, allreduce_gather(sub), out[lo:hi], key=key, claimed=True)
+    for (lo, hi, sub), st, key, push in zip(chunks, stripes, keys, pushed):
+        mine = slice(lo + r * st.chunk, lo + (r + 1) * st.chunk)  # my reduced rows of this chunk
+        _reduce_own(a[mine], b, bias, st, push, out[mine], fused=True, join=False)
+        gather = _gather_start(out[mine], group_name, allreduce_gather(sub), out[lo:hi], key=key, claimed=True)
         if pending is not None:  # the previous chunk's reduced stripes, landed while this GEMM ran
             _gather_finish(pending, [], [], [])
         pending = gather
@@ -368,14 +367,14 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
 
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
-                      plan: GemmCollectivePlan, out: torch.Tensor | None = None, key: str = "",
+                      plan: GemmCollectivePlan, out: torch.Tensor | None = None,
                       claimed: bool = False) -> torch.Tensor:
     """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg).
-    ``key`` names its buffers apart (an all-reduce's chunks); ``claimed``: see _push_all."""
+    ``claimed``: see _push_all."""
     _check_reduce_op(plan)
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
-    pushed = _push_all(a, b, bias, group_name, plan, "reducescatter" + key, "gemm_reducescatter",
+    pushed = _push_all(a, b, bias, group_name, plan, "reducescatter", "gemm_reducescatter",
                        _scatter_dests(r, plan.world), claimed)
     return _reduce_own(a[r * plan.chunk:(r + 1) * plan.chunk], b, bias, plan, pushed, out, fused=False)
 

@@ -116,10 +116,9 @@ def p2p_ring_allreduce_chunked(site: Site, config: dict, profile: HardwareProfil
     stripe_bytes = stripe_rows * site.n * site.itemsize
     hop = comm_call_ms(site, profile, stripe_bytes, ctx, collective="copy_engine", contended=False)
     g = slice_ms(site, profile, stripe_rows) * copy_engine_slowdown(profile) + CHUNK_GEMM_MS
-    if W == 2:  # the partial copied into the output, then read again as C of the addmm
-        own = g + hbm_ms(profile, 3 * stripe_bytes) + 2 * WAIT_MS
-    else:
-        own = g + hbm_ms(profile, stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize)) + 2 * WAIT_MS
+    # W = 2: the partial copied into the output, then read again as C of the addmm; else the sums
+    sum_bytes = 3 * stripe_bytes if W == 2 else stripe_rows * site.n * rs_accumulate_bytes(W, site.itemsize)
+    own = g + hbm_ms(profile, sum_bytes) + 2 * WAIT_MS  # and its two waits
     copy_out = hbm_ms(profile, 2 * (W - 1) * stripe_bytes)
     t_c, t_x = peer_sync_ms(profile), 0.0
     events: list[Event] = []
