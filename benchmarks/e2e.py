@@ -358,7 +358,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rounds over the variants of each (model, shape, mode): each variant compiled and timed "
                     "once per round, the rounds in turn, its times the median over rounds (each kept in "
                     "*_ms_rounds), so a drift of the machine over the sweep falls on every variant alike")
-    ap.add_argument("--force", default=None, help="force this template in the overlap variant "
+    ap.add_argument("--force", default=None, help="force this template in the overlap variant, or "
+                    "TEMPLATE@{config as JSON} that configuration of it "
                     "(dry run default: signal_reorder, since on CPU the predictor keeps the baseline)")
     ap.add_argument("--check-cache", default="first", choices=("off", "first", "all"),
                     help="compile the overlap variant a second time to see the FX graph cache hit: for the "

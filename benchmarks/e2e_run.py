@@ -54,7 +54,9 @@ def compiled(model, variant: str, compile_mode: str, force: str | None, report):
         from overlap_compile.backend import overlap_backend
 
         backend = functools.partial(overlap_backend, report=report, mode=mode_kw.get("mode"))
-        overrides = {"force_template": force} if force else {}
+        # "TEMPLATE" or "TEMPLATE@{config json}": that template, and that configuration of it
+        name, _, config = (force or "").partition("@")
+        overrides = {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
         with oc.config.patch(**overrides):
             # the options are read when Dynamo hands over each graph: keep them for every call
             fn = torch.compile(model, backend=backend)

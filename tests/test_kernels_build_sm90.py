@@ -252,3 +252,24 @@ def test_moe_scatter_kernels():
     ptx = _ptx(scatter)
     assert "bf16" in ptx and ("atom.global" in ptx or "red.global" in ptx), "no bf16 atomic add"
     assert "st.global.v" in ptx, "the rows with one writer are not stored vectorised"
+
+
+# ---- moe_fused's one-pass SwiGLU elementwise steps --------------------------------------------
+
+def test_moe_swiglu_elementwise_kernels():
+    """silu_mul and its backward for bf16 [B, R, F] operands with strided rows (a column block of
+    the saved layout): one kernel each, vectorised loads of the contiguous columns."""
+    from overlap_compile.templates.moe_fused import swiglu_kernels as K
+
+    full = torch.empty(2, 96, 1024, dtype=torch.bfloat16)
+    t = full[:, 32:64]
+    sb, sr = t.stride(0), t.stride(1)
+    grid = (triton.cdiv(32, K.BLOCK_R), triton.cdiv(1024, K.BLOCK_F), 2)
+    blocks = {"BLOCK_R": K.BLOCK_R, "BLOCK_F": K.BLOCK_F, "num_warps": 4}
+    with building() as builds:  # (the launchers take the torch path on CPU tensors: the kernels directly)
+        K._silu_mul_kernel[grid](t, t, t, 32, 1024, sb, sr, sb, sr, sb, sr, **blocks)
+        K._silu_mul_backward_kernel[grid](t, t, t, t, t, 32, 1024, *(sb, sr) * 5, **blocks)
+    (fwd,) = _assert_built(builds, "_silu_mul_kernel")
+    (bwd,) = _assert_built(builds, "_silu_mul_backward_kernel")
+    for build in (fwd, bwd):
+        assert "ld.global.v" in _ptx(build), "the columns are not loaded vectorised"

@@ -28,11 +28,11 @@ weights transposed).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...runtime import comm
 from ..plans import MoePlan
 from . import reference as ref
+from .swiglu_kernels import silu_mul_backward
 
 
 def swiglu_grad(g: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w1t: torch.Tensor, w3t: torch.Tensor,
@@ -43,9 +43,8 @@ def swiglu_grad(g: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w1t: torc
     formulas are eager autograd's for silu(gate) * up, which the finder's probe compares
     Inductor's decomposition with."""
     d_act = torch.bmm(g, w2t)
-    torch.mul(d_act, F.silu(gate), out=d_up)
-    d_gate.copy_(torch.ops.aten.silu_backward(d_act * up, gate))
-    return torch.add(torch.bmm(d_up, w3t), torch.bmm(d_gate, w1t), out=out)
+    silu_mul_backward(d_act, gate, up, d_gate, d_up)  # one pass (swiglu_kernels.py)
+    return torch.bmm(d_up, w3t, out=out).baddbmm_(d_gate, w1t)
 
 
 class Pieces:

@@ -36,10 +36,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...runtime import comm
 from ..plans import MoePlan
+from .swiglu_kernels import silu_mul
 
 c10d = torch.ops._c10d_functional
 
@@ -52,14 +52,23 @@ def bounds(size: int, parts: int) -> list[tuple[int, int]]:
 def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             out: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
     """SwiGLU over ``[E_local, rows, H]``; written into ``out`` when given (kernels.py).
-    ``keep``: role -> view (Saved.of_source / of_capacity) to copy that intermediate into."""
-    gate, up = torch.bmm(x, w1), torch.bmm(x, w3)
-    act = F.silu(gate) * up
-    if keep:
-        values = {"tokens": x, "gate": gate, "up": up, "act": act}
-        for role, view in keep.items():
+    ``keep``: role -> view (Saved.of_source / of_capacity) that intermediate goes into: written
+    there by its GEMM or the elementwise kernel where the view has the result's shape (a column
+    block of the saved layout), copied there otherwise (the capacity pieces' [E, W, n, F])."""
+    keep = keep or {}
+    inter = (*x.shape[:-1], w1.shape[-1])
+
+    def into(role: str) -> torch.Tensor | None:
+        view = keep.get(role)
+        return view if view is not None and tuple(view.shape) == inter else None
+
+    gate, up = torch.bmm(x, w1, out=into("gate")), torch.bmm(x, w3, out=into("up"))
+    act = silu_mul(gate, up, out=into("act"))
+    values = {"tokens": x, "gate": gate, "up": up, "act": act}
+    for role, view in keep.items():
+        if values[role] is not view:
             view.copy_(values[role].view(view.shape))
-    return torch.bmm(act, w2) if out is None else torch.bmm(act, w2, out=out)
+    return torch.bmm(act, w2, out=out)
 
 
 class Saved:

@@ -43,11 +43,11 @@ import dataclasses
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...runtime import comm
 from ..plans import MoePlan
 from . import reference as ref
+from .swiglu_kernels import silu_mul, silu_mul_backward
 
 c10d = torch.ops._c10d_functional
 
@@ -114,7 +114,7 @@ def swiglu_packed(x: torch.Tensor, rows: list[int], offsets: torch.Tensor, w1, w
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SwiGLU of packed rows: (y, the intermediates by MoePlan.saves role, packed the same way)."""
     gate, up = packed_mm(x, w1, rows, offsets), packed_mm(x, w3, rows, offsets)
-    act = F.silu(gate).mul_(up)
+    act = silu_mul(gate, up)
     return packed_mm(act, w2, rows, offsets), {"tokens": x, "gate": gate, "up": up, "act": act}
 
 
@@ -123,8 +123,8 @@ def swiglu_grad_packed(g: torch.Tensor, rows: list[int], offsets: torch.Tensor, 
     """The SwiGLU gradient of packed rows (backward_reference.swiglu_grad's formulas): (d_h,
     d_gate, d_up) for the gradient rows ``g`` and the forward's ``gate`` / ``up`` rows."""
     d_act = packed_mm(g, w2t, rows, offsets)
-    d_up = d_act * F.silu(gate)
-    d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
+    d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+    silu_mul_backward(d_act, gate, up, d_gate, d_up)
     d_h = packed_mm(d_up, w3t, rows, offsets).add_(packed_mm(d_gate, w1t, rows, offsets))
     return d_h, d_gate, d_up
 

@@ -1,0 +1,140 @@
+"""Where an end-to-end model's training step spends its GPU time, kernel by kernel: the e2e
+benchmark's block (benchmarks/models, e.g. mixtral_ep) under torch.compile on one GPU (a one-rank
+NCCL group: the collectives are local), profiled with torch.profiler over a few steps.
+
+    python benchmarks/diagnostics/train_step_breakdown.py --model mixtral_ep --out $OUT
+    python benchmarks/diagnostics/train_step_breakdown.py --model mixtral_ep --backend overlap
+
+Kernels are put in roles by name (moe_breakdown.role_of, plus ``attention`` for the
+flash / efficient attention kernels). For a MoE block it also prints the expert slots' fill (the
+share of capacity rows a token was routed to), which bounds what skipping the padding in the
+expert GEMMs can save. Writes train_step_breakdown-<device>-torch<v>-<date>-<model>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
+sys.path.insert(0, HERE)
+
+ATTENTION = ("flash", "fmha", "attention", "sdpa")
+
+
+def role(name: str) -> str:
+    from moe_breakdown import role_of
+
+    return "attention" if any(p in name.lower() for p in ATTENTION) else role_of(name)
+
+
+def moe_fill(block, x: torch.Tensor) -> dict | None:
+    """The expert slots' fill for this input: routed rows / capacity rows, per expert and overall."""
+    moe = getattr(block, "moe", None)
+    if moe is None:
+        return None
+    from overlap_compile.demo.moe import capacity, route
+
+    with torch.no_grad():
+        h = x + block.attention(block.attention_norm(x))
+        t = block.ffn_norm(h).reshape(-1, moe.hidden)
+        cap = capacity(t.shape[0], moe.num_experts, moe.top_k, moe.cf)
+        slot, kept, _ = route(t, moe.router, moe.num_experts, moe.top_k, cap)
+        per_expert = torch.bincount(slot[kept] // cap, minlength=moe.num_experts).tolist()
+    return {"capacity": cap, "routed_per_expert": per_expert,
+            "fill": sum(per_expert) / (cap * moe.num_experts), "dropped": int((~kept).sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mixtral_ep")
+    ap.add_argument("--shape", default=None, help="e2e shape name (default: the model's first)")
+    ap.add_argument("--backend", default="inductor", choices=("inductor", "overlap"))
+    ap.add_argument("--force", default=None, help="with --backend overlap: TEMPLATE or TEMPLATE@{config json} forced")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("train_step_breakdown needs a GPU (it profiles CUDA kernels)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.e2e import family_of, load_shapes
+    from benchmarks.models import FAMILY, build
+
+    shapes = [s for s in load_shapes("all", False) if family_of(s) == FAMILY[a.model]]
+    shape = next(s for s in shapes if a.shape is None or s["name"] == a.shape)
+    built = build(a.model, shape, "cuda", torch.bfloat16, seed=0)
+    import overlap_compile as oc
+
+    name, _, config = (a.force or "").partition("@")
+    forced = {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
+    with oc.config.patch(**forced):
+        from overlap_compile.backend import overlap_backend
+
+        fn = torch.compile(built.model, backend=overlap_backend if a.backend == "overlap" else "inductor")
+    opt = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with oc.config.patch(**forced):
+            loss = built.to_local(fn(built.x)).float().pow(2).mean()
+            loss.backward()
+        built.finalize_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.iters):
+        step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / a.iters
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.iters):
+            step()
+        torch.cuda.synchronize()
+    kernels: collections.Counter = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            kernels[ev.name] += ev.device_time / 1e3 / a.iters
+    roles: collections.Counter = collections.Counter()
+    for name, ms in kernels.items():
+        roles[role(name)] += ms
+    busy = sum(kernels.values())
+    fill = moe_fill(built.model, built.x)
+    print(f"{a.model} {shape['name']} ({a.backend}): step {step_ms:.2f} ms, kernels {busy:.2f} ms")
+    print("  " + "  ".join(f"{r} {ms:.2f} ({ms / busy:.0%})" for r, ms in roles.most_common()))
+    if fill:
+        print(f"  expert slots: fill {fill['fill']:.3f}, capacity {fill['capacity']}, routed {fill['routed_per_expert']}, "
+              f"dropped {fill['dropped']}")
+    for name, ms in kernels.most_common(a.top):
+        print(f"    {ms:8.3f} ms  {role(name):12s} {name[:110]}")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        tag = torch.cuda.get_device_name().replace(" ", "_")
+        path = os.path.join(a.out, f"train_step_breakdown-{tag}-torch{torch.__version__.split('+')[0]}-"
+                                   f"{datetime.date.today().isoformat()}-{a.model}-{a.backend}{'-forced' if a.force else ''}.json")
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model,
+                       "shape": shape, "backend": a.backend, "force": a.force, "step_ms": step_ms, "kernel_ms": busy,
+                       "roles_ms": dict(roles.most_common()), "moe_fill": fill,
+                       "kernels_ms": [[n, ms, role(n)] for n, ms in kernels.most_common()]}, f, indent=1)
+        print("wrote", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
