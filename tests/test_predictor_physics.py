@@ -227,17 +227,20 @@ def test_moe_fused_expert_kernel_is_priced_only_once_measured():
 
 
 def test_a_training_sections_saved_intermediates_are_charged():
-    """A training MoE section's rewrite also copies out what backward saves: one read and one
-    write of those bytes, on every moe_fused bmm path; the kernel path writes them in place."""
+    """A training MoE section's rewrite also hands out what backward saves. Pieces by source (NCCL
+    or the copy engine, bmm experts) copy out the experts' input, one read and one write of it,
+    and write gate, up and act in place; capacity pieces copy them all; the kernel path writes
+    them all in place, at most one write."""
     p = h200()
     E, C, H, F = 4, 1024, 4096, 2048
     m = E * 2 * C
     site = Site("moe", ((m, F, H), (m, F, H), (m, H, F)), 2, "bfloat16")
-    saving = dataclasses.replace(site, saved_bytes=m * (H + 3 * F) * 2)
+    saving = dataclasses.replace(site, saved_bytes=m * (H + 3 * F) * 2, saved_copy_bytes=m * H * 2)
     ctx = Ctx(mode="cuda_graph")
-    for cfg in ({"split": "source"}, {"pieces": 2}, {"split": "source", "transport": "p2p"}):
+    for cfg, copied in (({"split": "source"}, saving.saved_copy_bytes), ({"pieces": 2}, saving.saved_bytes),
+                        ({"split": "source", "transport": "p2p"}, saving.saved_copy_bytes)):
         extra = moe_model.moe_fused(saving, cfg, p, ctx).total_ms - moe_model.moe_fused(site, cfg, p, ctx).total_ms
-        assert extra == pytest.approx(models.hbm_ms(p, 2 * saving.saved_bytes)), cfg
+        assert extra == pytest.approx(models.hbm_ms(p, 2 * copied)), cfg
     # the persistent expert kernel stores them where backward reads them: one write at most
     measured = h200(moe={"expert_kernel_vs_bmm": 1.0})
     fused = {"split": "source", "transport": "p2p", "experts": "fused"}

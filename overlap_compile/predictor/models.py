@@ -63,6 +63,9 @@ class Site:
     cross_node: bool = False
     output_fuses: bool = False  # the result's readers fuse a permuted read (Match.output_fuses)
     saved_bytes: int = 0  # intermediates a rewrite must also hand out (a training MoE section's)
+    # of those, what a bmm piece pipeline copies out rather than writes in place: the experts'
+    # input (its GEMMs and the elementwise kernel write gate, up and act where backward reads them)
+    saved_copy_bytes: int = 0
 
     @property
     def m(self) -> int:
@@ -96,7 +99,7 @@ class Site:
     def from_match(match: Any, cross_node: bool = False) -> "Site":
         return Site(match.kind, tuple(tuple(g) for g in match.gemms()), int(match.world_size),
                     dtype_name(match.dtype), cross_node, bool(getattr(match, "output_fuses", False)),
-                    moe_saved_bytes(match))
+                    moe_saved_bytes(match), moe_saved_bytes(match, roles=("tokens",)))
 
     @staticmethod
     def from_report(site: Any, cross_node: bool = False) -> "Site":
@@ -104,10 +107,11 @@ class Site:
                     bool(getattr(site, "output_fuses", False)))
 
 
-def moe_saved_bytes(match: Any) -> int:
+def moe_saved_bytes(match: Any, roles: tuple[str, ...] | None = None) -> int:
     """Bytes of the intermediates a training MoE section saves for backward (Match.saved_nodes):
-    the experts' input [E, W*C, H] and the [E, W*C, F] up-projections / product."""
-    saved = getattr(match, "saved_nodes", None) or {}
+    the experts' input [E, W*C, H] and the [E, W*C, F] up-projections / product (``roles``: of
+    those roles only)."""
+    saved = [r for r in (getattr(match, "saved_nodes", None) or {}) if roles is None or r in roles]
     rows = getattr(match, "e_local", 0) * getattr(match, "capacity", 0) * getattr(match, "world_size", 0)
     width = {"tokens": getattr(match, "hidden", 0)}
     return sum(rows * width.get(role, getattr(match, "ffn", 0)) for role in saved) * int(getattr(match, "itemsize", 2))

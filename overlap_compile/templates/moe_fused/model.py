@@ -44,7 +44,7 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
     how = f"{W} source pieces (own first)" if source else f"{p} capacity pieces"
     if routed:
         how += f", routed rows only (assumed {fill:.0%} of the slots)"
-    return Schedule(end + moe_save_ms(site, profile), events, base.bound_ms if base else None,
+    return Schedule(end + moe_save_ms(site, profile, in_place=source), events, base.bound_ms if base else None,
                     f"{how} of {nbytes / 2**20:.1f} MiB")
 
 
@@ -168,10 +168,12 @@ def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
     return scan + sizes + profile_extra(profile, "routed_host_ms", 1.2, "moe") + pack
 
 
-def moe_save_ms(site: Site, profile: HardwareProfile) -> float:
-    """A training section's saved intermediates, copied out of each piece into the layout backward
-    reads (reference.Saved): one read and one write of them."""
-    return hbm_ms(profile, 2 * site.saved_bytes)
+def moe_save_ms(site: Site, profile: HardwareProfile, in_place: bool) -> float:
+    """A training section's saved intermediates copied out of each piece into the layout backward
+    reads (reference.Saved): one read and one write of them. Pieces by source write gate, up and
+    act in place (their GEMMs and swiglu_kernels.silu_mul store into the saved layout's column
+    blocks, ``in_place``), so only the experts' input is copied; capacity pieces copy them all."""
+    return hbm_ms(profile, 2 * (site.saved_copy_bytes if in_place else site.saved_bytes))
 
 
 def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None,
@@ -244,9 +246,10 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
     base = baseline(site, profile, ctx)
-    # a training section's intermediates: the bmm path copies them out (a read and a write); the
-    # kernel stores them where backward reads them, at most one more write (gate and up)
-    save = moe_save_ms(site, profile) / (2 if fused else 1)
+    # a training section's intermediates: the bmm path copies the experts' input out (a read and
+    # a write; the rest it writes in place); the kernel stores them all where backward reads
+    # them, at most one more write (gate and up)
+    save = hbm_ms(profile, site.saved_bytes) if fused else moe_save_ms(site, profile, in_place=True)
     return Schedule(start + place + save, events, base.bound_ms if base else None,
                     f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
                     f"experts {e_piece:.4f} ms per piece")
