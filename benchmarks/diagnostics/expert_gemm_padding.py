@@ -14,12 +14,11 @@ inputs: capacity factor 1.25). Variants:
   grouped_gemm   the same GEMMs without the pack and unpack
   mm_host        one cuBLAS mm per expert on its routed rows, sizes known on the host (the best a
                  host synchronisation could buy)
-Prints ms and the ratio to bmm per shape, writes expert_gemm_padding-<device>-torch<v>-<date>.json.
+Prints ms and the ratio to bmm per shape, writes expert_gemm_padding-<device>-w1-torch<v>-<date>.json (rows).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -147,12 +146,9 @@ def main() -> None:
         cells = "  ".join(f"{k} {ms:.3f} ({base[k.split('/')[0]] / ms:.2f}x)" for k, ms in r["ms"].items())
         print(f"{name} W={a.world} fill {r['fill']:.3f} rel err {r['grouped_rel_err']:.1e}: {cells}", flush=True)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        tag = torch.cuda.get_device_name().replace(" ", "_")
-        path = os.path.join(a.out, f"expert_gemm_padding-{tag}-torch{torch.__version__.split('+')[0]}-"
-                                   f"{datetime.date.today().isoformat()}.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        from benchmarks.results_io import write_rows
+
+        path = write_rows(rows, a.out, "expert_gemm_padding", torch.cuda.get_device_name(), 1)
         print("wrote", path)
 
 

@@ -8,14 +8,12 @@ NCCL group: the collectives are local), profiled with torch.profiler over a few 
 Kernels are put in roles by name (moe_breakdown.role_of, plus ``attention`` for the
 flash / efficient attention kernels). For a MoE block it also prints the expert slots' fill (the
 share of capacity rows a token was routed to), which bounds what skipping the padding in the
-expert GEMMs can save. Writes train_step_breakdown-<device>-torch<v>-<date>-<model>.json.
+expert GEMMs can save. Writes train_step_breakdown-<device>-w1-torch<v>-<date>-<model>-<backend>.json.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
 import os
 import sys
 import time
@@ -123,15 +121,14 @@ def main() -> None:
     for name, ms in kernels.most_common(a.top):
         print(f"    {ms:8.3f} ms  {role(name):12s} {name[:110]}")
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        tag = torch.cuda.get_device_name().replace(" ", "_")
-        path = os.path.join(a.out, f"train_step_breakdown-{tag}-torch{torch.__version__.split('+')[0]}-"
-                                   f"{datetime.date.today().isoformat()}-{a.model}-{a.backend}{'-forced' if a.force else ''}.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model,
-                       "shape": shape, "backend": a.backend, "force": a.force, "step_ms": step_ms, "kernel_ms": busy,
-                       "roles_ms": dict(roles.most_common()), "moe_fill": fill,
-                       "kernels_ms": [[n, ms, role(n)] for n, ms in kernels.most_common()]}, f, indent=1)
+        from benchmarks.results_io import write_rows
+
+        row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model, "shape": shape,
+               "backend": a.backend, "force": a.force, "step_ms": step_ms, "kernel_ms": busy,
+               "roles_ms": dict(roles.most_common()), "moe_fill": fill,
+               "kernels_ms": [[n, ms, role(n)] for n, ms in kernels.most_common()]}
+        path = write_rows([row], a.out, "train_step_breakdown", row["device"], 1,
+                          suffix=f"-{a.model}-{a.backend}{'-forced' if a.force else ''}")
         print("wrote", path)
     dist.destroy_process_group()
 
