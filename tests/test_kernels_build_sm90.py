@@ -273,3 +273,17 @@ def test_moe_swiglu_elementwise_kernels():
     (bwd,) = _assert_built(builds, "_silu_mul_backward_kernel")
     for build in (fwd, bwd):
         assert "ld.global.v" in _ptx(build), "the columns are not loaded vectorised"
+
+
+def test_moe_packed_move_rows_kernel():
+    """packed.move_rows for bf16 rows: a strided [E, C, F] column block gathered into packed rows."""
+    from overlap_compile.templates.moe_fused import packed as P
+
+    full = torch.empty(4, 96, 1024, dtype=torch.bfloat16)
+    src, out, index = full[:, 32:64], torch.empty(128, 1024, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.int64)
+    grid = (triton.cdiv(128, P.BLOCK_R), triton.cdiv(1024, P.BLOCK_C))
+    with building() as builds:
+        P._move_rows_kernel[grid](src, out, index, 128, 1024, 32, src.stride(0), src.stride(1), 128, 0, 1024,
+                                  BLOCK_R=P.BLOCK_R, BLOCK_C=P.BLOCK_C, num_warps=4)
+    (build,) = _assert_built(builds, "_move_rows_kernel")
+    assert "ld.global.v" in _ptx(build) and "st.global.v" in _ptx(build), "rows are not moved vectorised"

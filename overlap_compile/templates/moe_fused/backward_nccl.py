@@ -29,7 +29,7 @@ def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_
                          f"{plan.world}")
     w, rows, h = plan.world, plan.e_local * plan.capacity, plan.hidden
     slots, out = grad_buf.view(w, rows, h), grad_buf.new_empty(w, rows, h)
-    pieces = bref.Pieces(slots, out, pg.rank(), plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
+    pieces = bref.make_pieces(slots, out, pg.rank(), plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
     kernels_nccl.rounds_by_source(slots, out, pg, torch.cuda.current_stream(grad_buf.device),
                                   kernels_nccl.comm_stream(grad_buf.device), pieces.own, pieces.peer, pieces.after)
     return pieces.result()

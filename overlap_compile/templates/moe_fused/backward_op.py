@@ -29,11 +29,13 @@ def operand_shapes(p: MoePlan) -> dict[str, tuple[int, ...]]:
 
 
 def check_plan(p: MoePlan) -> None:
-    if p.direction != "backward" or not reference.by_source(p.config) or "experts" in p.config \
+    if p.direction != "backward" or not reference.by_source(p.config) \
+            or p.config.get("experts", "packed") != "packed" \
             or p.config.get("transport", "nccl") not in ("nccl", "p2p") \
             or p.config.get("payload", "capacity") not in ("capacity", "routed"):
         raise ValueError(f"moe_fused_backward: needs a backward plan by source (direction 'backward', config "
-                         f"{{'split': 'source'}}, optionally 'transport' 'nccl' or 'p2p', or 'payload' 'routed'); "
+                         f"{{'split': 'source'}}, optionally 'transport' 'nccl' or 'p2p', 'payload' 'routed' or "
+                         f"'experts' 'packed'); "
                          f"got direction {p.direction!r}, config {p.config}")
 
 

@@ -25,8 +25,8 @@ def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_
     the caller owns is what runtime.op_graphs replays (backward_op.py)."""
     call = kernels.open_call(grad_buf, group_name, plan)
     out = torch.empty_like(call.slots) if outs is None else outs[0].view(call.slots.shape)
-    pieces = bref.Pieces(call.slots, out, call.r, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t,
-                         grads_into=None if outs is None else outs[1:])
+    pieces = bref.make_pieces(call.slots, out, call.r, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t,
+                              grads_into=None if outs is None else outs[1:])
     used = kernels.rounds(call, pieces.own, pieces.peer, pieces.after)
     kernels.finish_call(call, out, [grad_buf, *used])
     return pieces.result()

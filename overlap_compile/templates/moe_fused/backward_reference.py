@@ -89,6 +89,17 @@ class Pieces:
         return [self.out.view(-1, self.shape[2]), *self.grads]
 
 
+def make_pieces(slots: torch.Tensor, out: torch.Tensor, rank: int, plan: MoePlan, *operands,
+                grads_into: list[torch.Tensor] | None = None):
+    """The call's Pieces (``operands``: tokens_t, gate, up, act_t, w1t, w3t, w2t): on packed rows
+    for an ``"experts": "packed"`` plan (packed.Pieces), on every slot otherwise."""
+    if ref.packed_experts(plan.config):
+        from . import packed
+
+        return packed.Pieces(slots, out, rank, plan, *operands, grads_into=grads_into)
+    return Pieces(slots, out, rank, plan, *operands, grads_into=grads_into)
+
+
 def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,
         plan: MoePlan) -> list[torch.Tensor]:
     """By source with the asynchronous functional collectives (gloo here; NCCL on GPUs when
@@ -96,7 +107,7 @@ def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_
     w, rows, h = plan.world, plan.e_local * plan.capacity, plan.hidden
     rank = ref.group_rank(group_name, plan)
     slots, out = grad_buf.view(w, rows, h), grad_buf.new_empty(w, rows, h)
-    pieces = Pieces(slots, out, rank, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
+    pieces = make_pieces(slots, out, rank, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t)
     ref.exchange_by_source(slots, out, rank, group_name, pieces.own, pieces.peer, pieces.after)
     return pieces.result()
 

@@ -39,9 +39,11 @@ def candidates(match: Any, profile: Any) -> list[dict]:
 def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
     # (spec.check_config has checked the payload's and transport's values before handing a
     # backward match here)
-    if not by_source(config) or set(config) - {"split", "transport", "payload"}:
+    if (not by_source(config) or set(config) - {"split", "transport", "payload", "experts"}
+            or config.get("experts", "packed") != "packed"):
         raise ValueError(f"moe_fused: the backward section runs by source only ({CONFIG}, optionally with "
-                         f"'transport': 'nccl' | 'p2p' or 'payload': 'capacity' | 'routed'); got {config!r}")
+                         f"'transport': 'nccl' | 'p2p', 'payload': 'capacity' | 'routed' or 'experts': "
+                         f"'packed'); got {config!r}")
     return MoePlan(template=template, world=match.world_size, e_local=match.e_local, capacity=match.capacity,
                    hidden=match.hidden, ffn=match.ffn, config=dict(config), timeout_ms=timeout_ms, direction="backward")
 

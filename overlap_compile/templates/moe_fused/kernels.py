@@ -110,7 +110,8 @@ def run(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     if plan.config.get("experts", "bmm") == "fused":
         out, used = _fused_experts(call, w1, w3, w2, plan, saved)
     else:
-        out, used = _bmm_experts(call, w1, w3, w2, saved, None if outs is None else outs[0])
+        out, used = _bmm_experts(call, w1, w3, w2, saved, None if outs is None else outs[0],
+                                 ref.packed_experts(plan.config))
     finish_call(call, out, [buf, *used])
     return saved.result(out.view(-1, call.h))
 
@@ -173,23 +174,24 @@ def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:
     call.fc.ready(src)
 
 
-def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved,
-                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _bmm_experts(call: _Call, w1, w3, w2, saved: ref.Saved, into: torch.Tensor | None = None,
+                 packed: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """cuBLAS bmm per piece (rounds below); the own tokens in two halves around the peer pieces
-    (reference.own_parts). The combined slots go into ``into`` ``[W * rows, H]`` when given."""
+    (reference.own_parts). The combined slots go into ``into`` ``[W * rows, H]`` when given.
+    ``packed``: grouped GEMMs on each piece's routed rows instead (packed.py)."""
     e, c, h, r = call.e, call.c, call.h, call.r
     out = torch.empty_like(call.slots) if into is None else into.view(call.slots.shape)
     own, own_out = call.slots[r].view(e, c, h), out[r].view(e, c, h)
     first, *rest = ref.own_parts(e, c)
 
     def peer(src: int, got: torch.Tensor) -> torch.Tensor:
-        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src))
+        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src), packed=packed)
 
     def last() -> None:
         for part in rest:
-            ref.own_experts(own, w1, w3, w2, own_out, part, saved, r)
+            ref.own_experts(own, w1, w3, w2, own_out, part, saved, r, packed)
 
-    used = rounds(call, lambda: ref.own_experts(own, w1, w3, w2, own_out, first, saved, r), peer, last)
+    used = rounds(call, lambda: ref.own_experts(own, w1, w3, w2, own_out, first, saved, r, packed), peer, last)
     return out, used
 
 

@@ -53,12 +53,14 @@ def _by_source(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tenso
     rank, rows = pg.rank(), plan.e_local * plan.capacity
     slots, out = buf.view(w, rows, h), buf.new_empty(w, rows, h)
     saved = ref.Saved(plan, buf)
+    packed = ref.packed_experts(plan.config)
 
     def own() -> None:  # no transfer, computed while round 1 travels, straight into the output
-        ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h), keep=saved.of_source(rank))
+        ref.experts(slots[rank].view(e, c, h), w1, w3, w2, out=out[rank].view(e, c, h), keep=saved.of_source(rank),
+                    packed=packed)
 
     def peer(src: int, got: torch.Tensor) -> torch.Tensor:
-        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
+        return ref.experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src), packed=packed).view(rows, h)
 
     rounds_by_source(slots, out, pg, compute, side, own, peer)
     return saved.result(out.view(w * rows, h))

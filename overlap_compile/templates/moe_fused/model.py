@@ -34,7 +34,7 @@ def moe_fused(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) -> S
             if ratio is None:
                 return None
             return moe_fused_copy_engine(site, profile, ctx, ratio, skip_padding=bool(config.get("skip_padding")))
-        return moe_fused_copy_engine(site, profile, ctx)
+        return moe_fused_copy_engine(site, profile, ctx, packed=config.get("experts") == "packed")
     W = max(1, site.world)
     source = config.get("split") == "source"
     p = W if source else max(1, int(config.get("pieces", 1)))
@@ -122,7 +122,8 @@ def moe_fused_backward(site: Site, config: dict, profile: HardwareProfile, ctx: 
     data = dataclasses.replace(site, gemms=site.gemms[:3])
     grads = dataclasses.replace(site, gemms=site.gemms[3:])
     if config.get("transport") == "p2p":  # backward_p2p.py: own slots whole first, weight gradients last
-        return moe_fused_copy_engine(data, profile, ctx, tail_ms=gemm_ms(grads, profile), own_split=False)
+        return moe_fused_copy_engine(data, profile, ctx, tail_ms=gemm_ms(grads, profile), own_split=False,
+                                     packed=config.get("experts") == "packed")
     W = max(1, site.world)
     routed, fill, setup = _routed_terms(site, config, profile, ctx)
     events, end, nbytes = _pipeline(site, profile, ctx, W, True, gemm_ms(data, profile), gemm_ms(grads, profile),
@@ -177,8 +178,8 @@ def moe_save_ms(site: Site, profile: HardwareProfile, in_place: bool) -> float:
 
 
 def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_ratio: float | None = None,
-                          skip_padding: bool = False, tail_ms: float = 0.0, own_split: bool = True
-                          ) -> Schedule | None:
+                          skip_padding: bool = False, tail_ms: float = 0.0, own_split: bool = True,
+                          packed: bool = False) -> Schedule | None:
     """``{"split": "source", "transport": "p2p"}`` (templates/moe_fused/kernels.py): the source
     pieces over the copy engine. Before any GEMM: the W-1 peers' slots staged into the symmetric
     buffer (read + write) and one handshake. The copy stream pulls the W-1 peer pieces back to
@@ -196,7 +197,9 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     partly filled last block gives back (not offered among the candidates: force it).
     ``tail_ms``, ``own_split=False`` (the backward, backward_p2p.py): the own slots whole and
     first, then ``tail_ms`` of GEMMs that need every piece (the weight gradients) after the last,
-    beside its push.
+    beside its push. ``packed`` (``"experts": "packed"``, packed.py): every GEMM, the tail's too,
+    scaled by the expected fill, after a scan of the padding and one packing and unpacking of
+    the routed rows each way (not offered among the candidates until measured: force it).
     Not yet measured on a GPU."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
@@ -205,10 +208,13 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     e_piece = slice_ms(site, profile, max(1, site.m // W))
     sync = peer_sync_ms(profile)
     stage = hbm_ms(profile, 2 * (W - 1) * piece_bytes) + sync
-    if skip_padding:
+    if skip_padding or packed:
         fill = routed_fill(profile)
         stage += hbm_ms(profile, (1.0 - fill) * site.coll_bytes())
         e_piece *= fill
+        if packed:
+            stage += hbm_ms(profile, 4 * fill * site.coll_bytes())
+            tail_ms *= fill
     events = [Event("compute", "stage peer slots" + (" + sizes scan" if skip_padding else "") + " + handshake",
                     0.0, stage)]
     t_copy = stage

@@ -49,12 +49,22 @@ def bounds(size: int, parts: int) -> list[tuple[int, int]]:
     return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
+def packed_experts(config: dict) -> bool:
+    """Whether a plan's experts run on the routed rows only (``"experts": "packed"``, packed.py)."""
+    return config.get("experts") == "packed"
+
+
 def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-            out: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, keep: dict | None = None, packed: bool = False) -> torch.Tensor:
     """SwiGLU over ``[E_local, rows, H]``; written into ``out`` when given (kernels.py).
     ``keep``: role -> view (Saved.of_source / of_capacity) that intermediate goes into: written
     there by its GEMM or the elementwise kernel where the view has the result's shape (a column
-    block of the saved layout), copied there otherwise (the capacity pieces' [E, W, n, F])."""
+    block of the saved layout), copied there otherwise (the capacity pieces' [E, W, n, F]).
+    ``packed``: the GEMMs on the routed rows only (packed.experts), the same results."""
+    if packed:
+        from . import packed as packed_path
+
+        return packed_path.experts(x, w1, w3, w2, out=out, keep=keep)
     keep = keep or {}
     inter = (*x.shape[:-1], w1.shape[-1])
 
@@ -122,12 +132,12 @@ def own_parts(e_local: int, capacity: int) -> list[tuple[slice, slice]]:
 
 
 def own_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
-                part: tuple[slice, slice], saved: "Saved | None" = None, rank: int = 0) -> None:
+                part: tuple[slice, slice], saved: "Saved | None" = None, rank: int = 0, packed: bool = False) -> None:
     """One of own_parts of the own tokens ``x`` [E, C, H] through its experts, into ``out`` [E, C, H]
     (and its intermediates into ``saved``, at source ``rank``'s columns)."""
     ex, rows = part
     keep = saved.of_source(rank, part) if saved is not None else None
-    experts(x[ex, rows], w1[ex], w3[ex], w2[ex], out=out[ex, rows], keep=keep)
+    experts(x[ex, rows], w1[ex], w3[ex], w2[ex], out=out[ex, rows], keep=keep, packed=packed)
 
 
 def round_peers(rank: int, world: int, r: int) -> tuple[int, int]:
@@ -159,16 +169,17 @@ def run_by_source(buf, w1, w3, w2, group_name: str, plan: MoePlan) -> torch.Tens
     # half only, the second after the peers' pieces)
     own, own_out = slots[rank].view(e, c, h), out[rank].view(e, c, h)
     parts = own_parts(e, c) if plan.config.get("transport") == "p2p" else [(slice(0, e), slice(0, c))]
+    packed = packed_experts(plan.config)
 
     def peer(src: int, got: torch.Tensor) -> torch.Tensor:
-        return experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src)).view(rows, h)
+        return experts(got.view(e, c, h), w1, w3, w2, keep=saved.of_source(src), packed=packed).view(rows, h)
 
     def rest() -> None:
         for part in parts[1:]:
-            own_experts(own, w1, w3, w2, own_out, part, saved, rank)
+            own_experts(own, w1, w3, w2, own_out, part, saved, rank, packed)
 
-    exchange_by_source(slots, out, rank, group_name, lambda: own_experts(own, w1, w3, w2, own_out, parts[0], saved, rank),
-                       peer, rest)
+    exchange_by_source(slots, out, rank, group_name,
+                       lambda: own_experts(own, w1, w3, w2, own_out, parts[0], saved, rank, packed), peer, rest)
     return saved.result(out.view(w * rows, h))
 
 

@@ -42,7 +42,10 @@ forward) it measured 1.03-1.20x of the layer as written on every shapes.json moe
 and skewed, where the comm-free bound is 1.07-1.20x; the routed payload measured 1.00-1.14x (below
 it on every case), the persistent expert kernel with skip_padding 0.05x (why is not yet
 known), and NCCL by capacity pieces 0.82-0.94x on 2x H200
-(moe-*-2026-11-23.json). Those stay reachable through force_config.
+(moe-*-2026-11-23.json). Those stay reachable through force_config. In a training step, with
+the SwiGLU elementwise steps in one pass (swiglu_kernels.py), the layer measured 1.20x (CUDA
+graphs) / 1.10x (host-launched) geomean and the Mixtral-like e2e block 1.025x, above its comm-free
+bound of 1.014x (moe-*-s16-train.*, e2e-*-mixtral-s16-final.*; 2x H100).
 """
 from __future__ import annotations
 
@@ -132,7 +135,10 @@ class MoeFusedSpec(TemplateSpec):
                 symmetric += w * e * 4
                 per_call += w * e * 4
             return {"persistent": symmetric + flags + counters, "per_call": per_call, "section_as_written": written}
-        return {"persistent": symmetric + flags, "per_call": 2 * (w - 1) * slot, "section_as_written": written}
+        per_call = 2 * (w - 1) * slot
+        if config.get("experts") == "packed":  # one piece's packed tokens, gate, up, act and result
+            per_call += e * c * (2 * h + 3 * f) * item
+        return {"persistent": symmetric + flags, "per_call": per_call, "section_as_written": written}
 
 
 SPEC = MoeFusedSpec()
@@ -141,7 +147,7 @@ SPEC = MoeFusedSpec()
 TRANSPORTS = ("nccl", "p2p")
 
 
-EXPERTS = ("bmm", "fused")
+EXPERTS = ("bmm", "fused", "packed")  # cuBLAS bmm / expert_kernel.py / grouped GEMMs on routed rows (packed.py)
 
 
 PAYLOADS = ("capacity", "routed")  # every slot travels / only the routed rows (routed.py)

@@ -1,0 +1,241 @@
+"""moe_fused with ``"experts": "packed"``: the expert GEMMs over the routed rows only, with the
+rows' sizes found and kept on the device (no host round trip, so the call stays capturable).
+
+The slots are capacity-padded: expert e of a piece holds its routed rows first, then zeros. A
+bias-free SwiGLU maps a zero row to a zero row and a zero gradient row adds nothing, so the rows
+past each group's last non-zero row need no GEMM (routed.py's argument; here every slot still
+travels). Per piece of ``[E, C, *]`` slots::
+
+    n[e]        = 1 + the last non-zero row of expert e (routed_sizes.py, on the device)
+    packed      = the routed rows expert after expert, in a buffer of the static size E * C
+                  (the rows past the last group: zeros, in no group)
+    GEMMs       torch._grouped_mm with the group ends cumsum(n) on the device
+    unpacked    every slot row gets its packed row, or zeros
+
+Forward (``experts``): the three GEMMs and silu_mul on the packed rows; the result and the
+intermediates a training graph saves unpacked into their slots. Backward (``Pieces``, one per
+call): per piece the gradient rows' sizes, d_act, the elementwise step and d_h on packed rows
+(their gate and up rows gathered from the saved layout); after the last piece the three weight
+gradients as grouped GEMMs that split K at each expert's rows, over every source's rows packed
+expert by expert (the saved tokens and act gathered; the pieces' packed gradients re-ordered).
+
+What it buys: 1x H100, one rank's Mixtral-like experts at EP=2 with uniform routing (80% of the
+slots routed), forward + backward under CUDA graphs, grouped GEMMs on packed rows measured 1.12x
+of cuBLAS bmm on every slot (benchmarks/diagnostics/expert_gemm_padding.py,
+expert_gemm_padding-*-2026-11-26.json). STATUS: correct on CPU (tests/test_moe_packed.py); not yet
+run on a GPU, so GPU profiles do not offer it (force_config reaches it).
+
+    kernel (_move_rows_kernel)  ->  launcher (move_rows)  ->  experts / Pieces
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..tile_fused.primitives import HAVE_TRITON, tl, triton
+from .swiglu_kernels import silu_mul, silu_mul_backward
+
+BLOCK_R, BLOCK_C = 16, 256
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _move_rows_kernel(src_ptr, out_ptr, index_ptr, n, cols, src_rows, s_sb, s_sr, out_rows, o_sb, o_sr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # out row k (of [B, out_rows, cols]) <- src row index[k] (of [B', src_rows, cols]), zeros for -1
+        k = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = k < n
+        v = tl.load(index_ptr + k, mask=live, other=-1).to(tl.int64)
+        src = (v // src_rows) * s_sb + (v % src_rows) * s_sr
+        dst = (k // out_rows) * o_sb + (k % out_rows) * o_sr
+        cmask = c[None, :] < cols
+        x = tl.load(src_ptr + src[:, None] + c[None, :], mask=live[:, None] & (v[:, None] >= 0) & cmask, other=0.0)
+        tl.store(out_ptr + dst[:, None] + c[None, :], x, mask=live[:, None] & cmask)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``[R, F]`` or ``[B, R, F]`` as 3-D; the columns must be contiguous."""
+    t3 = t.unsqueeze(0) if t.dim() == 2 else t
+    if t3.dim() != 3 or (t3.shape[2] > 1 and t3.stride(2) != 1):
+        raise ValueError(f"moe_fused move_rows: operands are [R, F] or [B, R, F] with unit column stride; "
+                         f"got shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+    return t3
+
+
+def move_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out``'s rows (flattened over its leading dims) ``k`` <- ``src``'s row ``index[k]``
+    (flattened the same way), zeros where ``index[k]`` is -1. ``out``: a new ``[len(index), F]``
+    when None; either side may be a strided view (a column block of the saved layout)."""
+    s3 = _rows_view(src)
+    out = src.new_empty(index.numel(), src.shape[-1]) if out is None else out
+    o3 = _rows_view(out)
+    if o3.shape[0] * o3.shape[1] != index.numel() or o3.shape[2] != s3.shape[2]:
+        raise ValueError(f"moe_fused move_rows: out {tuple(out.shape)} does not hold {index.numel()} rows of "
+                         f"{s3.shape[2]} columns")
+    if not _use_triton(out):
+        flat = s3.reshape(-1, s3.shape[2])
+        got = flat.index_select(0, index.clamp(min=0).long())
+        o3.copy_(torch.where((index >= 0)[:, None], got, torch.zeros((), dtype=got.dtype)).view(o3.shape))
+        return out
+    if index.numel() and o3.shape[2]:
+        grid = (triton.cdiv(index.numel(), BLOCK_R), triton.cdiv(o3.shape[2], BLOCK_C))
+        _move_rows_kernel[grid](s3, o3, index, index.numel(), o3.shape[2], s3.shape[1], s3.stride(0), s3.stride(1),
+                                o3.shape[1], o3.stride(0), o3.stride(1), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    return out
+
+
+def gather_index(sizes: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """Segments packed one after the other, on the device: segment g's ``sizes[g]`` rows begin at
+    row ``starts[g]`` of the source; returns the source row of each of ``length`` packed rows
+    (int64), -1 past the last segment. ``length`` is static (no host read of the sizes)."""
+    sizes, starts = sizes.reshape(-1).long(), starts.reshape(-1).long()
+    ends = torch.cumsum(sizes, 0)
+    q = torch.arange(length, device=sizes.device)
+    seg = torch.searchsorted(ends, q, right=True)  # the segment holding packed row q (empty ones skipped)
+    last = max(sizes.numel() - 1, 0)
+    at = seg.clamp(max=last)
+    row = starts[at] + q - (ends[at] - sizes[at])
+    return torch.where(seg < sizes.numel(), row, torch.full_like(row, -1))
+
+
+def unpack_index(sizes: torch.Tensor, capacity: int) -> torch.Tensor:
+    """For a piece of ``len(sizes)`` groups of ``capacity`` slot rows packed by gather_index:
+    each slot row's packed row, -1 past its group's size (int64)."""
+    sizes = sizes.reshape(-1).long()
+    begins = torch.cumsum(sizes, 0) - sizes
+    r = torch.arange(sizes.numel() * capacity, device=sizes.device)
+    group, i = r // capacity, r % capacity
+    return torch.where(i < sizes[group], begins[group] + i, torch.full_like(r, -1))
+
+
+def group_ends(sizes: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMMs' ``offs``: cumulative row counts per group, int32 on the device."""
+    return torch.cumsum(sizes.reshape(-1), 0, dtype=torch.int32)
+
+
+def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm where it runs (CPU; CUDA bf16 on sm90+): ``a`` [rows, K] x ``b`` [G, K, N]
+    (groups of rows) or ``a`` [M, K_total] x ``b`` [K_total, N] (groups of K, -> [G, M, N]).
+    Elsewhere (fp32 / fp16 on CUDA) one mm per group, which reads the group ends on the host."""
+    from .routed import _grouped_mm_runs
+
+    if _grouped_mm_runs(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = [0] + offs.tolist()
+    if b.dim() == 3:  # groups of rows
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g, (lo, hi) in enumerate(zip(ends, ends[1:])):
+            if hi > lo:
+                torch.mm(a[lo:hi], b[g], out=out[lo:hi])
+        return out
+    out = a.new_zeros(len(ends) - 1, a.shape[0], b.shape[1])  # groups of K
+    for g, (lo, hi) in enumerate(zip(ends, ends[1:])):
+        if hi > lo:
+            torch.mm(a[:, lo:hi], b[lo:hi], out=out[g])
+    return out
+
+
+def piece_maps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sizes [E] int32, pack index, unpack index, offs) of a piece ``x`` [E, C, *] of slots."""
+    from .routed_sizes import sizes as routed_sizes
+
+    e, c = x.shape[0], x.shape[1]
+    n = routed_sizes(x)
+    starts = torch.arange(e, device=x.device) * c
+    return n, gather_index(n, starts, e * c), unpack_index(n, c), group_ends(n)
+
+
+def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            out: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
+    """reference.experts on the routed rows only: ``x`` [E, C, H] slots -> [E, C, H] (into ``out``
+    when given), zeros in every padding row; ``keep``'s views (role -> [E, C, *], or a layout
+    with the same rows) get the intermediates, zeros in the padding rows too."""
+    e, c, h = x.shape
+    _, pack, unpack, offs = piece_maps(x)
+    xp = move_rows(x, pack)
+    gate, up = grouped(xp, w1, offs), grouped(xp, w3, offs)
+    act = silu_mul(gate, up)
+    y = grouped(act, w2, offs)
+    for role, view in (keep or {}).items():
+        if role == "tokens":
+            view.copy_(x.view(view.shape))
+        else:
+            move_rows({"gate": gate, "up": up, "act": act}[role], unpack, out=view.view(e, c, -1))
+    out = x.new_empty(e, c, h) if out is None else out
+    move_rows(y, unpack, out=out.view(e, c, h))
+    return out
+
+
+class Pieces:
+    """backward_reference.Pieces on packed rows (same ``own`` / ``peer`` / ``after`` / ``result``
+    protocol). Each piece's gradient rows are packed by their own sizes; the weight gradients
+    run once after the last piece over every source's rows packed expert by expert."""
+
+    def __init__(self, slots, out, rank, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t, grads_into=None):
+        w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
+        self.slots, self.out, self.rank, self.shape = slots, out, rank, (w, e, c, h, f)
+        self.tokens_t, self.gate, self.up, self.act_t, self.ws = tokens_t, gate, up, act_t, (w1t, w3t, w2t)
+        # every source's packed rows, piece after piece: what the weight gradients read
+        self.g_p = slots.new_empty(w, e * c, h)
+        self.d_gate_p, self.d_up_p = gate.new_empty(w, e * c, f), gate.new_empty(w, e * c, f)
+        self.sizes = torch.zeros(w, e, dtype=torch.int32, device=slots.device)
+        self.grads: list[torch.Tensor] = []
+        self.grads_into = grads_into
+
+    def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        w, e, c, h, f = self.shape
+        g = got.view(e, c, h)
+        n, pack, unpack, offs = piece_maps(g)
+        self.sizes[source].copy_(n)
+        cols = slice(source * c, (source + 1) * c)
+        w1t, w3t, w2t = self.ws
+        g_p = move_rows(g, pack, out=self.g_p[source])
+        gate_p, up_p = move_rows(self.gate[:, cols], pack), move_rows(self.up[:, cols], pack)
+        d_gate_p, d_up_p = self.d_gate_p[source], self.d_up_p[source]
+        silu_mul_backward(grouped(g_p, w2t, offs), gate_p, up_p, d_gate_p, d_up_p)
+        d_h = grouped(d_up_p, w3t, offs).add_(grouped(d_gate_p, w1t, offs))
+        out = got.new_empty(e, c, h) if out is None else out
+        return move_rows(d_h, unpack, out=out.view(e, c, h))
+
+    def own(self) -> None:
+        self._rows(self.rank, self.slots[self.rank], out=self.out[self.rank])
+
+    def peer(self, src: int, got: torch.Tensor) -> torch.Tensor:
+        return self._rows(src, got).view(got.shape[0], -1)
+
+    def after(self) -> None:
+        w, e, c, h, f = self.shape
+        dev = self.slots.device
+        sizes = self.sizes.t()  # [E, W]: expert e's rows from each source, in expert-major order
+        total = w * e * c
+        # where each (expert, source) segment begins: in the saved layout [E, W*C, *] ...
+        saved_starts = (torch.arange(e, device=dev)[:, None] * (w * c) + torch.arange(w, device=dev)[None, :] * c)
+        # ... and in the pieces' packed rows [W, E*C, *] (each piece packed expert after expert)
+        begins = torch.cumsum(self.sizes.long(), 1) - self.sizes.long()  # [W, E]
+        piece_starts = (torch.arange(w, device=dev)[:, None] * (e * c) + begins).t()
+        from_saved = gather_index(sizes, saved_starts, total)
+        from_pieces = gather_index(sizes, piece_starts, total)
+        offs = group_ends(sizes.sum(1))
+        tokens = move_rows(_saved_rows(self.tokens_t), from_saved)
+        act = move_rows(_saved_rows(self.act_t), from_saved)
+        g = move_rows(self.g_p, from_pieces)
+        d_gate, d_up = move_rows(self.d_gate_p, from_pieces), move_rows(self.d_up_p, from_pieces)
+        grads = [grouped(tokens.t(), d_gate, offs), grouped(tokens.t(), d_up, offs), grouped(act.t(), g, offs)]
+        into = self.grads_into or [None, None, None]
+        self.grads = [o.copy_(t) if o is not None else t for t, o in zip(grads, into)]
+
+    def result(self) -> list[torch.Tensor]:
+        return [self.out.view(-1, self.shape[3]), *self.grads]
+
+
+def _saved_rows(t_transposed: torch.Tensor) -> torch.Tensor:
+    """A saved tensor handed over transposed (``tokens_t`` / ``act_t`` [E, K, W*C]) as its rows
+    [E, W*C, K]: a view when it is the transpose of row-major rows, a copy otherwise."""
+    rows = t_transposed.transpose(1, 2)
+    return rows if rows.stride(2) == 1 else rows.contiguous()
