@@ -21,7 +21,9 @@ variant, one compile, timed on each routing:
   "source"}``, NCCL), ``moe_fused_p2p`` (``{"split": "source", "transport": "p2p"}``, copy engine,
   bmm experts), ``moe_fused_p2p_kernel`` (the same with the persistent expert kernel, ``"experts":
   "fused"``), ``moe_fused_p2p_kernel_skip`` (and the kernel skipping the tiles past the routed
-  rows, ``"skip_padding": true``: sizes found and exchanged on the device); ``moe_fused_routed`` (``{"split": "source", "payload": "routed"}``: only the routed
+  rows, ``"skip_padding": true``: sizes found and exchanged on the device), ``moe_fused_p2p_packed``
+  (copy engine, ``"experts": "packed"``: grouped GEMMs on the routed rows, sizes on the device,
+  both phases); ``moe_fused_routed`` (``{"split": "source", "payload": "routed"}``: only the routed
   rows travel and meet the experts, any device, both phases); ``overlap`` (the predictor's choice). In training, moe_fused takes the forward
   section (it also returns what backward saves) and the backward section goes to
   moe_fused_backward (d_h per source piece, sent home at once; the weight gradients once after the
@@ -94,9 +96,11 @@ VARIANTS = {
     "moe_fused_p2p_kernel_skip": ("moe_fused", {"split": "source", "transport": "p2p", "experts": "fused",
                                                 "skip_padding": True}),
     "moe_fused_routed": ("moe_fused", {"split": "source", "payload": "routed"}),
+    "moe_fused_p2p_packed": ("moe_fused", {"split": "source", "transport": "p2p", "experts": "packed"}),
     "overlap": (None, None),
 }
-PATHS = ("moe_fused_nccl", "moe_fused_p2p", "moe_fused_p2p_kernel", "moe_fused_p2p_kernel_skip")  # GPUs only
+PATHS = ("moe_fused_nccl", "moe_fused_p2p", "moe_fused_p2p_kernel", "moe_fused_p2p_kernel_skip",
+         "moe_fused_p2p_packed")  # GPUs only
 ROUTINGS = ("uniform", "skewed")
 MODES = ("default", "reduce-overhead")
 PHASES = ("forward", "train")

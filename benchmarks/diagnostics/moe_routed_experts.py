@@ -94,6 +94,7 @@ def profile_table(capacity, routed_work, routing: str) -> None:
 def main() -> None:
     from overlap_compile.templates.moe_fused import reference as ref
     from overlap_compile.templates.moe_fused import routed
+    from overlap_compile.templates.moe_fused.packed import grouped_mm_runs
     from overlap_compile.templates.plans import MoePlan
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -147,7 +148,7 @@ def main() -> None:
             rows.append({**base, "shape": shape["name"], "routing": routing, "fill": fill, "capacity_ms": cap_ms,
                          "routed_ms": routed_ms, "ratio": cap_ms / routed_ms,
                          "routed_mm_per_expert_ms": mm_ms, "rel_err": err,
-                         "grouped_mm": e >= routed.GROUPED_FROM_EXPERTS and routed._grouped_mm_runs(flat, ws[0])})
+                         "grouped_mm": e >= routed.GROUPED_FROM_EXPERTS and grouped_mm_runs(flat, ws[0])})
             print(f"{shape['name']:>14} {routing:>8} {fill:5.2f} {cap_ms:11.3f} {routed_ms:9.3f} "
                   f"{cap_ms / routed_ms:6.2f} {mm_ms:9.3f}  err {err:.1e}")
     print("wrote", write_rows(rows, a.out, "moe_routed_experts", base["device"], a.world, date=base["date"]))

@@ -25,6 +25,7 @@ def _kernels_vs_reference() -> list[str]:
 
     from overlap_compile.templates.moe_fused import kernels, kernels_nccl, reference
     from overlap_compile.templates.plans import MoePlan
+    from tests.gpu.moe_slots import zero_tails
 
     rank, w = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
@@ -49,14 +50,8 @@ def _kernels_vs_reference() -> list[str]:
         one_shot = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"pieces": 1})
         for call in range(20 if impl is kernels else 1):
             buf = torch.randn(w * E_LOCAL * CAP, H, device=dev)
-            if config is skipping:  # routed rows then zeros, new sizes every call (0 and CAP among them):
-                # a size read before it landed, or left from the last call, skips live tiles
-                sizes = torch.randint(0, CAP + 1, (w, E_LOCAL), generator=torch.Generator().manual_seed(call * 8 + rank))
-                sizes[0, 0], sizes[-1, -1] = 0, CAP
-                slots = buf.view(w, E_LOCAL, CAP, H)
-                for d in range(w):
-                    for j in range(E_LOCAL):
-                        slots[d, j, int(sizes[d, j]):] = 0
+            if config is skipping:  # routed rows then zeros, new sizes every call (a stale size skips live tiles)
+                zero_tails(buf.view(w, E_LOCAL, CAP, H), call * 8 + rank)
             want = reference.run(buf, *ws, group, one_shot)
             got = impl.run(buf, *ws, group, plan)
             err = ((got - want).norm() / want.norm()).item()

@@ -25,6 +25,7 @@ def _packed_vs_bmm() -> list[str]:
 
     from overlap_compile.templates.moe_fused import backward_p2p, kernels
     from overlap_compile.templates.plans import MoePlan
+    from tests.gpu.moe_slots import zero_tails
 
     rank, w = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
@@ -45,14 +46,9 @@ def _packed_vs_bmm() -> list[str]:
     fails: list[str] = []
 
     def routed(call: int) -> torch.Tensor:
-        """[W * E * C, H] slots: routed rows then zeros, sizes new each call (0 and C among them)."""
+        """[W * E * C, H] slots: routed rows then zeros, sizes new each call (tests/gpu/moe_slots.py)."""
         buf = torch.randn(w * E_LOCAL * CAP, H, device=dev, dtype=dt)
-        sizes = torch.randint(0, CAP + 1, (w, E_LOCAL), generator=torch.Generator().manual_seed(call * 8 + rank))
-        sizes[0, 0], sizes[-1, -1] = 0, CAP
-        slots = buf.view(w, E_LOCAL, CAP, H)
-        for d in range(w):
-            for j in range(E_LOCAL):
-                slots[d, j, int(sizes[d, j]):] = 0
+        zero_tails(buf.view(w, E_LOCAL, CAP, H), call * 8 + rank)
         return buf
 
     def step(name: str, buf: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:

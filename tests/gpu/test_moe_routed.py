@@ -37,6 +37,7 @@ def _routed_vs_capacity() -> list[str]:
     import torch.distributed as dist
 
     from overlap_compile.templates.moe_fused import reference, routed
+    from overlap_compile.templates.moe_fused.packed import grouped_mm_runs
     from overlap_compile.templates.moe_fused.op import moe_fused  # noqa: F401  (registers the op)
     from overlap_compile.templates.plans import MoePlan
 
@@ -53,7 +54,7 @@ def _routed_vs_capacity() -> list[str]:
         ws = [(torch.randn(E_LOCAL, H, F_, device=dev) / 16).to(dtype), (torch.randn(E_LOCAL, H, F_, device=dev) / 16).to(dtype),
               (torch.randn(E_LOCAL, F_, H, device=dev) / 20).to(dtype)]
         x = torch.empty(1, H, device=dev, dtype=dtype)
-        grouped = routed._grouped_mm_runs(x, ws[0])
+        grouped = grouped_mm_runs(x, ws[0])
         if dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev) >= (9, 0) and not grouped:
             fails.append(f"rank {rank}: torch._grouped_mm not taken for bf16 on sm90")
         for saves in ((), SAVES):

@@ -119,13 +119,23 @@ def group_ends(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(sizes.reshape(-1), 0, dtype=torch.int32)
 
 
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm takes these operands: CPU (any float dtype), or CUDA bf16 on sm90+; row
+    strides of 16-byte multiples either way."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w))
+    if x.device.type == "cpu":
+        return aligned
+    return (aligned and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm where it runs (CPU; CUDA bf16 on sm90+): ``a`` [rows, K] x ``b`` [G, K, N]
     (groups of rows) or ``a`` [M, K_total] x ``b`` [K_total, N] (groups of K, -> [G, M, N]).
     Elsewhere (fp32 / fp16 on CUDA) one mm per group, which reads the group ends on the host."""
-    from .routed import _grouped_mm_runs
-
-    if _grouped_mm_runs(a, b):
+    if grouped_mm_runs(a, b):
         return torch._grouped_mm(a, b, offs=offs)
     ends = [0] + offs.tolist()
     if b.dim() == 3:  # groups of rows

@@ -47,6 +47,7 @@ import torch
 from ...runtime import comm
 from ..plans import MoePlan
 from . import reference as ref
+from .packed import grouped_mm_runs
 from .swiglu_kernels import silu_mul, silu_mul_backward
 
 c10d = torch.ops._c10d_functional
@@ -85,23 +86,11 @@ def packed_rows(sizes: torch.Tensor, starts: torch.Tensor, total: int) -> torch.
 GROUPED_FROM_EXPERTS = 1
 
 
-def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm takes these operands: CPU (any float dtype), or CUDA bf16 on sm90+; row
-    strides of 16-byte multiples either way."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w))
-    if x.device.type == "cpu":
-        return aligned
-    return (aligned and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
-
-
 def packed_mm(x: torch.Tensor, w: torch.Tensor, rows: list[int], offsets: torch.Tensor) -> torch.Tensor:
     """Packed rows (expert j's ``rows[j]`` rows after expert j - 1's; ``offsets``: their device
     running sum, int32) times ``w[j]``: one torch._grouped_mm where it runs, one cuBLAS mm per
     expert with rows otherwise."""
-    if len(rows) >= GROUPED_FROM_EXPERTS and _grouped_mm_runs(x, w):
+    if len(rows) >= GROUPED_FROM_EXPERTS and grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w, offs=offsets)
     y = x.new_empty(x.shape[0], w.shape[2])
     for j, (lo, n) in enumerate(zip(_starts(rows), rows)):
