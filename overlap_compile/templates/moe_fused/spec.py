@@ -33,7 +33,9 @@ forward's rounds, d_h of each piece sent home as soon as it is computed, the wei
 once over all rows after the last piece). Configurations of the forward: ``{"split": "source"}`` (one piece per source
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only, with ``"experts": "fused"`` the persistent expert kernel and then
-``"skip_padding": true`` its tiles past the routed rows skipped) or ``{"pieces": p}`` (the capacity axis in p slices); see
+``"skip_padding": true`` its tiles past the routed rows skipped, or with ``"experts": "packed"``
+grouped GEMMs on the routed rows only, sizes on the device, both directions: packed.py, not yet
+run on a GPU, so not offered) or ``{"pieces": p}`` (the capacity axis in p slices); see
 reference.py. Latency model: model.py (both directions).
 
 On GPUs (gpu_implemented): the copy-engine path with bmm experts is the one candidate. On 2x H100
