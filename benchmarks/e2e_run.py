@@ -47,6 +47,13 @@ def variant_context(variant: str):
         yield None
 
 
+def forced_options(force: str | None) -> dict:
+    """``--force``'s text as overlap_compile options: "TEMPLATE" forces that template,
+    "TEMPLATE@{config json}" that configuration of it (the diagnostics read it the same way)."""
+    name, _, config = (force or "").partition("@")
+    return {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
+
+
 def compiled(model, variant: str, compile_mode: str, force: str | None, report):
     mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
     if variant == "overlap":
@@ -54,9 +61,7 @@ def compiled(model, variant: str, compile_mode: str, force: str | None, report):
         from overlap_compile.backend import overlap_backend
 
         backend = functools.partial(overlap_backend, report=report, mode=mode_kw.get("mode"))
-        # "TEMPLATE" or "TEMPLATE@{config json}": that template, and that configuration of it
-        name, _, config = (force or "").partition("@")
-        overrides = {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
+        overrides = forced_options(force)
         with oc.config.patch(**overrides):
             # the options are read when Dynamo hands over each graph: keep them for every call
             fn = torch.compile(model, backend=backend)

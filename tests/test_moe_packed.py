@@ -7,7 +7,7 @@ routed rows only, sizes on the device.
 - the forward experts against reference.experts (bmm on every slot) on slots with zero tails of
   every length (none, some, all rows routed), the intermediates kept into column blocks of the
   saved layout;
-- the backward Pieces against backward_reference.Pieces on W sources' gradient pieces with zero
+- the backward's PackedPieces against backward_reference.Pieces on W sources' gradient pieces with zero
   tails: every d_h piece and the three weight gradients (grouped over K at each expert's rows,
   every source packed expert by expert);
 - a training step of demo.moe's layer at W = 2 over gloo with the packed config forced: both
@@ -157,7 +157,7 @@ def test_backward_pieces_equal_the_bmm_pieces():
         plan = MoePlan("moe_fused", w, e, c, h, f, config, direction="backward")
         out = torch.full((w, e * c, h), float("nan"))
         pieces = bref.make_pieces(slots, out, rank, plan, *operands)
-        assert isinstance(pieces, P.Pieces) == (config is PACKED)
+        assert isinstance(pieces, bref.PackedPieces) == (config is PACKED)
         pieces.own()
         peers = {src: pieces.peer(src, slots[src].clone()) for src in range(w) if src != rank}
         pieces.after()

@@ -36,7 +36,7 @@ def routed_counts(case: dict, world: int, seed: int = 0) -> tuple[list[list[int]
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     e_all, h, k = case["E"], case["H"], case["topk"]
-    tokens = case["S"] // world if case.get("per_world", False) else case["S"]
+    tokens = case["S"]  # per rank, as the e2e benchmark routes them
     router = torch.randn(e_all, h, generator=g) / h ** 0.5
     cap = capacity(tokens, e_all, k, 1.25)
     rows = []

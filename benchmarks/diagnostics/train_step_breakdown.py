@@ -76,8 +76,9 @@ def main() -> None:
     built = build(a.model, shape, "cuda", torch.bfloat16, seed=0)
     import overlap_compile as oc
 
-    name, _, config = (a.force or "").partition("@")
-    forced = {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
+    from benchmarks.e2e_run import forced_options
+
+    forced = forced_options(a.force)
     with oc.config.patch(**forced):
         from overlap_compile.backend import overlap_backend
 

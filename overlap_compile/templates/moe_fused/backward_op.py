@@ -30,7 +30,7 @@ def operand_shapes(p: MoePlan) -> dict[str, tuple[int, ...]]:
 
 def check_plan(p: MoePlan) -> None:
     if p.direction != "backward" or not reference.by_source(p.config) \
-            or p.config.get("experts", "packed") != "packed" \
+            or p.config.get("experts") not in (None, "packed") \
             or p.config.get("transport", "nccl") not in ("nccl", "p2p") \
             or p.config.get("payload", "capacity") not in ("capacity", "routed"):
         raise ValueError(f"moe_fused_backward: needs a backward plan by source (direction 'backward', config "

@@ -31,6 +31,7 @@ import torch
 
 from ...runtime import comm
 from ..plans import MoePlan
+from . import packed
 from . import reference as ref
 from .swiglu_kernels import silu_mul_backward
 
@@ -55,14 +56,18 @@ class Pieces:
                  act_t, w1t, w3t, w2t, grads_into: list[torch.Tensor] | None = None):
         """``grads_into``: dw1, dw3, dw2 to write into (backward_op.py hands its outputs over so
         that a replayed call writes where the caller reads); new ones when None."""
-        w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
-        self.slots, self.out, self.rank, self.shape = slots, out, rank, (e, c, h)
+        self.world, self.ffn = plan.world, plan.ffn
+        self.slots, self.out, self.rank, self.shape = slots, out, rank, (plan.e_local, plan.capacity, plan.hidden)
         self.tokens_t, self.gate, self.up, self.act_t, self.ws = tokens_t, gate, up, act_t, (w1t, w3t, w2t)
-        # the full tensors, laid out as the section has them: the weight gradients read them whole
-        self.g = slots.new_empty(e, w * c, h)
-        self.d_gate, self.d_up = gate.new_empty(e, w * c, f), gate.new_empty(e, w * c, f)
         self.grads: list[torch.Tensor] = []
         self.grads_into = grads_into
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The full tensors, laid out as the section has them: the weight gradients read them whole."""
+        (e, c, h), w, f = self.shape, self.world, self.ffn
+        self.g = self.slots.new_empty(e, w * c, h)
+        self.d_gate, self.d_up = self.gate.new_empty(e, w * c, f), self.gate.new_empty(e, w * c, f)
 
     def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         e, c, h = self.shape
@@ -89,15 +94,62 @@ class Pieces:
         return [self.out.view(-1, self.shape[2]), *self.grads]
 
 
-def make_pieces(slots: torch.Tensor, out: torch.Tensor, rank: int, plan: MoePlan, *operands,
-                grads_into: list[torch.Tensor] | None = None):
-    """The call's Pieces (``operands``: tokens_t, gate, up, act_t, w1t, w3t, w2t): on packed rows
-    for an ``"experts": "packed"`` plan (packed.Pieces), on every slot otherwise."""
-    if ref.packed_experts(plan.config):
-        from . import packed
+class PackedPieces(Pieces):
+    """Pieces on packed rows (``"experts": "packed"``, packed.py): each piece's gradient rows
+    packed by their own sizes for d_act, the elementwise step and d_h; the weight gradients once
+    after the last piece, grouped over K at each expert's rows, every source's rows packed expert
+    by expert (the saved tokens and act gathered; the pieces' packed gradients re-ordered)."""
 
-        return packed.Pieces(slots, out, rank, plan, *operands, grads_into=grads_into)
-    return Pieces(slots, out, rank, plan, *operands, grads_into=grads_into)
+    def _allocate(self) -> None:
+        """Every source's packed rows, piece after piece, and their sizes: what the weight gradients read."""
+        (e, c, h), w, f = self.shape, self.world, self.ffn
+        self.g_p = self.slots.new_empty(w, e * c, h)
+        self.d_gate_p, self.d_up_p = self.gate.new_empty(w, e * c, f), self.gate.new_empty(w, e * c, f)
+        self.sizes = torch.zeros(w, e, dtype=torch.int32, device=self.slots.device)
+
+    def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        e, c, h = self.shape
+        g = got.view(e, c, h)
+        n, pack, unpack, offs = packed.piece_maps(g)
+        self.sizes[source].copy_(n)
+        cols = slice(source * c, (source + 1) * c)
+        w1t, w3t, w2t = self.ws
+        g_p = packed.move_rows(g, pack, out=self.g_p[source])
+        gate_p, up_p = packed.move_rows(self.gate[:, cols], pack), packed.move_rows(self.up[:, cols], pack)
+        d_gate_p, d_up_p = self.d_gate_p[source], self.d_up_p[source]
+        silu_mul_backward(packed.grouped(g_p, w2t, offs), gate_p, up_p, d_gate_p, d_up_p)
+        d_h = packed.grouped(d_up_p, w3t, offs).add_(packed.grouped(d_gate_p, w1t, offs))
+        out = got.new_empty(e, c, h) if out is None else out
+        return packed.move_rows(d_h, unpack, out=out.view(e, c, h))
+
+    def after(self) -> None:
+        (e, c, _), w = self.shape, self.world
+        dev = self.slots.device
+        sizes = self.sizes.t()  # [E, W]: expert e's rows from each source, in expert-major order
+        # where each (expert, source) segment begins: in the saved layout [E, W*C, *] ...
+        saved_starts = torch.arange(e, device=dev)[:, None] * (w * c) + torch.arange(w, device=dev)[None, :] * c
+        # ... and in the pieces' packed rows [W, E*C, *] (each piece packed expert after expert)
+        begins = torch.cumsum(self.sizes.long(), 1) - self.sizes.long()  # [W, E]
+        piece_starts = (torch.arange(w, device=dev)[:, None] * (e * c) + begins).t()
+        from_saved = packed.gather_index(sizes, saved_starts, w * e * c)
+        from_pieces = packed.gather_index(sizes, piece_starts, w * e * c)
+        offs = packed.group_ends(sizes.sum(1))
+        tokens = packed.move_rows(packed.saved_rows(self.tokens_t), from_saved)
+        act = packed.move_rows(packed.saved_rows(self.act_t), from_saved)
+        g = packed.move_rows(self.g_p, from_pieces)
+        d_gate, d_up = packed.move_rows(self.d_gate_p, from_pieces), packed.move_rows(self.d_up_p, from_pieces)
+        grads = [packed.grouped(tokens.t(), d_gate, offs), packed.grouped(tokens.t(), d_up, offs),
+                 packed.grouped(act.t(), g, offs)]
+        into = self.grads_into or [None, None, None]
+        self.grads = [o.copy_(t) if o is not None else t for t, o in zip(grads, into)]
+
+
+def make_pieces(slots: torch.Tensor, out: torch.Tensor, rank: int, plan: MoePlan, *operands,
+                grads_into: list[torch.Tensor] | None = None) -> Pieces:
+    """The call's Pieces (``operands``: tokens_t, gate, up, act_t, w1t, w3t, w2t): on packed rows
+    for an ``"experts": "packed"`` plan, on every slot otherwise."""
+    kind = PackedPieces if ref.packed_experts(plan.config) else Pieces
+    return kind(slots, out, rank, plan, *operands, grads_into=grads_into)
 
 
 def run(grad_buf: torch.Tensor, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name: str,

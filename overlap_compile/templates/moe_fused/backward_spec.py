@@ -40,7 +40,7 @@ def plan(template: str, match: Any, config: dict, timeout_ms: int) -> MoePlan:
     # (spec.check_config has checked the payload's and transport's values before handing a
     # backward match here)
     if (not by_source(config) or set(config) - {"split", "transport", "payload", "experts"}
-            or config.get("experts", "packed") != "packed"):
+            or config.get("experts") not in (None, "packed")):
         raise ValueError(f"moe_fused: the backward section runs by source only ({CONFIG}, optionally with "
                          f"'transport': 'nccl' | 'p2p', 'payload': 'capacity' | 'routed' or 'experts': "
                          f"'packed'); got {config!r}")

@@ -215,8 +215,8 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
         if packed:
             stage += hbm_ms(profile, 4 * fill * site.coll_bytes())
             tail_ms *= fill
-    events = [Event("compute", "stage peer slots" + (" + sizes scan" if skip_padding else "") + " + handshake",
-                    0.0, stage)]
+    scan = " + sizes scan" if skip_padding or packed else ""
+    events = [Event("compute", f"stage peer slots{scan} + handshake", 0.0, stage)]
     t_copy = stage
     pulled = []
     for k in range(1, W):

@@ -13,9 +13,10 @@ travels). Per piece of ``[E, C, *]`` slots::
     unpacked    every slot row gets its packed row, or zeros
 
 Forward (``experts``): the three GEMMs and silu_mul on the packed rows; the result and the
-intermediates a training graph saves unpacked into their slots. Backward (``Pieces``, one per
-call): per piece the gradient rows' sizes, d_act, the elementwise step and d_h on packed rows
-(their gate and up rows gathered from the saved layout); after the last piece the three weight
+intermediates a training graph saves unpacked into their slots. Backward
+(backward_reference.PackedPieces, one per call, with these helpers): per piece the gradient
+rows' sizes, d_act, the elementwise step and d_h on packed rows (their gate and up rows
+gathered from the saved layout); after the last piece the three weight
 gradients as grouped GEMMs that split K at each expert's rows, over every source's rows packed
 expert by expert (the saved tokens and act gathered; the pieces' packed gradients re-ordered).
 
@@ -25,7 +26,8 @@ of cuBLAS bmm on every slot (benchmarks/diagnostics/expert_gemm_padding.py,
 expert_gemm_padding-*-2026-11-26.json). STATUS: correct on CPU (tests/test_moe_packed.py); not yet
 run on a GPU, so GPU profiles do not offer it (force_config reaches it).
 
-    kernel (_move_rows_kernel)  ->  launcher (move_rows)  ->  experts / Pieces
+    kernel (_move_rows_kernel)  ->  launcher (move_rows)  ->  experts
+                                                             backward_reference.PackedPieces
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import os
 import torch
 
 from ..tile_fused.primitives import HAVE_TRITON, tl, triton
-from .swiglu_kernels import silu_mul, silu_mul_backward
+from .swiglu_kernels import silu_mul
 
 BLOCK_R, BLOCK_C = 16, 256
 
@@ -182,69 +184,7 @@ def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tenso
     return out
 
 
-class Pieces:
-    """backward_reference.Pieces on packed rows (same ``own`` / ``peer`` / ``after`` / ``result``
-    protocol). Each piece's gradient rows are packed by their own sizes; the weight gradients
-    run once after the last piece over every source's rows packed expert by expert."""
-
-    def __init__(self, slots, out, rank, plan, tokens_t, gate, up, act_t, w1t, w3t, w2t, grads_into=None):
-        w, e, c, h, f = plan.world, plan.e_local, plan.capacity, plan.hidden, plan.ffn
-        self.slots, self.out, self.rank, self.shape = slots, out, rank, (w, e, c, h, f)
-        self.tokens_t, self.gate, self.up, self.act_t, self.ws = tokens_t, gate, up, act_t, (w1t, w3t, w2t)
-        # every source's packed rows, piece after piece: what the weight gradients read
-        self.g_p = slots.new_empty(w, e * c, h)
-        self.d_gate_p, self.d_up_p = gate.new_empty(w, e * c, f), gate.new_empty(w, e * c, f)
-        self.sizes = torch.zeros(w, e, dtype=torch.int32, device=slots.device)
-        self.grads: list[torch.Tensor] = []
-        self.grads_into = grads_into
-
-    def _rows(self, source: int, got: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        w, e, c, h, f = self.shape
-        g = got.view(e, c, h)
-        n, pack, unpack, offs = piece_maps(g)
-        self.sizes[source].copy_(n)
-        cols = slice(source * c, (source + 1) * c)
-        w1t, w3t, w2t = self.ws
-        g_p = move_rows(g, pack, out=self.g_p[source])
-        gate_p, up_p = move_rows(self.gate[:, cols], pack), move_rows(self.up[:, cols], pack)
-        d_gate_p, d_up_p = self.d_gate_p[source], self.d_up_p[source]
-        silu_mul_backward(grouped(g_p, w2t, offs), gate_p, up_p, d_gate_p, d_up_p)
-        d_h = grouped(d_up_p, w3t, offs).add_(grouped(d_gate_p, w1t, offs))
-        out = got.new_empty(e, c, h) if out is None else out
-        return move_rows(d_h, unpack, out=out.view(e, c, h))
-
-    def own(self) -> None:
-        self._rows(self.rank, self.slots[self.rank], out=self.out[self.rank])
-
-    def peer(self, src: int, got: torch.Tensor) -> torch.Tensor:
-        return self._rows(src, got).view(got.shape[0], -1)
-
-    def after(self) -> None:
-        w, e, c, h, f = self.shape
-        dev = self.slots.device
-        sizes = self.sizes.t()  # [E, W]: expert e's rows from each source, in expert-major order
-        total = w * e * c
-        # where each (expert, source) segment begins: in the saved layout [E, W*C, *] ...
-        saved_starts = (torch.arange(e, device=dev)[:, None] * (w * c) + torch.arange(w, device=dev)[None, :] * c)
-        # ... and in the pieces' packed rows [W, E*C, *] (each piece packed expert after expert)
-        begins = torch.cumsum(self.sizes.long(), 1) - self.sizes.long()  # [W, E]
-        piece_starts = (torch.arange(w, device=dev)[:, None] * (e * c) + begins).t()
-        from_saved = gather_index(sizes, saved_starts, total)
-        from_pieces = gather_index(sizes, piece_starts, total)
-        offs = group_ends(sizes.sum(1))
-        tokens = move_rows(_saved_rows(self.tokens_t), from_saved)
-        act = move_rows(_saved_rows(self.act_t), from_saved)
-        g = move_rows(self.g_p, from_pieces)
-        d_gate, d_up = move_rows(self.d_gate_p, from_pieces), move_rows(self.d_up_p, from_pieces)
-        grads = [grouped(tokens.t(), d_gate, offs), grouped(tokens.t(), d_up, offs), grouped(act.t(), g, offs)]
-        into = self.grads_into or [None, None, None]
-        self.grads = [o.copy_(t) if o is not None else t for t, o in zip(grads, into)]
-
-    def result(self) -> list[torch.Tensor]:
-        return [self.out.view(-1, self.shape[3]), *self.grads]
-
-
-def _saved_rows(t_transposed: torch.Tensor) -> torch.Tensor:
+def saved_rows(t_transposed: torch.Tensor) -> torch.Tensor:
     """A saved tensor handed over transposed (``tokens_t`` / ``act_t`` [E, K, W*C]) as its rows
     [E, W*C, K]: a view when it is the transpose of row-major rows, a copy otherwise."""
     rows = t_transposed.transpose(1, 2)
