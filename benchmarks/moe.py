@@ -50,7 +50,9 @@ and where the bound ran ``bound_ms``, ``bound_speedup`` = sequential / nocomm an
 the bound is no faster); the sequential row carries ``comm_ms`` = sequential - nocomm. The output
 of each variant is checked against the sequential one of the same routing (``rel_err``), except
 nocomm's, which differs by design (no exchange: each rank runs the experts on its own slots), so
-its row has no rel_err and says so in ``rel_err_note``.
+its row has no rel_err and says so in ``rel_err_note``. ``op_graph_calls``: how the template ops'
+host-launched calls went over the timed calls, warm-up included (runtime.op_graphs: run as written,
+captured, replayed from a graph, capture failed); the table's last column shows replayed/all.
 
 ``--time-budget SECONDS`` (from the launch; default DEFAULT_BUDGET_S on GPUs, none on a dry run):
 a (case, compile mode, phase) block is not started when less is left than the longest block so far,
@@ -64,6 +66,7 @@ limit writes the rows measured before.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import functools
@@ -109,6 +112,9 @@ SKEW_BIAS = 6.0  # added to expert 0's logit for an input of mean 1 (module docs
 # GPU: with the grace, the run ends inside run_multigpu.sh's MOE_TIMEOUT (480 s), start-up included
 DEFAULT_BUDGET_S = 300
 GRACE_S = 120  # one block in flight past the budget (a block: ~10 compiles), then the output
+# runtime.op_graphs' outcomes of the template ops' host-launched calls, counted over the timed calls
+# (warm-up included): "replayed" is the one where a call costs a single graph launch
+OP_GRAPH_CALLS = ("eager", "captured", "replayed", "failed")
 NOCOMM_NOTE = "none: nocomm replaces the all-to-alls by local copies, so its output differs by design"
 
 
@@ -197,6 +203,7 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
     import overlap_compile as oc
     from benchmarks.e2e_run import CompileWatch
     from overlap_compile.explain import no_compile_caches
+    from overlap_compile.runtime import op_graphs
 
     force, config = VARIANTS[name]
     torch._dynamo.reset()
@@ -238,8 +245,10 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
                         return y.detach()
                 out = step().clone()  # CUDA-graph outputs are overwritten by the next replay
                 watch.start_timed()
+                calls_before = collections.Counter(op_graphs.stats)
                 ms = time_ms(step, iters, warmup=3)
                 fields.update(ms=ms, tokens_per_s=layer.world * x.shape[0] / (ms / 1e3),
+                              op_graph_calls={k: op_graphs.stats[k] - calls_before[k] for k in OP_GRAPH_CALLS},
                               **watch.summary(watch.compiled_since_mark()))
             except Exception as e:  # recorded, the sweep goes on
                 fields.update(error=f"{type(e).__name__}: {e}"[:1500], trace=traceback.format_exc()[-3000:])
@@ -391,7 +400,7 @@ def derive(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'shape':>16} {'E':>3} {'routing':>8} {'hot':>5} {'mode':>11} {'phase':>8} {'variant':>20} {'ms':>9} "
-            f"{'x seq':>6} {'bound':>6} {'gap':>6} {'rel err':>8}  rewritten")
+            f"{'x seq':>6} {'bound':>6} {'gap':>6} {'rel err':>8}  rewritten  op graphs")
     lines = [head]
     fell_back = False
 
@@ -424,8 +433,10 @@ def table(rows: list[dict]) -> str:
             return format(r[k], fmt) if r.get(k) is not None else "-"
 
         done = sum(1 for s in r["sites"] if s[3])
+        calls = r.get("op_graph_calls") or {}
+        graphs = f"{calls.get('replayed', 0)}/{sum(calls.values())}" if sum(calls.values()) else "-"
         lines.append(f"{lead} {r['ms']:9.3f} {f('speedup', '.3f'):>6} {f('bound_speedup', '.3f'):>6} "
-                     f"{f('gap_closed', '.0%'):>6} {f('rel_err', '.1e'):>8}  {done}/{len(r['sites'])}")
+                     f"{f('gap_closed', '.0%'):>6} {f('rel_err', '.1e'):>8}  {done}/{len(r['sites']):<8} {graphs}")
     lines += [f"skipped: {shape} {mode} {phase}: {why}" for (shape, mode, phase), why in skipped.items()]
     if fell_back:
         lines.append("cuda_graph*: Inductor skipped the CUDA graph (cudagraph_skips > 0): host-launched")
