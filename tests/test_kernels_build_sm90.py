@@ -258,20 +258,24 @@ def test_moe_scatter_kernels():
 
 def test_moe_swiglu_elementwise_kernels():
     """silu_mul and its backward for bf16 [B, R, F] operands with strided rows (a column block of
-    the saved layout): one kernel each, vectorised loads of the contiguous columns."""
+    the saved layout), the backward also with gate and up read through a row index (the packed
+    path): one kernel each, vectorised loads of the contiguous columns."""
     from overlap_compile.templates.moe_fused import swiglu_kernels as K
 
     full = torch.empty(2, 96, 1024, dtype=torch.bfloat16)
     t = full[:, 32:64]
     sb, sr = t.stride(0), t.stride(1)
+    index = torch.zeros(64, dtype=torch.int64)
     grid = (triton.cdiv(32, K.BLOCK_R), triton.cdiv(1024, K.BLOCK_F), 2)
     blocks = {"BLOCK_R": K.BLOCK_R, "BLOCK_F": K.BLOCK_F, "num_warps": 4}
     with building() as builds:  # (the launchers take the torch path on CPU tensors: the kernels directly)
         K._silu_mul_kernel[grid](t, t, t, 32, 1024, sb, sr, sb, sr, sb, sr, **blocks)
-        K._silu_mul_backward_kernel[grid](t, t, t, t, t, 32, 1024, *(sb, sr) * 5, **blocks)
+        for gather in (False, True):
+            K._silu_mul_backward_kernel[grid](t, t, t, t, t, index, 32, 1024, 32, *(sb, sr) * 5, GATHER=gather,
+                                              **blocks)
     (fwd,) = _assert_built(builds, "_silu_mul_kernel")
-    (bwd,) = _assert_built(builds, "_silu_mul_backward_kernel")
-    for build in (fwd, bwd):
+    bwd = _assert_built(builds, "_silu_mul_backward_kernel", count=2)  # with and without the row index
+    for build in (fwd, *bwd):
         assert "ld.global.v" in _ptx(build), "the columns are not loaded vectorised"
 
 
@@ -286,4 +290,20 @@ def test_moe_packed_move_rows_kernel():
         P._move_rows_kernel[grid](src, out, index, 128, 1024, 32, src.stride(0), src.stride(1), 128, 0, 1024,
                                   BLOCK_R=P.BLOCK_R, BLOCK_C=P.BLOCK_C, num_warps=4)
     (build,) = _assert_built(builds, "_move_rows_kernel")
+    assert "ld.global.v" in _ptx(build) and "st.global.v" in _ptx(build), "rows are not moved vectorised"
+
+
+def test_moe_packed_silu_mul_unpack_kernel():
+    """packed.silu_mul_unpack for bf16: packed gate/up rows in, the product packed and gate, up and
+    act into a strided [E, C, F] column block of the saved layout, vectorised both ways."""
+    from overlap_compile.templates.moe_fused import packed as P
+
+    full = torch.empty(4, 96, 1024, dtype=torch.bfloat16)
+    slots, packed, index = full[:, 32:64], torch.empty(128, 1024, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.int64)
+    grid = (triton.cdiv(128, P.BLOCK_R), triton.cdiv(1024, P.BLOCK_C))
+    with building() as builds:
+        P._silu_mul_unpack_kernel[grid](packed, packed, packed, index, slots, slots, slots, 128, 1024, 1024, 32,
+                                        slots.stride(0), slots.stride(1), BLOCK_R=P.BLOCK_R, BLOCK_C=P.BLOCK_C,
+                                        num_warps=4)
+    (build,) = _assert_built(builds, "_silu_mul_unpack_kernel")
     assert "ld.global.v" in _ptx(build) and "st.global.v" in _ptx(build), "rows are not moved vectorised"

@@ -4,6 +4,8 @@ routed rows only, sizes on the device.
 - the index maps (gather_index, unpack_index) against a Python loop, empty and full groups;
 - move_rows (torch path, and the Triton kernel through the interpreter in a subprocess) against
   indexing, strided sources and destinations, -1 rows zero;
+- silu_mul_unpack (the forward's elementwise step with the unpack of the saves, one pass) against
+  silu_mul and three move_rows, into column blocks of a wider saved layout, both paths;
 - the forward experts against reference.experts (bmm on every slot) on slots with zero tails of
   every length (none, some, all rows routed), the intermediates kept into column blocks of the
   saved layout;
@@ -76,6 +78,34 @@ def test_move_rows_torch_path():
         P.move_rows(torch.zeros(4, 6), torch.tensor([0, 1]), out=torch.zeros(3, 6))
 
 
+def check_silu_mul_unpack() -> None:
+    """Packed rows [P 9, F 37] (8 routed, one spare), a piece of E 3 x C 4 slots written as the
+    middle column block of [3, 12, 37] saved layouts, sizes 3, 0, 4 (zeros past them); the packed
+    act's routed rows are the product, the other blocks of the saved layouts stay as they were."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    e, c, f, sizes = 3, 4, 37, torch.tensor([3, 0, 4])
+    gate, up = torch.randn(9, f, generator=g) * 3, torch.randn(9, f, generator=g)
+    index = P.unpack_index(sizes, c)
+    layouts = [torch.randn(e, 3 * c, f, generator=g) for _ in range(3)]
+    before = [t.clone() for t in layouts]
+    act = P.silu_mul_unpack(gate, up, index, *(t[:, c:2 * c] for t in layouts))
+    want_act = F.silu(gate) * up
+    torch.testing.assert_close(act[:7], want_act[:7], rtol=1e-5, atol=1e-5)
+    for t, b, packed_rows in zip(layouts, before, (gate, up, want_act)):
+        torch.testing.assert_close(t[:, c:2 * c], P.move_rows(packed_rows, index).view(e, c, f), rtol=1e-5, atol=1e-5)
+        assert torch.equal(t[:, :c], b[:, :c]) and torch.equal(t[:, 2 * c:], b[:, 2 * c:])
+    assert layouts[2][1, c:2 * c].abs().sum() == 0 and layouts[0][0, c + 3].abs().sum() == 0
+
+
+def test_silu_mul_unpack_torch_path():
+    check_silu_mul_unpack()
+    with pytest.raises(ValueError, match="one \\[B, R, F\\] layout"):
+        P.silu_mul_unpack(torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(6, dtype=torch.long),
+                          torch.zeros(2, 3, 6), torch.zeros(2, 3, 6), torch.zeros(3, 2, 6))
+
+
 def test_move_rows_kernel_under_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed")
     code = ("import tests.test_moe_packed as t\n"
@@ -83,7 +113,9 @@ def test_move_rows_kernel_under_interpreter():
             "import torch\n"
             "assert P._use_triton(torch.zeros(1)), 'the interpreter path is not taken'\n"
             "t.check_move_rows()\n"
+            "t.check_silu_mul_unpack()\n"
             "t.check_experts_forward()\n"
+            "t.test_backward_pieces_equal_the_bmm_pieces()\n"
             "print('ALL OK')\n")
     run_interpreted(code)
 

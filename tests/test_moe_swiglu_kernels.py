@@ -2,7 +2,7 @@
 eager autograd's formulas in float64: the torch path (CPU tensors) and the Triton kernels through
 Triton's interpreter (a subprocess, so TRITON_INTERPRET=1 leaks into no other test); odd shapes,
 2-D and 3-D, operands that are column blocks of a wider saved layout (strided rows and batches),
-float32 and bfloat16."""
+float32 and bfloat16; the backward with gate and up read through a row index (-1: zeros)."""
 from __future__ import annotations
 
 import pytest
@@ -47,9 +47,35 @@ def check(shape, dtype, strided: bool) -> None:
     torch.testing.assert_close(d_up.double(), du_want, rtol=tol, atol=tol)
 
 
+def check_gather() -> None:
+    """gate and up as the [3, 5, 40] middle column block of a [3, 15, 40] layout, read through 7
+    rows (two of them -1); d_act, d_gate, d_up [7, 40]: equal to the same step on gathered copies."""
+    g = torch.Generator().manual_seed(9)
+    gate_full, up_full = torch.randn(3, 15, 40, generator=g) * 3, torch.randn(3, 15, 40, generator=g)
+    gate, up = gate_full[:, 5:10], up_full[:, 5:10]
+    rows = torch.tensor([14, -1, 0, 7, 3, -1, 9])
+    flat_g, flat_u = gate.reshape(-1, 40), up.reshape(-1, 40)
+    pick = [(flat_g[i], flat_u[i]) if i >= 0 else (torch.zeros(40), torch.zeros(40)) for i in rows.tolist()]
+    g_rows, u_rows = torch.stack([p[0] for p in pick]), torch.stack([p[1] for p in pick])
+    d_act = torch.randn(7, 40, generator=g)
+    _, dg_want, du_want = reference(d_act, g_rows, u_rows)
+    d_gate, d_up = torch.full((7, 40), float("nan")), torch.full((7, 40), float("nan"))
+    silu_mul_backward(d_act, gate, up, d_gate, d_up, rows=rows)
+    torch.testing.assert_close(d_gate.double(), dg_want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_up.double(), du_want, rtol=1e-5, atol=1e-5)
+    assert d_gate[1].abs().sum() == 0 and d_up[5].abs().sum() == 0
+
+
 @pytest.mark.parametrize("shape,dtype,strided", CASES)
 def test_torch_path(shape, dtype, strided):
     check(shape, dtype, strided)
+
+
+def test_gathered_gate_and_up_torch_path():
+    check_gather()
+    with pytest.raises(ValueError, match="len\\(rows\\)"):
+        silu_mul_backward(torch.zeros(3, 4), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, 4),
+                          rows=torch.tensor([0, 1]))
 
 
 def test_written_block_only():
@@ -81,5 +107,6 @@ def test_triton_kernels_under_interpreter():
             "assert k._use_triton(torch.zeros(1)), 'the interpreter path is not taken'\n"
             "for c in t.CASES:\n    t.check(*c)\n"
             "t.test_written_block_only()\n"
+            "t.check_gather()\n"
             "print('ALL OK')\n")
     run_interpreted(code)

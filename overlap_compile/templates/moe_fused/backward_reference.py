@@ -115,9 +115,10 @@ class PackedPieces(Pieces):
         cols = slice(source * c, (source + 1) * c)
         w1t, w3t, w2t = self.ws
         g_p = packed.move_rows(g, pack, out=self.g_p[source])
-        gate_p, up_p = packed.move_rows(self.gate[:, cols], pack), packed.move_rows(self.up[:, cols], pack)
         d_gate_p, d_up_p = self.d_gate_p[source], self.d_up_p[source]
-        silu_mul_backward(packed.grouped(g_p, w2t, offs), gate_p, up_p, d_gate_p, d_up_p)
+        # gate and up read where the forward saved them, through the pack index (no gathered copies)
+        silu_mul_backward(packed.grouped(g_p, w2t, offs), self.gate[:, cols], self.up[:, cols], d_gate_p, d_up_p,
+                          rows=pack)
         d_h = packed.grouped(d_up_p, w3t, offs).add_(packed.grouped(d_gate_p, w1t, offs))
         out = got.new_empty(e, c, h) if out is None else out
         return packed.move_rows(d_h, unpack, out=out.view(e, c, h))

@@ -57,6 +57,29 @@ if HAVE_TRITON:
         tl.store(out_ptr + dst[:, None] + c[None, :], x, mask=live[:, None] & cmask)
 
 
+    @triton.jit
+    def _silu_mul_unpack_kernel(g_ptr, u_ptr, a_ptr, index_ptr, gs_ptr, us_ptr, as_ptr, n, cols, p_sr, s_rows,
+                                s_sb, s_sr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # slot row k (of [B, s_rows, cols]) <- packed row index[k]: gate, up and silu(gate) * up, zeros
+        # for -1; the product also into its packed row (the down projection's operand)
+        k = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = k < n
+        v = tl.load(index_ptr + k, mask=live, other=-1).to(tl.int64)
+        cmask = c[None, :] < cols
+        routed = live[:, None] & (v[:, None] >= 0) & cmask
+        src = v[:, None] * p_sr + c[None, :]
+        g = tl.load(g_ptr + src, mask=routed, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + src, mask=routed, other=0.0).to(tl.float32)
+        act = g * tl.sigmoid(g) * u
+        tl.store(a_ptr + src, act.to(a_ptr.dtype.element_ty), mask=routed)
+        dst = ((k // s_rows) * s_sb + (k % s_rows) * s_sr)[:, None] + c[None, :]
+        slot = live[:, None] & cmask
+        tl.store(gs_ptr + dst, g.to(gs_ptr.dtype.element_ty), mask=slot)
+        tl.store(us_ptr + dst, u.to(us_ptr.dtype.element_ty), mask=slot)
+        tl.store(as_ptr + dst, act.to(as_ptr.dtype.element_ty), mask=slot)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -90,6 +113,38 @@ def move_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None =
         _move_rows_kernel[grid](s3, o3, index, index.numel(), o3.shape[2], s3.shape[1], s3.stride(0), s3.stride(1),
                                 o3.shape[1], o3.stride(0), o3.stride(1), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
     return out
+
+
+def silu_mul_unpack(gate: torch.Tensor, up: torch.Tensor, index: torch.Tensor, gate_slots: torch.Tensor,
+                    up_slots: torch.Tensor, act_slots: torch.Tensor) -> torch.Tensor:
+    """The forward's elementwise step on packed rows with the unpack of what training saves, in one
+    pass: ``act = silu(gate) * up`` on the packed ``gate``, ``up`` ``[P, F]``, returned packed (the
+    rows no slot maps to are left unwritten), and gate, up and act into the slots' views
+    (``[B, R, F]``, ``B * R == len(index)``, one layout for the three: the saved layout's column
+    blocks), row ``k`` from packed row ``index[k]``, zeros for -1. Written as silu_mul and three
+    move_rows it read each packed operand again: three fewer passes over ``[P, F]`` here."""
+    slots = {"gate_slots": gate_slots, "up_slots": up_slots, "act_slots": act_slots}
+    views = {name: _rows_view(t) for name, t in slots.items()}
+    layouts = {name: (tuple(v.shape), v.stride()[:2]) for name, v in views.items()}
+    g3 = views["gate_slots"]
+    if (len(set(layouts.values())) != 1 or g3.shape[0] * g3.shape[1] != index.numel()
+            or tuple(gate.shape) != tuple(up.shape) or gate.dim() != 2 or gate.shape[1] != g3.shape[2]):
+        raise ValueError(f"moe_fused silu_mul_unpack: gate and up must be one [P, F] shape and the three slot views "
+                         f"one [B, R, F] layout of B * R = len(index) = {index.numel()} rows; got gate "
+                         f"{tuple(gate.shape)}, up {tuple(up.shape)}, slots {layouts}")
+    if not _use_triton(gate) or gate.stride() != up.stride() or gate.stride(1) != 1:
+        act = silu_mul(gate, up)
+        for packed_rows, name in ((gate, "gate_slots"), (up, "up_slots"), (act, "act_slots")):
+            move_rows(packed_rows, index, out=slots[name])
+        return act
+    act = torch.empty_like(gate)
+    a3, u3 = views["act_slots"], views["up_slots"]
+    if index.numel() and gate.shape[1]:
+        grid = (triton.cdiv(index.numel(), BLOCK_R), triton.cdiv(gate.shape[1], BLOCK_C))
+        _silu_mul_unpack_kernel[grid](gate, up, act, index, g3, u3, a3, index.numel(), gate.shape[1], gate.stride(0),
+                                      g3.shape[1], g3.stride(0), g3.stride(1), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+                                      num_warps=4)
+    return act
 
 
 def gather_index(sizes: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -172,13 +227,17 @@ def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tenso
     _, pack, unpack, offs = piece_maps(x)
     xp = move_rows(x, pack)
     gate, up = grouped(xp, w1, offs), grouped(xp, w3, offs)
-    act = silu_mul(gate, up)
+    keep = keep or {}
+    if all(role in keep for role in ("gate", "up", "act")):  # a training graph's saves: one pass
+        act = silu_mul_unpack(gate, up, unpack, *(keep[role].view(e, c, -1) for role in ("gate", "up", "act")))
+    else:
+        act = silu_mul(gate, up)
+        for role in ("gate", "up", "act"):
+            if role in keep:
+                move_rows({"gate": gate, "up": up, "act": act}[role], unpack, out=keep[role].view(e, c, -1))
     y = grouped(act, w2, offs)
-    for role, view in (keep or {}).items():
-        if role == "tokens":
-            view.copy_(x.view(view.shape))
-        else:
-            move_rows({"gate": gate, "up": up, "act": act}[role], unpack, out=view.view(e, c, -1))
+    if "tokens" in keep:
+        keep["tokens"].copy_(x.view(keep["tokens"].shape))
     out = x.new_empty(e, c, h) if out is None else out
     move_rows(y, unpack, out=out.view(e, c, h))
     return out

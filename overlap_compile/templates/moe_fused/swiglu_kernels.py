@@ -44,16 +44,22 @@ if HAVE_TRITON:
         tl.store(o_ptr + b * o_sb + r[:, None] * o_sr + c[None, :], act.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_backward_kernel(d_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, rows, cols, d_sb, d_sr, g_sb, g_sr,
-                                  u_sb, u_sr, dg_sb, dg_sr, du_sb, du_sr,
-                                  BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _silu_mul_backward_kernel(d_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, idx_ptr, rows, cols, g_rows, d_sb, d_sr,
+                                  g_sb, g_sr, u_sb, u_sr, dg_sb, dg_sr, du_sb, du_sr,
+                                  GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         b = tl.program_id(2).to(tl.int64)
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
+        if GATHER:  # gate and up row idx[r] of their [B', g_rows, F] layout, zeros for -1
+            v = tl.load(idx_ptr + r, mask=r < rows, other=-1).to(tl.int64)
+            g_row, u_row = (v // g_rows) * g_sb + (v % g_rows) * g_sr, (v // g_rows) * u_sb + (v % g_rows) * u_sr
+            g_mask = mask & (v[:, None] >= 0)
+        else:
+            g_row, u_row, g_mask = b * g_sb + r * g_sr, b * u_sb + r * u_sr, mask
         d = tl.load(d_ptr + b * d_sb + r[:, None] * d_sr + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + b * g_sb + r[:, None] * g_sr + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + b * u_sb + r[:, None] * u_sr + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + g_row[:, None] + c[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + u_row[:, None] + c[None, :], mask=g_mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         d_up = d * g * s
         d_gate = d * u * s * (1.0 + g * (1.0 - s))
@@ -98,17 +104,39 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
 
 
 def silu_mul_backward(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
-                      d_up: torch.Tensor) -> None:
-    """The gradient of ``silu(gate) * up`` for ``d_act``, written into ``d_gate`` and ``d_up``."""
-    _check("silu_mul_backward", {"d_act": d_act, "gate": gate, "up": up, "d_gate": d_gate, "d_up": d_up})
+                      d_up: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """The gradient of ``silu(gate) * up`` for ``d_act``, written into ``d_gate`` and ``d_up``.
+
+    ``rows``: gate and up read through an index instead (packed.py's backward: the packed rows'
+    gate and up where the forward saved them, no gathered copy): row ``k`` of ``d_act``, ``d_gate``
+    and ``d_up`` (``[len(rows), F]``) pairs with row ``rows[k]`` of ``gate`` and ``up`` (any
+    ``[R, F]`` / ``[B, R, F]`` shape, rows counted over the leading dims), zeros for -1."""
+    if rows is not None:
+        _check("silu_mul_backward", {"d_act": d_act, "d_gate": d_gate, "d_up": d_up})
+        _check("silu_mul_backward", {"gate": gate, "up": up})
+        if d_act.dim() != 2 or d_act.shape[0] != rows.numel() or gate.shape[-1] != d_act.shape[-1]:
+            raise ValueError(f"moe_fused silu_mul_backward: with rows, d_act must be [len(rows) = {rows.numel()}, "
+                             f"F = {gate.shape[-1]}]; got {tuple(d_act.shape)}")
+    else:
+        _check("silu_mul_backward", {"d_act": d_act, "gate": gate, "up": up, "d_gate": d_gate, "d_up": d_up})
     if not _use_triton(d_gate):
+        if rows is not None:
+            gate, up = _gathered(gate, rows), _gathered(up, rows)
         g = gate.float()
         d_up.copy_(d_act.float() * F.silu(g))
         d_gate.copy_(torch.ops.aten.silu_backward(d_act.float() * up.float(), g))
         return
     d, g, u, dg, du = (_as_3d(t) for t in (d_act, gate, up, d_gate, d_up))
     if dg.numel():
-        _silu_mul_backward_kernel[_grid(dg)](d, g, u, dg, du, dg.shape[1], dg.shape[2], d.stride(0), d.stride(1),
-                                             g.stride(0), g.stride(1), u.stride(0), u.stride(1), dg.stride(0),
-                                             dg.stride(1), du.stride(0), du.stride(1), BLOCK_R=BLOCK_R,
-                                             BLOCK_F=BLOCK_F, num_warps=4)
+        _silu_mul_backward_kernel[_grid(dg)](d, g, u, dg, du, rows if rows is not None else dg, dg.shape[1],
+                                             dg.shape[2], g.shape[1], d.stride(0), d.stride(1), g.stride(0),
+                                             g.stride(1), u.stride(0), u.stride(1), dg.stride(0), dg.stride(1),
+                                             du.stride(0), du.stride(1), GATHER=rows is not None,
+                                             BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, num_warps=4)
+
+
+def _gathered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` (rows counted over its leading dims), zeros for -1: the torch path."""
+    flat = t.reshape(-1, t.shape[-1])
+    got = flat.index_select(0, rows.clamp(min=0).long())
+    return torch.where((rows >= 0)[:, None], got, torch.zeros((), dtype=got.dtype))
