@@ -26,13 +26,30 @@ ROUTED = {"split": "source", "payload": "routed"}
 
 
 COPY_ENGINE = {"split": "source", "transport": "p2p"}
+COPY_ENGINE_PACKED = {**COPY_ENGINE, "experts": "packed"}
+
+
+def gpu_candidates(match: Any) -> list[dict]:
+    """The GPU profiles' configurations, either direction: the copy engine with bmm experts, and
+    with the experts on the routed rows only (packed.py) where Inductor captures the step in a
+    CUDA graph (mode="reduce-overhead": host-launched, the packed pieces' dozens of small
+    launches are not replayed, spec.py) and the section is bf16 (torch._grouped_mm's dtype on
+    CUDA; elsewhere packed.grouped reads the group ends on the host). The latency model weighs
+    the padding the packed GEMMs skip against the rows they move (model.packed_overhead_ms)."""
+    from ...predictor.launch import launch_mode
+    from ...predictor.models import dtype_name
+
+    out = [dict(COPY_ENGINE)]
+    if launch_mode() == "cuda_graph" and dtype_name(getattr(match, "dtype", None)) == "bfloat16":
+        out.append(dict(COPY_ENGINE_PACKED))
+    return out
 
 
 def candidates(match: Any, profile: Any) -> list[dict]:
     from ..base import gpu_profile
 
-    if gpu_profile(profile):  # the forward's GPU path, the copy engine (spec.py's module doc)
-        return [dict(COPY_ENGINE)]
+    if gpu_profile(profile):  # the forward's GPU paths, the copy engine (spec.py's module doc)
+        return gpu_candidates(match)
     return [dict(CONFIG), dict(ROUTED)]
 
 

@@ -198,9 +198,8 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     ``tail_ms``, ``own_split=False`` (the backward, backward_p2p.py): the own slots whole and
     first, then ``tail_ms`` of GEMMs that need every piece (the weight gradients) after the last,
     beside its push. ``packed`` (``"experts": "packed"``, packed.py): every GEMM, the tail's too,
-    scaled by the expected fill, after a scan of the padding and one packing and unpacking of
-    the routed rows each way (not offered among the candidates until measured: force it).
-    Not yet measured on a GPU."""
+    scaled by the expected fill, after a scan of the padding, then what the packed path adds
+    (packed_overhead_ms: its row moves and index maps)."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
     xfer = comm_call_ms(site, profile, piece_bytes, ctx, collective="copy_engine", contended=False)
@@ -213,7 +212,6 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
         stage += hbm_ms(profile, (1.0 - fill) * site.coll_bytes())
         e_piece *= fill
         if packed:
-            stage += hbm_ms(profile, 4 * fill * site.coll_bytes())
             tail_ms *= fill
     scan = " + sizes scan" if skip_padding or packed else ""
     events = [Event("compute", f"stage peer slots{scan} + handshake", 0.0, stage)]
@@ -248,6 +246,10 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
         t = experts("experts own[1]", t, e_piece / 2)
     if tail_ms > 0:
         t = experts("weight gradients", t, tail_ms)
+    if packed:
+        moves = packed_overhead_ms(site, profile, backward=not own_split)
+        events.append(Event("compute", "packed rows: moves and index maps", t, t + moves))
+        t += moves
     place = hbm_ms(profile, 2 * (W - 1) * piece_bytes)
     start = max(t, t_copy + sync if W > 1 else t)
     events.append(Event("compute", "place returned pieces", start, start + place))
@@ -259,6 +261,38 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     return Schedule(start + place + save, events, base.bound_ms if base else None,
                     f"{W} source pieces over the copy engine: {xfer:.4f} ms per piece each way, "
                     f"experts {e_piece:.4f} ms per piece")
+
+
+def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> float:
+    """What ``"experts": "packed"`` (packed.py) adds to a section beyond its GEMMs, with X the
+    slots' bytes (rows x H) and Y rows x F, f the expected fill (routed_fill):
+
+    forward   per piece the tokens packed and the result unpacked (f X read, X written, each), and
+              silu_mul_unpack's writes of gate, up and act into every slot beside the packed
+              product (3 f Y more than silu_mul on every slot): (2 + 2 f) X + 3 f Y
+    backward  per piece the gradient packed and d_h unpacked, (2 + 2 f) X; the elementwise step on
+              the routed rows only, 5 (1 - f) Y less; after the last piece the tokens and the
+              gradient (2 + 2 f) X and act, d_gate and d_up (3 + 3 f) Y gathered expert by expert
+
+    priced at ``moe.packed_move_factor`` times an elementwise pass over those bytes, plus
+    ``moe.packed_piece_ms`` per piece (the index maps' small kernels; the backward's gathers
+    count as one more). The defaults are a least-squares fit to one CUDA-graph replay of each
+    direction on 2x H100 (benchmarks/diagnostics/moe_op_profile.py,
+    moe_op_profile-...-2026-11-27: MoE-1 and the Mixtral shape, 80% fill): the moves cost ~2.9x
+    their HBM time there (the copy-engine waits behind the pieces' extra kernels count in), and
+    0.055 ms a piece besides; the four predictions land within 10% of the measured overheads."""
+    fill = routed_fill(profile)
+    x = float(site.coll_bytes())
+    y = float(site.m * site.n * site.itemsize)  # the first GEMM's output: rows x F, either direction
+    if backward:
+        nbytes = 2 * (2 + 2 * fill) * x + (3 + 3 * fill) * y - 5 * (1 - fill) * y
+    else:
+        nbytes = (2 + 2 * fill) * x + 3 * fill * y
+    # backward: W pieces and the gathers after them; forward: the own tokens in two halves
+    # (reference.own_parts) and W - 1 peer pieces
+    pieces = max(1, site.world) + 1
+    factor = profile_extra(profile, "packed_move_factor", 2.9, "moe")
+    return factor * hbm_ms(profile, max(0.0, nbytes)) + pieces * profile_extra(profile, "packed_piece_ms", 0.055, "moe")
 
 
 MODEL = moe_fused

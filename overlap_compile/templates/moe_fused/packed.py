@@ -23,11 +23,18 @@ expert by expert (the saved tokens and act gathered; the pieces' packed gradient
 What it buys: 1x H100, one rank's Mixtral-like experts at EP=2 with uniform routing (80% of the
 slots routed), forward + backward under CUDA graphs, grouped GEMMs on packed rows measured 1.12x
 of cuBLAS bmm on every slot (benchmarks/diagnostics/expert_gemm_padding.py,
-expert_gemm_padding-*-2026-11-26.json). STATUS: correct on CPU (tests/test_moe_packed.py); not yet
-run on a GPU, so GPU profiles do not offer it (force_config reaches it).
+expert_gemm_padding-*-2026-11-26.json). In the op (2x H100, CUDA graphs, the forward with the
+training saves and the backward, benchmarks/diagnostics/moe_op_profile.py,
+moe_op_profile-*-2026-11-27.json) the grouped GEMMs took 25.5 ms where bmm took 32.1 on the
+Mixtral shape, and the row moves and index maps took much of it back: 31.96 vs 32.94 ms in all
+(3.42 vs 2.20 on MoE-1, whose GEMMs are small beside its moves). Correct against bmm on GPUs
+(tests/gpu/test_moe_packed_gpu.py, both transports) and on CPU (tests/test_moe_packed.py). GPU
+profiles offer it under CUDA graphs for bf16 sections (backward_spec.gpu_candidates), priced by
+model.packed_overhead_ms.
 
-    kernel (_move_rows_kernel)  ->  launcher (move_rows)  ->  experts
-                                                             backward_reference.PackedPieces
+    kernels (_move_rows_kernel, _silu_mul_unpack_kernel)
+        ->  launchers (move_rows, silu_mul_unpack)
+        ->  experts (forward), backward_reference.PackedPieces (backward)
 """
 from __future__ import annotations
 

@@ -34,11 +34,15 @@ once over all rows after the last piece). Configurations of the forward: ``{"spl
 rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
 kernels.py, GPU profiles only, with ``"experts": "fused"`` the persistent expert kernel and then
 ``"skip_padding": true`` its tiles past the routed rows skipped, or with ``"experts": "packed"``
-grouped GEMMs on the routed rows only, sizes on the device, both directions: packed.py, not yet
-run on a GPU, so not offered) or ``{"pieces": p}`` (the capacity axis in p slices); see
-reference.py. Latency model: model.py (both directions).
+grouped GEMMs on the routed rows only, sizes on the device, both directions: packed.py) or
+``{"pieces": p}`` (the capacity axis in p slices); see reference.py. Latency model: model.py
+(both directions).
 
-On GPUs (gpu_implemented): the copy-engine path with bmm experts is the one candidate. On 2x H100
+On GPUs (gpu_implemented): the copy-engine path with bmm experts, and where Inductor captures the
+graph and the section is bf16 the same with packed experts too (backward_spec.gpu_candidates: the
+model weighs the padding its GEMMs skip against the rows it moves; 2x H100, CUDA graphs, the
+Mixtral shape's training section 31.96 vs 32.94 ms, MoE-1's 3.42 vs 2.20,
+moe_op_profile-*-2026-11-27.json). On 2x H100
 (benchmarks/results/moe-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26.json, CUDA graphs,
 forward) it measured 1.03-1.20x of the layer as written on every shapes.json moe case, uniform
 and skewed, where the comm-free bound is 1.07-1.20x; the routed payload measured 1.00-1.14x (below
@@ -57,7 +61,7 @@ from ...passes.matches import Match, MoeSectionMatch
 from ..base import TemplateSpec, gpu_profile
 from ..plans import MoePlan
 from . import backward_spec
-from .backward_spec import COPY_ENGINE, is_backward
+from .backward_spec import is_backward
 
 
 class MoeFusedSpec(TemplateSpec):
@@ -96,8 +100,8 @@ class MoeFusedSpec(TemplateSpec):
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         if is_backward(match):
             return backward_spec.candidates(match, profile)
-        if gpu_profile(profile):  # the one path measured faster on GPUs (module doc)
-            return [dict(COPY_ENGINE)]
+        if gpu_profile(profile):  # the paths measured faster on GPUs (module doc)
+            return backward_spec.gpu_candidates(match)
         cap = getattr(match, "capacity", 1)
         routed = [{"split": "source", "payload": "routed"}]
         return [{"split": "source"}] + routed + [{"pieces": p} for p in (2, 4) if p <= cap]
