@@ -309,3 +309,37 @@ def test_gpu_profiles_offer_packed_under_cuda_graphs_for_bf16(profile_name):
             want = [bmm, PACKED] if match.dtype == torch.bfloat16 else [bmm]
             assert spec.candidates(match, prof) == want, (match, spec.candidates(match, prof))
             assert all(c.get("transport") != "p2p" for c in spec.candidates(match, cpu))
+
+
+def test_measured_operands_are_zero_past_the_expected_fill():
+    """The predictor's measurements time moe sections on slots zero past the routed share the model
+    expects (reference.zero_past_fill): routed rows first, then zeros, in every (source, expert)
+    group, along whichever axis holds the slots; weights untouched; bad fills named."""
+    from types import SimpleNamespace
+
+    from overlap_compile.templates.moe_fused import backward_op
+
+    t = torch.ones(2 * 3 * 5, 4)
+    ref.zero_past_fill(t, 0, 5, 0.6)
+    assert t.view(6, 5, 4)[:, :3].eq(1).all() and t.view(6, 5, 4)[:, 3:].eq(0).all()
+    u = torch.ones(3, 7, 2 * 4)  # [E, K, W*C]: tokens_t's layout
+    ref.zero_past_fill(u, 2, 4, 0.8)  # round(3.2) = 3 slots kept of 4
+    assert u.view(3, 7, 2, 4)[..., :3].eq(1).all() and u.view(3, 7, 2, 4)[..., 3:].eq(0).all()
+    with pytest.raises(ValueError, match="multiple of the capacity"):
+        ref.zero_past_fill(torch.ones(7, 2), 0, 5, 0.5)
+    with pytest.raises(ValueError, match="must be in"):
+        ref.zero_past_fill(torch.ones(10, 2), 0, 5, 1.5)
+    made = []
+
+    def rnd(*shape):
+        made.append(torch.ones(shape))
+        return made[-1]
+
+    match = SimpleNamespace(world_size=2, e_local=3, capacity=5, hidden=4, ffn=6, group_name="0")
+    backward_op.measured_call(match, None, rnd, fill=0.6)
+    by_name = dict(zip(backward_op.operand_shapes(backward_op.MoePlan("moe_fused", 2, 3, 5, 4, 6, {"split": "source"},
+                                                                       direction="backward")), made))
+    for name, dim in backward_op.SLOT_DIMS.items():
+        slots = by_name[name].unflatten(dim, (-1, 5))
+        assert slots.narrow(dim + 1, 0, 3).eq(1).all() and slots.narrow(dim + 1, 3, 2).eq(0).all(), name
+    assert all(by_name[w].eq(1).all() for w in ("w1t", "w3t", "w2t"))

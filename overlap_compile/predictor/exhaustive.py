@@ -257,21 +257,28 @@ def _site_call(template: str, match: Any, config: dict | None, options: Any, dev
 
 def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable) -> Callable[[], Any]:
     """An expert-parallel section as written (all-to-all, SwiGLU experts, all-to-all) or as the
-    moe_fused op of ``config`` (which also returns what a training section saves)."""
+    moe_fused op of ``config`` (which also returns what a training section saves). Its slots are
+    zero past the routed share the latency model expects (model.routed_fill: 80% at capacity
+    factor 1.25), as the layer's are past its routed rows: dense random slots would time a
+    path that skips the padding (``"experts": "packed"``) on work the layer never gives it."""
     import torch
 
     from .. import templates
+    from ..templates.moe_fused import model as moe_model
     from ..templates.moe_fused import reference
     from ..templates.plans import MoePlan
+    from . import load_profile
 
+    fill = moe_model.routed_fill(load_profile(options.profile))
     if getattr(match, "direction", "forward") == "backward":  # a training step's backward section
         from ..templates.moe_fused import backward_op
 
         plan = None if template == "baseline" else templates.get_spec(template).plan(match, config,
                                                                                    options.signal_timeout_ms)
-        return backward_op.measured_call(match, plan, rnd)
+        return backward_op.measured_call(match, plan, rnd, fill)
     w, e, c, h, f, g = match.world_size, match.e_local, match.capacity, match.hidden, match.ffn, match.group_name
     buf, w1, w3, w2 = rnd(w * e * c, h), rnd(e, h, f), rnd(e, h, f), rnd(e, f, h)
+    reference.zero_past_fill(buf, 0, c, fill)
     if template == "baseline":  # one piece: all-to-all, the experts, all-to-all, as written
         as_written = MoePlan("moe_fused", w, e, c, h, f, {"pieces": 1})
         return lambda: reference.run(buf, w1, w3, w2, g, as_written)

@@ -88,13 +88,22 @@ def _(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, group_name, plan):
     return _new_outputs(grad_buf, gate, MoePlan.from_json(plan))
 
 
-def measured_call(match: Any, plan: MoePlan | None, rnd: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+# where each operand's slots run (the axis of W * E * C or W * C rows), for zero_past_fill
+SLOT_DIMS = {"grad_buf": 0, "tokens_t": 2, "gate": 1, "up": 1, "act_t": 2}
+
+
+def measured_call(match: Any, plan: MoePlan | None, rnd: Callable[..., torch.Tensor],
+                  fill: float = 1.0) -> Callable[[], Any]:
     """What exhaustive search times for a backward section (predictor/exhaustive.py): the section
     as written (``plan`` None: backward_reference.run_as_written) or this op under ``plan``, on
-    random operands of the section's shapes (``rnd(*shape)``)."""
+    random operands of the section's shapes (``rnd(*shape)``), the gradient and the saved slots
+    zero past ``fill`` of each expert's capacity, as the layer's are past its routed rows."""
     p = plan or MoePlan("moe_fused", match.world_size, match.e_local, match.capacity, match.hidden, match.ffn,
                         {"split": "source"}, direction="backward")
     operands = [rnd(*shape) for shape in operand_shapes(p).values()]
+    for t, name in zip(operands, operand_shapes(p)):
+        if name in SLOT_DIMS:
+            reference.zero_past_fill(t, SLOT_DIMS[name], p.capacity, fill)
     if plan is None:
         return lambda: backward_reference.run_as_written(*operands, match.group_name, p)
     text = plan.to_json()

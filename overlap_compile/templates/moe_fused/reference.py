@@ -121,6 +121,19 @@ def by_source(config: dict) -> bool:
     return config.get("split", "capacity" if "pieces" in config else "source") == "source"
 
 
+def zero_past_fill(t: torch.Tensor, dim: int, capacity: int, fill: float) -> torch.Tensor:
+    """``t`` with its rows along ``dim`` taken in groups of ``capacity`` slots, each group's slots
+    past ``round(fill * capacity)`` zeroed in place: slots as a router leaves them (routed rows
+    first, then zeros), for operands that stand in for a layer's (the predictor's measurements,
+    predictor/exhaustive.py). Returns ``t``."""
+    if not 0.0 <= fill <= 1.0 or t.shape[dim] % capacity:
+        raise ValueError(f"moe_fused zero_past_fill: fill {fill} must be in [0, 1] and dim {dim} of {tuple(t.shape)} "
+                         f"a multiple of the capacity {capacity}")
+    kept = round(fill * capacity)
+    t.unflatten(dim, (-1, capacity)).narrow(dim + 1, kept, capacity - kept).zero_()
+    return t
+
+
 def own_parts(e_local: int, capacity: int) -> list[tuple[slice, slice]]:
     """The own tokens in two contiguous halves, as (experts, capacity rows) slices of [E, C, H]:
     by experts when there are two or more, else by capacity rows (one expert)."""
