@@ -307,3 +307,14 @@ def test_moe_packed_silu_mul_unpack_kernel():
                                         num_warps=4)
     (build,) = _assert_built(builds, "_silu_mul_unpack_kernel")
     assert "ld.global.v" in _ptx(build) and "st.global.v" in _ptx(build), "rows are not moved vectorised"
+
+
+def test_moe_packed_piece_maps_kernel():
+    """packed.piece_maps' one-launch index maps (int32 sizes in, int64 maps and int32 group ends
+    out) build for sm_90."""
+    from overlap_compile.templates.moe_fused import packed as P
+
+    sizes, pack = torch.zeros(4, dtype=torch.int32), torch.empty(4 * 2560, dtype=torch.int64)
+    with building() as builds:
+        P._piece_maps_kernel[(4,)](sizes, pack, pack, sizes, 4, 2560, BLOCK_G=4, BLOCK_C=1024, num_warps=4)
+    _assert_built(builds, "_piece_maps_kernel")

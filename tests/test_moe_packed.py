@@ -70,6 +70,24 @@ def check_move_rows() -> None:
     assert torch.equal(dest_full[:, :3], before[:, :3]) and torch.equal(dest_full[:, 7:], before[:, 7:])
 
 
+def check_piece_maps() -> None:
+    """piece_maps' one-launch maps (CUDA, or the interpreter) against gather_index, unpack_index
+    and group_ends, on slots with zero tails of every length (groups empty, full, one of one)."""
+    g = torch.Generator().manual_seed(4)
+    for sizes, cap in (([3, 0, 5, 8], 8), ([0, 0, 0], 5), ([7], 7), ([1, 2, 0, 1, 3], 3), ([2, 1300], 1300)):
+        x = _slots(len(sizes), cap, 16, sizes, g)
+        n, pack, unpack, offs = P.piece_maps(x)
+        assert n.tolist() == sizes
+        starts = torch.arange(len(sizes)) * cap
+        assert pack.tolist() == P.gather_index(n, starts, len(sizes) * cap).tolist(), sizes
+        assert unpack.tolist() == P.unpack_index(n, cap).tolist(), sizes
+        assert offs.dtype == torch.int32 and offs.tolist() == P.group_ends(n).tolist(), sizes
+
+
+def test_piece_maps_torch_path():
+    check_piece_maps()
+
+
 def test_move_rows_torch_path():
     check_move_rows()
     with pytest.raises(ValueError, match="unit column stride"):
@@ -113,6 +131,7 @@ def test_move_rows_kernel_under_interpreter():
             "import torch\n"
             "assert P._use_triton(torch.zeros(1)), 'the interpreter path is not taken'\n"
             "t.check_move_rows()\n"
+            "t.check_piece_maps()\n"
             "t.check_silu_mul_unpack()\n"
             "t.check_experts_forward()\n"
             "t.test_backward_pieces_equal_the_bmm_pieces()\n"

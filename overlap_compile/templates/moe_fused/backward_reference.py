@@ -127,12 +127,12 @@ class PackedPieces(Pieces):
         (e, c, _), w = self.shape, self.world
         dev = self.slots.device
         sizes = self.sizes.t()  # [E, W]: expert e's rows from each source, in expert-major order
-        # where each (expert, source) segment begins: in the saved layout [E, W*C, *] ...
-        saved_starts = torch.arange(e, device=dev)[:, None] * (w * c) + torch.arange(w, device=dev)[None, :] * c
-        # ... and in the pieces' packed rows [W, E*C, *] (each piece packed expert after expert)
+        # the saved layout [E, W*C, *] is E*W groups of C slots, (expert, source) after another
+        from_saved = packed.slot_maps(sizes, c)[0]
+        # where each (expert, source) segment begins in the pieces' packed rows [W, E*C, *] (each
+        # piece packed expert after expert)
         begins = torch.cumsum(self.sizes.long(), 1) - self.sizes.long()  # [W, E]
         piece_starts = (torch.arange(w, device=dev)[:, None] * (e * c) + begins).t()
-        from_saved = packed.gather_index(sizes, saved_starts, w * e * c)
         from_pieces = packed.gather_index(sizes, piece_starts, w * e * c)
         offs = packed.group_ends(sizes.sum(1))
         tokens = packed.move_rows(packed.saved_rows(self.tokens_t), from_saved)

@@ -87,6 +87,29 @@ if HAVE_TRITON:
         tl.store(as_ptr + dst, act.to(as_ptr.dtype.element_ty), mask=slot)
 
 
+    @triton.jit
+    def _piece_maps_kernel(sizes_ptr, pack_ptr, unpack_ptr, offs_ptr, groups, capacity,
+                           BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+        # program g: group g's begin (the sizes before it), its slots' packed rows (-1 past its
+        # size), the packed rows' slots, its group end, and -1 at the packed rows of its slot
+        # range [g C, (g + 1) C) past the total (those ranges cover every packed row)
+        g = tl.program_id(0)
+        j = tl.arange(0, BLOCK_G)
+        every = tl.load(sizes_ptr + j, mask=j < groups, other=0).to(tl.int64)
+        begin = tl.sum(tl.where(j < g, every, 0), axis=0)
+        total = tl.sum(every, axis=0)
+        n = tl.load(sizes_ptr + g).to(tl.int64)
+        tl.store(offs_ptr + g, (begin + n).to(tl.int32))
+        base = g.to(tl.int64) * capacity
+        for c0 in range(0, capacity, BLOCK_C):
+            i = c0 + tl.arange(0, BLOCK_C)
+            inside = i < capacity
+            routed = i < n
+            tl.store(unpack_ptr + base + i, tl.where(routed, begin + i, -1), mask=inside)
+            tl.store(pack_ptr + begin + i, base + i, mask=inside & routed)
+            tl.store(pack_ptr + base + i, tl.full([BLOCK_C], -1, tl.int64), mask=inside & (base + i >= total))
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -216,13 +239,30 @@ def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
 
 
 def piece_maps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sizes [E] int32, pack index, unpack index, offs) of a piece ``x`` [E, C, *] of slots."""
+    """(sizes [E] int32, pack index, unpack index, offs) of a piece ``x`` [E, C, *] of slots: on
+    CUDA the sizes scan and one launch (slot_maps), where gather_index, unpack_index and
+    group_ends take ~30 small kernels and as many host calls; the torch ops elsewhere."""
     from .routed_sizes import sizes as routed_sizes
 
-    e, c = x.shape[0], x.shape[1]
     n = routed_sizes(x)
-    starts = torch.arange(e, device=x.device) * c
-    return n, gather_index(n, starts, e * c), unpack_index(n, c), group_ends(n)
+    return (n, *slot_maps(n, x.shape[1]))
+
+
+def slot_maps(sizes: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pack index, unpack index, offs) of groups of ``capacity`` slots one after another, group g
+    holding ``sizes[g]`` routed rows first: gather_index(sizes, g * capacity), unpack_index and
+    group_ends, in one launch where Triton runs (_piece_maps_kernel)."""
+    sizes = sizes.reshape(-1)
+    groups = sizes.numel()
+    if not (_use_triton(sizes) and groups and capacity):
+        starts = torch.arange(groups, device=sizes.device) * capacity
+        return gather_index(sizes, starts, groups * capacity), unpack_index(sizes, capacity), group_ends(sizes)
+    pack = torch.empty(groups * capacity, dtype=torch.int64, device=sizes.device)
+    unpack, offs = torch.empty_like(pack), torch.empty(groups, dtype=torch.int32, device=sizes.device)
+    _piece_maps_kernel[(groups,)](sizes.contiguous(), pack, unpack, offs, groups, capacity,
+                                  BLOCK_G=triton.next_power_of_2(groups), BLOCK_C=min(1024, triton.next_power_of_2(capacity)),
+                                  num_warps=4)
+    return pack, unpack, offs
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
