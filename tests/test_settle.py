@@ -208,7 +208,7 @@ def test_host_launched_site_is_timed_on_a_busy_gpu_where_the_graph_hides_the_hos
 
     asked = []
 
-    def measure_items(items, match, options, gpu_only=False, queued=False):
+    def measure_items(items, match, options, gpu_only=False, queued=False, profile=None):
         asked.append(queued)
         return [1.0] + [1 / 1.1] * (len(items) - 1)
 

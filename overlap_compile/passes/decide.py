@@ -35,11 +35,11 @@ def decide(matches: list[Match], options: Options, profile: Any = None, graph: A
     decisions = settle.settle(decisions, options, profile)
     if options.search == "measure" and profile is not None:
         for d in decisions:
-            d.measured = _measure(d, options)
+            d.measured = _measure(d, options, profile)
     return decisions
 
 
-def _measure(d: Decision, options: Options) -> dict | None:
+def _measure(d: Decision, options: Options, profile: Any) -> dict | None:
     """``search="measure"``: the decision stands as predicted; the site as written and the rewrite
     it weighed (chosen, else the best predicted) are timed once on the group, so the Report shows
     predicted and measured gain side by side, and where the predictor is wrong."""
@@ -54,7 +54,8 @@ def _measure(d: Decision, options: Options) -> dict | None:
     (cand,) = weighed
     from ..predictor import exhaustive
 
-    got = exhaustive.measure_items([(BASELINE, None), (cand.template, cand.config)], d.match, options)
+    got = exhaustive.measure_items([(BASELINE, None), (cand.template, cand.config)], d.match, options,
+                                   profile=profile)
     if isinstance(got, str):
         return {"note": got}
     base_ms, ms = got

@@ -225,7 +225,7 @@ def _measured(d: Decision, tries: list[Candidate], options: Options, profile: An
     with _lock:
         if key in _cache:
             return _cache[key]
-    got = exhaustive.measure_items(items, m, options, gpu_only=True, queued=queued)
+    got = exhaustive.measure_items(items, m, options, gpu_only=True, queued=queued, profile=profile)
     with _lock:
         _cache[key] = got
     return got

@@ -210,7 +210,7 @@ def predict_baseline(match: Any, profile: HardwareProfile | None, options: Any =
     if opts.search == "exhaustive" and ms is not None:
         from . import exhaustive
 
-        measured = exhaustive.measure_baseline(match, opts)
+        measured = exhaustive.measure_baseline(match, opts, profile)
         if isinstance(measured, float):
             ms = measured
     with _lock:
@@ -325,7 +325,7 @@ def rank_configs(spec: Any, match: Any, profile: HardwareProfile | None, options
     if opts.search == "exhaustive" and ranked:
         from . import exhaustive
 
-        ranked = exhaustive.measure_candidates(spec, match, ranked, opts)
+        ranked = exhaustive.measure_candidates(spec, match, ranked, opts, profile)
     ranked += untimed
     with _lock:
         _cache[key] = copy.deepcopy(ranked)

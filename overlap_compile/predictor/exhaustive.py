@@ -212,10 +212,11 @@ class _Operands:
 
 
 def _site_call(template: str, match: Any, config: dict | None, options: Any, device: str,
-               rnd: Callable[..., Any] | None = None) -> Callable[[], Any]:
+               rnd: Callable[..., Any] | None = None, profile: Any = None) -> Callable[[], Any]:
     """The site as written ("baseline") or ``template``'s op with ``config``, on random operands of
     the site's shapes (``rnd(*shape)``, by default a fresh ``_Operands``), as a call to time. Build
-    and call it with fake tensors off and grad off."""
+    and call it with fake tensors off and grad off. ``profile``: what the latency model expects of
+    data the operands stand in for (an MoE section's fill)."""
     import torch
 
     from .. import templates
@@ -226,7 +227,9 @@ def _site_call(template: str, match: Any, config: dict | None, options: Any, dev
     rnd = rnd or _Operands(device, match.dtype)
 
     if match.kind == "moe":
-        return _moe_call(template, match, config, options, rnd)
+        from ..templates.moe_fused.model import routed_fill
+
+        return _moe_call(template, match, config, options, rnd, routed_fill(profile))
     if match.kind == "allgather_gemm":
         shard = rnd(match.m // W, match.k)
         bs = [rnd(match.k, c.n) for c in match.consumers]
@@ -255,21 +258,19 @@ def _site_call(template: str, match: Any, config: dict | None, options: Any, dev
     return lambda: op(a, b, bias, g, plan)
 
 
-def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable) -> Callable[[], Any]:
+def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd: Callable,
+              fill: float) -> Callable[[], Any]:
     """An expert-parallel section as written (all-to-all, SwiGLU experts, all-to-all) or as the
     moe_fused op of ``config`` (which also returns what a training section saves). Its slots are
-    zero past the routed share the latency model expects (model.routed_fill: 80% at capacity
-    factor 1.25), as the layer's are past its routed rows: dense random slots would time a
-    path that skips the padding (``"experts": "packed"``) on work the layer never gives it."""
+    zero past ``fill``, the routed share the latency model expects (model.routed_fill: 80% at
+    capacity factor 1.25), as the layer's are past its routed rows: dense random slots would time
+    a path that skips the padding (``"experts": "packed"``) on work the layer never gives it."""
     import torch
 
     from .. import templates
-    from ..templates.moe_fused import model as moe_model
     from ..templates.moe_fused import reference
     from ..templates.plans import MoePlan
-    from . import load_profile
 
-    fill = moe_model.routed_fill(load_profile(options.profile))
     if getattr(match, "direction", "forward") == "backward":  # a training step's backward section
         from ..templates.moe_fused import backward_op
 
@@ -288,7 +289,7 @@ def _moe_call(template: str, match: Any, config: dict | None, options: Any, rnd:
 
 
 def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
-                 gpu_only: bool = False, queued: bool = False) -> list[float] | str:
+                 gpu_only: bool = False, queued: bool = False, profile: Any = None) -> list[float] | str:
     """Measured ms per (template, config), agreed across the group; or the reason it was not
     measured. In the CUDA-graph launch mode (mode="reduce-overhead") GPU groups time CUDA-graph
     replays, else host launches (``queued``: issued while the GPU is busy, see ``_time``).
@@ -324,7 +325,7 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
             calls, operands = [], _Operands(device, match.dtype)
             for t, c in items:
                 try:
-                    calls.append(_site_call(t, match, c, options, device, operands.item()))
+                    calls.append(_site_call(t, match, c, options, device, operands.item(), profile))
                 except Exception:  # e.g. a plan this site cannot take: the item fails, the others run
                     calls.append(_failed)
             local = _time_all(calls, device, pg, graphed, queued)
@@ -362,21 +363,22 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
 
 
 def measure_items(items: list[tuple[str, dict | None]], match: Any, options: Any,
-                  gpu_only: bool = False, queued: bool = False) -> list[float] | str:
+                  gpu_only: bool = False, queued: bool = False, profile: Any = None) -> list[float] | str:
     """Measured ms of each (template, config) of ``match`` ("baseline": the site as written),
-    agreed across the group (``FAILED_MS`` where it failed on some rank), or why not measured."""
-    return _measure_all(items, match, options, gpu_only, queued)
+    agreed across the group (``FAILED_MS`` where it failed on some rank), or why not measured.
+    ``profile``: the decision's (what its model expects of the data, _site_call)."""
+    return _measure_all(items, match, options, gpu_only, queued, profile)
 
 
-def measure_baseline(match: Any, options: Any) -> float | str:
-    res = _measure_all([("baseline", None)], match, options)
+def measure_baseline(match: Any, options: Any, profile: Any = None) -> float | str:
+    res = _measure_all([("baseline", None)], match, options, profile=profile)
     return res if isinstance(res, str) else res[0]
 
 
-def measure_candidates(spec: Any, match: Any, ranked: list, options: Any) -> list:
+def measure_candidates(spec: Any, match: Any, ranked: list, options: Any, profile: Any = None) -> list:
     """Re-rank ``ranked`` (predicted, best first) by measured time; see the module docstring."""
     todo, rest = ranked[:MAX_MEASURED], ranked[MAX_MEASURED:]
-    res = _measure_all([(c.template, c.config) for c in todo], match, options)
+    res = _measure_all([(c.template, c.config) for c in todo], match, options, profile=profile)
     if isinstance(res, str):
         for c in todo:
             c.note = f"{res}; predicted. {c.note}".strip()

@@ -144,11 +144,13 @@ def _routed_terms(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) 
     return True, routed_fill(profile), routed_setup_ms(site, profile, ctx)
 
 
-def routed_fill(profile: HardwareProfile) -> float:
+def routed_fill(profile: HardwareProfile | None) -> float:
     """The share of the dispatch slots a ``"payload": "routed"`` section expects to hold tokens
     (``moe.routed_fill`` in the profile): routing is data, unknown at compile time; the default
     0.8 is uniform routing at capacity factor 1.25 (1 / 1.25), what demo.moe and
-    benchmarks/moe.py use. Skewed routing fills less and gains more."""
+    benchmarks/moe.py use. Skewed routing fills less and gains more. No profile: that default."""
+    if profile is None:
+        return 0.8
     return min(1.0, max(0.05, profile_extra(profile, "routed_fill", 0.8, "moe")))
 
 
