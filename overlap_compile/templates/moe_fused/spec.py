@@ -42,9 +42,9 @@ On GPUs (gpu_implemented): the copy-engine path with bmm experts, and where Indu
 graph and the section is bf16 the same with packed experts too (backward_spec.gpu_candidates: the
 model weighs the padding its GEMMs skip against the rows it moves; 2x H100, CUDA graphs, the
 Mixtral shape's training section 31.96 vs 32.94 ms, MoE-1's 3.42 vs 2.20,
-moe_op_profile-*-2026-11-27.json). On 2x H100
+moe_op_profile-*-2026-11-27.json). With bmm experts, on 2x H100
 (benchmarks/results/moe-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26.json, CUDA graphs,
-forward) it measured 1.03-1.20x of the layer as written on every shapes.json moe case, uniform
+forward) the copy engine measured 1.03-1.20x of the layer as written on every shapes.json moe case, uniform
 and skewed, where the comm-free bound is 1.07-1.20x; the routed payload measured 1.00-1.14x (below
 it on every case), the persistent expert kernel with skip_padding 0.05x (why is not yet
 known), and NCCL by capacity pieces 0.82-0.94x on 2x H200
