@@ -47,6 +47,17 @@ def test_rows_cover_the_sweep_routings_and_mode(dry):
         assert r["tokens_per_s"] == pytest.approx(2 * 64 / (r["ms"] / 1e3))
 
 
+def test_rows_count_the_op_graph_outcomes(dry):
+    """Each row counts how the template ops' host-launched calls went (runtime.op_graphs) over its
+    timed calls; on CPU the ops run the reference pipeline, which never goes through op_graphs,
+    so every count is 0 and the table's column shows "-"."""
+    _, _, rows, printed = dry
+    for r in rows:
+        assert set(r["op_graph_calls"]) == set(moe.OP_GRAPH_CALLS) and not any(r["op_graph_calls"].values()), r
+    assert "op graphs" in printed.splitlines()[next(i for i, line in enumerate(printed.splitlines())
+                                                   if line.strip().startswith("shape"))]
+
+
 def test_skewed_routing_sends_most_first_choices_to_expert_0(dry):
     _, _, rows, _ = dry
     for e in (4, 8):
