@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...predictor.models import (Ctx, Event, Schedule, Site, baseline, comm_call_ms, copy_engine_slowdown, gemm_ms,
-                                 hbm_ms, peer_sync_ms, profile_extra, slice_ms, slowed)
+from ...predictor.models import (ITEMSIZE, Ctx, Event, Schedule, Site, baseline, comm_call_ms, copy_engine_slowdown,
+                                 gemm_ms, hbm_ms, peer_sync_ms, profile_extra, slice_ms, slowed)
 from ...predictor.profile import HardwareProfile
 
 
@@ -279,10 +279,13 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
     priced at ``moe.packed_move_factor`` times an elementwise pass over those bytes, plus
     ``moe.packed_piece_ms`` per piece (the index maps' small kernels; the backward's gathers
     count as one more). The defaults are a least-squares fit to one CUDA-graph replay of each
-    direction on 2x H100 (benchmarks/diagnostics/moe_op_profile.py,
-    moe_op_profile-...-2026-11-27: MoE-1 and the Mixtral shape, 80% fill): the moves cost ~2.9x
-    their HBM time there (the copy-engine waits behind the pieces' extra kernels count in), and
-    0.055 ms a piece besides; the four predictions land within 10% of the measured overheads."""
+    direction on 2x H100 (benchmarks/fitting/fit_packed_overhead.py over
+    moe_op_profile-...-2026-11-27-fused-unpack.json: MoE-1 and the Mixtral shape, 80% fill):
+    the moves cost ~2.9x their HBM time there (the copy-engine waits behind the pieces' extra
+    kernels count in), and 0.049 ms a piece besides; the four ratios to bmm land within 6%.
+    Not refitted to the later replay with one-launch index maps (-index-kernel.json): its bmm
+    backward ran 23.4 ms against 21.5-22.7 in the earlier replays, and no two constants fit it
+    within 10%."""
     fill = routed_fill(profile)
     x = float(site.coll_bytes())
     y = float(site.m * site.n * site.itemsize)  # the first GEMM's output: rows x F, either direction
@@ -294,7 +297,21 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
     # (reference.own_parts) and W - 1 peer pieces
     pieces = max(1, site.world) + 1
     factor = profile_extra(profile, "packed_move_factor", 2.9, "moe")
-    return factor * hbm_ms(profile, max(0.0, nbytes)) + pieces * profile_extra(profile, "packed_piece_ms", 0.055, "moe")
+    return factor * hbm_ms(profile, max(0.0, nbytes)) + pieces * profile_extra(profile, "packed_piece_ms", 0.049, "moe")
+
+
+def section_sites(world: int, e_local: int, capacity: int, hidden: int, ffn: int,
+                  dtype: str = "bfloat16") -> tuple[Site, Site]:
+    """An expert-parallel layer's two training sections as the finder hands them over (each bmm's
+    batch folded into its rows, MoeLayerMatch.gemms): the forward with what backward saves (the
+    experts' input, gate, up and act), and the backward (d_act and the two d_h terms, then dw1,
+    dw3 and dw2 over the W * C rows of each expert). For fits and tests of this model."""
+    m, wc, item = world * e_local * capacity, world * capacity, ITEMSIZE.get(dtype, 2)
+    forward = Site("moe", ((m, ffn, hidden), (m, ffn, hidden), (m, hidden, ffn)), world, dtype,
+                   saved_bytes=m * (hidden + 3 * ffn) * item, saved_copy_bytes=m * hidden * item)
+    backward = Site("moe", ((m, ffn, hidden), (m, hidden, ffn), (m, hidden, ffn), (e_local * hidden, ffn, wc),
+                            (e_local * hidden, ffn, wc), (e_local * ffn, hidden, wc)), world, dtype)
+    return forward, backward
 
 
 MODEL = moe_fused
