@@ -32,8 +32,8 @@ Mixtral shape, and the row moves and index maps took much of it back: 31.96 vs 3
 profiles offer it under CUDA graphs for bf16 sections (backward_spec.gpu_candidates), priced by
 model.packed_overhead_ms.
 
-    kernels (_move_rows_kernel, _silu_mul_unpack_kernel)
-        ->  launchers (move_rows, silu_mul_unpack)
+    kernels (_move_rows_kernel, _silu_mul_unpack_kernel, _piece_maps_kernel)
+        ->  launchers (move_rows, silu_mul_unpack, slot_maps)
         ->  experts (forward), backward_reference.PackedPieces (backward)
 """
 from __future__ import annotations
