@@ -103,8 +103,9 @@ def shape_table(dry: bool) -> dict[str, dict]:
     """Shape key -> sizes: the CPU shapes on a dry run, else shapes.json's e2e set and the small ones."""
     if dry:
         return dict(CPU_SHAPES)
-    with open(os.path.join(HERE, "shapes.json")) as f:
-        e2e = {s["name"]: s for s in json.load(f)["e2e"]}
+    from benchmarks.shape_sets import shapes_by_name
+
+    e2e = shapes_by_name("e2e")
     return {"8b": e2e["Llama-3-8B block, TP+SP"], "70b": e2e["Llama-3-70B block, TP+SP"],
             "moe": e2e["Mixtral-8x7B block, EP"], **SMALL_SHAPES}
 

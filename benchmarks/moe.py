@@ -504,8 +504,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         a.world = a.world or torch.cuda.device_count()
         a.time_budget = DEFAULT_BUDGET_S if a.time_budget is None else a.time_budget
-        with open(os.path.join(HERE, "shapes.json")) as f:
-            shapes = json.load(f)["moe"]
+        from benchmarks.shape_sets import shape_set
+
+        shapes = shape_set("moe")
     a.shapes = shapes[: a.limit] if a.limit else shapes
     return a
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -100,8 +99,9 @@ def keep_rows(x, ws, w, e, c, h, f, base, flops, want, do_bench, do_bench_cudagr
 def cases(world_sizes: list[int]) -> list[dict]:
     from overlap_compile.demo.moe import capacity
 
-    with open(os.path.join(HERE, "shapes.json")) as f:
-        shapes = json.load(f)["moe"]
+    from benchmarks.shape_sets import shape_set
+
+    shapes = shape_set("moe")
     out = []
     for sh in shapes:
         for w in world_sizes:

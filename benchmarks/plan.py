@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -32,8 +31,9 @@ SHAPES = {"8b": "Llama-3-8B block, TP+SP", "70b": "Llama-3-70B block, TP+SP"}
 
 
 def e2e_sizes(key: str) -> dict:
-    with open(os.path.join(HERE, "shapes.json")) as f:
-        return next(s for s in json.load(f)["e2e"] if s["name"] == SHAPES[key])
+    from benchmarks.shape_sets import shapes_by_name
+
+    return shapes_by_name("e2e")[SHAPES[key]]
 
 
 def _meta_block(model: str, sizes: dict, world: int, group: str):

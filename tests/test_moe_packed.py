@@ -276,24 +276,17 @@ def _sites(s_tokens, h, f, e, topk, w=2):
     return section_sites(w, e // w, int(1.25 * s_tokens * topk / e), h, f)
 
 
-def test_packed_model_against_its_measured_replays():
-    """model.packed_overhead_ms against the replays it was fitted to (2x H100, CUDA graphs,
-    moe_op_profile-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-27-fused-unpack.json, 80% fill;
-    benchmarks/fitting/fit_packed_overhead.py): packed over bmm 1.69x / 1.52x (MoE-1 forward /
-    backward) and 1.005x / 0.978x (Mixtral shape). The predicted ratios land within 6%, and on
-    the right side of 1 where the gap is clear: on MoE-1 the moves cost more than the padding
-    saves, on the Mixtral shape's backward less."""
+def test_packed_model_weighs_the_padding_against_the_moves():
+    """Where the gap is clear in the replays the model is fitted to (the ratios themselves:
+    test_packed_overhead_defaults_are_the_fit_of_their_replays), it lands on the same side: on
+    MoE-1 and MoE-3 the moves cost more than the skipped padding saves, on the Mixtral shape's
+    backward less."""
     from overlap_compile import predictor
     from overlap_compile.predictor.models import Ctx
     from overlap_compile.templates.moe_fused import model as moe_model
 
     prof, ctx = predictor.load_profile("h100"), Ctx(mode="cuda_graph")
     bmm = {"split": "source", "transport": "p2p"}
-    measured = {(8192, 2048, 1536, 8, 2): (1.686, 1.522), (8192, 4096, 14336, 8, 2): (1.005, 0.978)}
-    for shape, want in measured.items():
-        for site, ratio in zip(_sites(*shape), want):
-            got = moe_model.moe_fused(site, PACKED, prof, ctx).total_ms / moe_model.moe_fused(site, bmm, prof, ctx).total_ms
-            assert got == pytest.approx(ratio, rel=0.06), (shape, ratio, got)
     mixtral_backward = _sites(8192, 4096, 14336, 8, 2)[1]
     assert (moe_model.moe_fused(mixtral_backward, PACKED, prof, ctx).total_ms
             < moe_model.moe_fused(mixtral_backward, bmm, prof, ctx).total_ms)
@@ -367,11 +360,11 @@ def test_packed_overhead_defaults_are_the_fit_of_their_replays():
     import os
 
     from benchmarks.fitting import fit_packed_overhead as fit
+    from benchmarks.shape_sets import shapes_by_name
     from overlap_compile import predictor
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "benchmarks", "shapes.json")) as f:
-        shapes = {s["name"]: s for s in json.load(f)["moe"]}
+    shapes = shapes_by_name("moe")
     path = os.path.join(root, "benchmarks", "results",
                         "moe_op_profile-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-27-fused-unpack.json")
     with open(path) as f:

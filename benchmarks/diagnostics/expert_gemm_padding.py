@@ -19,7 +19,6 @@ Prints ms and the ratio to bmm per shape, writes expert_gemm_padding-<device>-w1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -136,8 +135,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("expert_gemm_padding needs a GPU")
     device, dtype = torch.device("cuda", 0), torch.bfloat16
-    with open(os.path.join(HERE, "..", "shapes.json")) as f:
-        shapes = {s["name"]: s for s in json.load(f)["moe"]}
+    from benchmarks.shape_sets import shapes_by_name
+
+    shapes = shapes_by_name("moe")
     rows = []
     for name in a.shapes.split(","):
         r = case_times(shapes[name], a.world, device, dtype, a.iters)

@@ -40,6 +40,16 @@ ROLES = (
 )
 
 
+def one_gpu_group(tool: str, port: int) -> None:
+    """A one-rank NCCL group on GPU 0 (the diagnostics that profile one GPU: the all-to-alls become
+    local copies); exits naming ``tool`` where there is no GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{tool} needs a GPU (it profiles CUDA kernels)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+
+
 def role_of(name: str) -> str:
     low = name.lower()
     for role, parts in ROLES:
@@ -95,14 +105,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="kernels printed per shape")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("moe_breakdown needs a GPU (it profiles CUDA kernels)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    one_gpu_group("moe_breakdown", 29531)
     device, dtype = torch.device("cuda", 0), torch.bfloat16
-    with open(os.path.join(HERE, "..", "shapes.json")) as f:
-        shapes = json.load(f)["moe"]
+    from benchmarks.shape_sets import shape_set
+
+    shapes = shape_set("moe")
     wanted = None if a.shapes == "all" else set(a.shapes.split(","))
     rows = []
     for case in [s for s in shapes if wanted is None or s["name"] in wanted]:

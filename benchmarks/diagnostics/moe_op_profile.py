@@ -118,8 +118,9 @@ def worker(shapes: list[str], configs: list[dict], iters: int, out: str) -> list
     from benchmarks.results_io import write_rows
 
     torch.cuda.set_device(dist.get_rank())
-    with open(os.path.join(HERE, "..", "shapes.json")) as f:
-        cases = [c for c in json.load(f)["moe"] if not shapes or c["name"] in shapes]
+    from benchmarks.shape_sets import shape_set
+
+    cases = [c for c in shape_set("moe") if not shapes or c["name"] in shapes]
     rows = [r for case in cases for r in case_rows(case, configs, iters)]
     base = {"benchmark": "moe_op_profile", "device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}

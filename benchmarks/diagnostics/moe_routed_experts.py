@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -105,8 +104,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     a = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    with open(os.path.join(HERE, "..", "shapes.json")) as f:
-        shapes = json.load(f)["moe"]
+    from benchmarks.shape_sets import shape_set
+
+    shapes = shape_set("moe")
     if a.shapes:
         shapes = [s for s in shapes if s["name"] in a.shapes.split(",")]
     base = {"benchmark": "moe_routed_experts", "device": torch.cuda.get_device_name(), "world_size": a.world,

@@ -61,11 +61,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("train_step_breakdown needs a GPU (it profiles CUDA kernels)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    from moe_breakdown import one_gpu_group
+
+    one_gpu_group("train_step_breakdown", 29533)
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.e2e import family_of, load_shapes

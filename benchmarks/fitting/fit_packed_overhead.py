@@ -13,7 +13,6 @@ profile's keys), then each case's measured and fitted ratio.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -58,11 +57,7 @@ def fit(found: list[dict], profile) -> tuple[float, float, list[tuple[dict, floa
         site, backward = c["site"], c["direction"] == "backward"
         bmm = model.moe_fused(site, BMM, profile, ctx).total_ms
         bare = model.moe_fused(site, PACKED, profile, ctx).total_ms - model.packed_overhead_ms(site, profile, backward)
-        unit = dataclasses.replace(profile, raw={**profile.raw, "moe": {**profile.raw.get("moe", {}),
-                                                                        "packed_move_factor": 1.0,
-                                                                        "packed_piece_ms": 0.0}})
-        hbm = model.packed_overhead_ms(site, unit, backward)
-        pieces = max(1, site.world) + 1
+        hbm, pieces = model.packed_overhead_terms(site, profile, backward)
         rows.append((hbm, pieces, c["ratio"] * bmm - bare, bmm, bare))
     # normal equations of need = factor * hbm + piece_ms * pieces
     sxx = sum(h * h for h, *_ in rows)
@@ -85,8 +80,9 @@ def main() -> None:
     ap.add_argument("results", nargs="+", help="moe_op_profile-*.json files")
     ap.add_argument("--profile", default="h100")
     a = ap.parse_args()
-    with open(os.path.join(HERE, "..", "shapes.json")) as f:
-        shapes = {s["name"]: s for s in json.load(f)["moe"]}
+    from benchmarks.shape_sets import shapes_by_name
+
+    shapes = shapes_by_name("moe")
     found = []
     for path in a.results:  # each file's cases on their own: its bmm rows are its baseline
         with open(path) as f:

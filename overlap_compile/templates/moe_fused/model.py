@@ -144,14 +144,17 @@ def _routed_terms(site: Site, config: dict, profile: HardwareProfile, ctx: Ctx) 
     return True, routed_fill(profile), routed_setup_ms(site, profile, ctx)
 
 
+DEFAULT_FILL = 0.8
+
+
 def routed_fill(profile: HardwareProfile | None) -> float:
     """The share of the dispatch slots a ``"payload": "routed"`` section expects to hold tokens
     (``moe.routed_fill`` in the profile): routing is data, unknown at compile time; the default
     0.8 is uniform routing at capacity factor 1.25 (1 / 1.25), what demo.moe and
     benchmarks/moe.py use. Skewed routing fills less and gains more. No profile: that default."""
     if profile is None:
-        return 0.8
-    return min(1.0, max(0.05, profile_extra(profile, "routed_fill", 0.8, "moe")))
+        return DEFAULT_FILL
+    return min(1.0, max(0.05, profile_extra(profile, "routed_fill", DEFAULT_FILL, "moe")))
 
 
 def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
@@ -286,6 +289,14 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
     Not refitted to the later replay with one-launch index maps (-index-kernel.json): its bmm
     backward ran 23.4 ms against 21.5-22.7 in the earlier replays, and no two constants fit it
     within 10%."""
+    move_ms, pieces = packed_overhead_terms(site, profile, backward)
+    return (profile_extra(profile, "packed_move_factor", 2.9, "moe") * move_ms
+            + pieces * profile_extra(profile, "packed_piece_ms", 0.049, "moe"))
+
+
+def packed_overhead_terms(site: Site, profile: HardwareProfile, backward: bool) -> tuple[float, int]:
+    """packed_overhead_ms's two terms before their constants: (one elementwise pass over the bytes
+    the packed path moves, ms; pieces). benchmarks/fitting/fit_packed_overhead.py fits to them."""
     fill = routed_fill(profile)
     x = float(site.coll_bytes())
     y = float(site.m * site.n * site.itemsize)  # the first GEMM's output: rows x F, either direction
@@ -295,9 +306,7 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
         nbytes = (2 + 2 * fill) * x + 3 * fill * y
     # backward: W pieces and the gathers after them; forward: the own tokens in two halves
     # (reference.own_parts) and W - 1 peer pieces
-    pieces = max(1, site.world) + 1
-    factor = profile_extra(profile, "packed_move_factor", 2.9, "moe")
-    return factor * hbm_ms(profile, max(0.0, nbytes)) + pieces * profile_extra(profile, "packed_piece_ms", 0.049, "moe")
+    return hbm_ms(profile, max(0.0, nbytes)), max(1, site.world) + 1
 
 
 def section_sites(world: int, e_local: int, capacity: int, hidden: int, ffn: int,
