@@ -38,7 +38,9 @@ Variants: ``default`` (torch.compile), ``overlap`` (backend="overlap": the predi
 symmetric memory enabled for the group; CUDA only; benchmarks/async_tp.py), ``nocomm`` (the bound:
 torch.compile with every collective of the post-grad graphs replaced by a local op of the same
 output, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
-``nocomm_replaced``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
+``nocomm_replaced``), ``nocomm_nopad`` (MoE models only: nocomm with capacity factor 1.0, so the
+expert GEMMs compute no padding slots; the ceiling of an overlap that hid every byte and skipped
+the padding for free; its losses are not compared either; MoE rows carry ``capacity_factor``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
 share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).
 A failing variant is recorded with its error, never fatal. Configurations run model by model,
 then compile mode, then variant, in the order asked (``--repeat N``: the variants of each model and
@@ -96,7 +98,7 @@ SMALL_SHAPES = {
 DEFAULT_BUDGET_S = 360
 GRACE_S = 180  # one configuration in flight past the budget, then the output
 PHASES = ("train", "prefill")
-VARIANTS = ("default", "overlap", "async_tp", "nocomm")
+VARIANTS = ("default", "overlap", "async_tp", "nocomm", "nocomm_nopad")
 
 
 def shape_table(dry: bool) -> dict[str, dict]:
@@ -274,6 +276,8 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
     if variant == "async_tp" and FAMILY[model_name] == "moe":
         return {**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
                                   "an EP block has none (its collectives are all-to-all)"}
+    if variant == "nocomm_nopad" and FAMILY[model_name] != "moe":
+        return {**cfg, "skipped": "nocomm_nopad removes expert capacity padding; a dense block has none"}
     skip = budget.should_skip()
     if skip:
         return {**cfg, "skipped": skip}
@@ -349,7 +353,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", default=None, help="GPU: comma list of 8b, 70b, moe, 8b-small, moe-small, or 'all' "
                     "(default 8b,moe); dry run: tiny, tiny-70b, tiny-moe")
     ap.add_argument("--variants", default="default,overlap,async_tp,nocomm",
-                    help="comma list of default, overlap, async_tp (CUDA only), nocomm (the comm-free bound)")
+                    help="comma list of default, overlap, async_tp (CUDA only), nocomm (the comm-free bound), "
+                    "nocomm_nopad (MoE: also no capacity padding in the expert GEMMs)")
     ap.add_argument("--modes", default="default", help="compile modes: comma list of default, reduce-overhead")
     ap.add_argument("--ckpt", default="off", help="activation checkpointing: comma list of off, on")
     ap.add_argument("--phases", default="train,prefill", help="comma list of train, prefill")

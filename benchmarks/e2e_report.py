@@ -33,8 +33,9 @@ def one_line(r: dict) -> str:
 
 def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
     """Speedups over the default variant of the same configuration, the share of the gap to the
-    nocomm bound closed, and the loss check (not for nocomm: without communication its numbers differ)."""
-    from benchmarks.plot import gap_closed
+    nocomm bound closed, and the loss check (not for the bounds: without communication, or without
+    the padding, their numbers differ)."""
+    from benchmarks.plot import E2E_BOUNDS, gap_closed
 
     key = lambda r: (r["model"], r["shape"], r["compile_mode"], r["ckpt"])  # noqa: E731
     measured = [r for r in rows if "ms" in r]
@@ -48,7 +49,7 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
         for k in ("train_ms", "prefill_ms"):
             if k in r and k in d:
                 r[k.replace("_ms", "_speedup")] = d[k] / r[k]
-                if b is not None and k in b and r is not b:
+                if b is not None and k in b and r["variant"] not in E2E_BOUNDS:
                     r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
         if r.get("sites"):  # what the pass predicted it hides of the sites' collectives, per phase
             from overlap_compile.report import forecast
@@ -59,7 +60,7 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
                     r[f"{phase}_forecast_hidden"] = forecast(sites)["all"]["hidden_share"]
         if d.get("compile_s") and "compile_s" in r:
             r["compile_overhead"] = r["compile_s"] / d["compile_s"] - 1
-        if r.get("losses") and d.get("losses") and r["variant"] != "nocomm":
+        if r.get("losses") and d.get("losses") and r["variant"] not in E2E_BOUNDS:
             rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], d["losses"]))
             r["loss_max_rel_diff"] = rel
             r["loss_matches_default"] = r["correct"] = rel <= loss_rtol

@@ -101,16 +101,32 @@ def _mixtral_training(args: dict):
     return e2e.worker(args)
 
 
-def test_mixtral_training_through_moe_fused_matches_default():
+@pytest.fixture(scope="module")
+def mixtral_rows():
+    """The Mixtral-style EP block: the default backend, moe_fused forced, and the nocomm_nopad bound."""
+    args = _args(models="mixtral_ep", shapes="tiny-moe", force="moe_fused", variants="default,overlap,nocomm_nopad")
+    rows = e2e.compare(run_distributed(_mixtral_training, world_size=2, args=(args,), timeout_s=600)[0], 1e-4)
+    assert [r.get("error") for r in rows] == [None, None, None], [r.get("error") for r in rows]
+    return {r["variant"]: r for r in rows}
+
+
+def test_mixtral_training_through_moe_fused_matches_default(mixtral_rows):
     """The Mixtral-style EP block trained 3 AdamW steps with moe_fused forced: its forward MoE
     section is rewritten (the op hands backward what it saves), so is the backward one (by
     moe_fused_backward), and the losses equal the default backend's."""
-    args = _args(models="mixtral_ep", shapes="tiny-moe", force="moe_fused")
-    rows = e2e.compare(run_distributed(_mixtral_training, world_size=2, args=(args,), timeout_s=600)[0], 1e-4)
-    assert [r.get("error") for r in rows] == [None, None], [r.get("error") for r in rows]
-    ov = next(r for r in rows if r["variant"] == "overlap")
-    assert ov["loss_matches_default"], (ov["losses"], next(r for r in rows if r["variant"] == "default")["losses"])
+    ov = mixtral_rows["overlap"]
+    assert ov["loss_matches_default"], (ov["losses"], mixtral_rows["default"]["losses"])
     assert ov["losses"][0] != ov["losses"][-1]
     rewritten = [(s["graph"].split("_")[0], s["template"]) for s in ov["sites"] if s["rewritten"]]
     assert sorted(rewritten) == [("backward", "moe_fused"), ("forward", "moe_fused")], ov["sites"]
     assert ov["failure_modes"] == [], ov["failure_modes"]
+
+
+def test_mixtral_nopad_bound_drops_the_padding_and_the_collectives(mixtral_rows):
+    """nocomm_nopad builds the block with capacity factor 1.0 (the others keep the block's 1.25),
+    removes the four all-to-alls of the training step, and its losses are not held to the default's."""
+    bound, default = mixtral_rows["nocomm_nopad"], mixtral_rows["default"]
+    assert (default["capacity_factor"], bound["capacity_factor"]) == (1.25, 1.0)
+    assert bound["nocomm_replaced"] == {"all_to_all_single": 4}, bound["nocomm_replaced"]
+    assert bound["train_ms"] > 0 and "loss_matches_default" not in bound and len(bound["losses"]) == 3
+    assert bound["shape"] == default["shape"] and "train_speedup" in bound  # compared with the block as written

@@ -132,7 +132,7 @@ def _compiled_code_and_rows(args: dict):
 
 @pytest.fixture(scope="module")
 def gloo_results():
-    a = e2e.parse(["--dry-run", "--models", "llama70_dtensor", "--shapes", "tiny", "--variants", "default,nocomm",
+    a = e2e.parse(["--dry-run", "--models", "llama70_dtensor", "--shapes", "tiny", "--variants", "default,nocomm,nocomm_nopad",
                    "--steps", "2", "--iters", "1", "--check-cache", "off", "--no-check-models"])
     a.out = None
     return run_distributed(_compiled_code_and_rows, world_size=2, args=(vars(a),), timeout_s=600)
@@ -151,8 +151,9 @@ def test_nocomm_compiled_block_has_no_collective_and_the_real_output_shape(gloo_
 
 def test_e2e_nocomm_rows(gloo_results):
     rows = e2e.compare(gloo_results[0][4], 1e-4)
-    assert [r.get("error") for r in rows] == [None, None], [r.get("error") for r in rows]
+    assert [r.get("error") for r in rows] == [None, None, None], [r.get("error") for r in rows]
     by = {r["variant"]: r for r in rows}
+    assert "a dense block has none" in by["nocomm_nopad"]["skipped"] and "ms" not in by["nocomm_nopad"]
     # llama70_dtensor named alone runs its own (dry-run stand-in) shape, whatever --shapes said
     assert {r["model"] for r in rows} == {"llama70_dtensor"} and by["nocomm"]["shape"] == e2e.CPU_SHAPES["tiny-70b"]["name"]
     bound = by["nocomm"]

@@ -83,6 +83,25 @@ def test_e2e_compare_carries_the_gap_and_leaves_nocomm_out_of_the_loss_check():
     assert "| 50% / -20% |" in e2e.markdown(rows)
 
 
+def test_the_nopad_bound_is_a_bound_not_a_gap_closer():
+    """nocomm_nopad (MoE: no communication, no capacity padding) gets its speedup over inductor,
+    no share of the gap, no loss check, and sits after nocomm as a bound in the tables."""
+    rows = _rows()
+    keys = e2e.schema_keys("llama_dtensor", {"name": SHAPE}, "nocomm_nopad", "default", False, None)
+    rows.append({**rows[0], **keys, "train_ms": 70.0, "prefill_ms": 25.0, "ms": 70.0})
+    for r in rows:
+        r["losses"] = [0.5, 0.4] if r["variant"].startswith("nocomm") else [1.0, 0.9]
+    by = {(r["compile_mode"], r["variant"]): r for r in e2e.compare(rows, 1e-4) if "ms" in r}
+    nopad = by[("default", "nocomm_nopad")]
+    assert nopad["train_speedup"] == pytest.approx(100 / 70) and "train_gap_closed" not in nopad
+    assert "loss_matches_default" not in nopad and e2e.verdict(rows, 1e-4)[0]
+    bars = plot.e2e_bars(rows)[("llama_dtensor", "default", "train")]
+    assert plot.e2e_gaps(bars)[SHAPE] == pytest.approx({"async_tp": 0.25, "overlap": 0.5})
+    table = plot.markdown_e2e(rows)
+    assert "| shape | inductor | async_tp | overlap | nocomm | nocomm_nopad | gap closed async_tp | " \
+           "gap closed overlap |" in table
+
+
 def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
     """An overlap row's sites (as e2e_run keeps them, with their phase) give the share of their
     collectives' time the pass predicted to hide, beside the measured gap closed."""

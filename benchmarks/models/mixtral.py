@@ -19,6 +19,10 @@ from overlap_compile.demo.moe import ExpertParallelMoE
 
 from .common import Built, all_reduce_grads, local
 
+# Switch/GShard's usual training value; a shape may set its own ("capacity_factor"), as e2e.py's
+# nocomm_nopad bound does with 1.0 (slots for the mean load only: the expert GEMMs on no padding)
+CAPACITY_FACTOR = 1.25
+
 
 class MixtralBlock(nn.Module):
     def __init__(self, sizes: dict, group_name: str) -> None:
@@ -27,8 +31,8 @@ class MixtralBlock(nn.Module):
         self.group_name = group_name
         self.attention_norm, self.ffn_norm = nn.RMSNorm(h), nn.RMSNorm(h)
         self.attention = Attention(h, sizes["heads"])
-        # capacity factor 1.25: Switch/GShard's usual training value
-        self.moe = ExpertParallelMoE(h, sizes["intermediate"], sizes["E"], sizes["topk"], 1.25, group_name)
+        self.moe = ExpertParallelMoE(h, sizes["intermediate"], sizes["E"], sizes["topk"],
+                                     sizes.get("capacity_factor", CAPACITY_FACTOR), group_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
