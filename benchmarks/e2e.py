@@ -37,7 +37,8 @@ Variants: ``default`` (torch.compile), ``overlap`` (backend="overlap": the predi
 ``--force TEMPLATE`` forces one), ``async_tp`` (torch._inductor.config._micro_pipeline_tp with
 symmetric memory enabled for the group; CUDA only; benchmarks/async_tp.py), ``nocomm`` (the bound:
 torch.compile with every collective of the post-grad graphs replaced by a local op of the same
-output, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
+output, and the eager gradient all-reduce of a hand-written model (mixtral_ep's finalize_grads) a
+no-op, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
 ``nocomm_replaced``), ``nocomm_nopad`` (MoE models only: nocomm with capacity factor 1.0, so the
 expert GEMMs compute no padding slots; the ceiling of an overlap that hid every byte and skipped
 the padding for free; its losses are not compared either; MoE rows carry ``capacity_factor``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the

@@ -15,6 +15,11 @@ Replacements (``_c10d_functional`` and, where torch has them, ``_c10d_functional
     all_to_all_single(x, out, in, g)        -> oc_nocomm.take_rows(x, out)     sum(out) rows (x's, cycled)
     wait_tensor(t)                          -> t
 
+A step may also communicate outside the compiled graphs, where the pass cannot see: a hand-written
+model's gradient sync between backward and the optimizer (benchmarks/models/common.py's
+finalize_grads). ``without_eager_all_reduce(fn, p.replaced)`` runs it with torch.distributed.all_reduce
+a no-op, counted as ``"all_reduce (eager)"``; the flattening and copying around the collective stay.
+
 The local ops are custom ops, so Inductor treats them as it treats a collective: an opaque kernel
 writing a fresh contiguous buffer that the neighbours cannot fuse into. Plain aten clones would be
 fused away by Inductor (a clone is an inlinable pointwise), and the bound would then also credit
@@ -29,7 +34,7 @@ import contextlib
 import functools
 import hashlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -189,3 +194,26 @@ def nocomm() -> Iterator[NoCommPass]:
     p = NoCommPass(chained=inductor_config.post_grad_custom_post_pass)
     with inductor_config.patch({"post_grad_custom_post_pass": p}):
         yield p
+
+
+EAGER_ALL_REDUCE = "all_reduce (eager)"
+
+
+def without_eager_all_reduce(fn: Callable[[], Any], replaced: collections.Counter) -> Callable[[], Any]:
+    """``fn`` with torch.distributed.all_reduce a no-op while it runs, each call it makes counted in
+    ``replaced[EAGER_ALL_REDUCE]``: the bound's stand-in for a step's collectives outside the
+    compiled graphs (the tensor keeps this rank's values, as oc_nocomm.copy does in a graph)."""
+    import torch.distributed as dist
+
+    def local(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        replaced[EAGER_ALL_REDUCE] += 1
+
+    @functools.wraps(fn)
+    def run() -> Any:
+        real, dist.all_reduce = dist.all_reduce, local
+        try:
+            return fn()
+        finally:
+            dist.all_reduce = real
+
+    return run

@@ -124,9 +124,12 @@ def test_mixtral_training_through_moe_fused_matches_default(mixtral_rows):
 
 def test_mixtral_nopad_bound_drops_the_padding_and_the_collectives(mixtral_rows):
     """nocomm_nopad builds the block with capacity factor 1.0 (the others keep the block's 1.25),
-    removes the four all-to-alls of the training step, and its losses are not held to the default's."""
+    removes the four all-to-alls of the training step and the eager gradient all-reduce, and its
+    losses are not held to the default's."""
     bound, default = mixtral_rows["nocomm_nopad"], mixtral_rows["default"]
     assert (default["capacity_factor"], bound["capacity_factor"]) == (1.25, 1.0)
-    assert bound["nocomm_replaced"] == {"all_to_all_single": 4}, bound["nocomm_replaced"]
+    replaced = dict(bound["nocomm_replaced"])
+    # the replicated weights' gradient sync between backward and the optimizer: once a step, none left
+    assert replaced.pop("all_reduce (eager)") >= 3 and replaced == {"all_to_all_single": 4}, bound["nocomm_replaced"]
     assert bound["train_ms"] > 0 and "loss_matches_default" not in bound and len(bound["losses"]) == 3
     assert bound["shape"] == default["shape"] and "train_speedup" in bound  # compared with the block as written

@@ -73,6 +73,37 @@ def test_unknown_collective_raises():
             nocomm.replace_collectives(gm.graph)
 
 
+def test_eager_all_reduce_is_local_inside_the_wrapped_call_only():
+    """The bound's stand-in for a gradient sync outside the compiled graphs: torch.distributed's
+    all_reduce does nothing (no process group here, so the real one would raise) and is counted,
+    and is the real one again afterwards."""
+    import collections
+
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+    t = torch.arange(4.0)
+    replaced = collections.Counter()
+
+    def sync():
+        dist.all_reduce(t)
+        dist.all_reduce(t, group=None)
+        return "done"
+
+    assert nocomm.without_eager_all_reduce(sync, replaced)() == "done"
+    assert replaced == {"all_reduce (eager)": 2} and torch.equal(t, torch.arange(4.0))
+    assert dist.all_reduce is real
+
+
+    def fails():
+        dist.all_reduce(t)
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError, match="inside"):
+        nocomm.without_eager_all_reduce(fails, replaced)()
+    assert dist.all_reduce is real and replaced == {"all_reduce (eager)": 3}
+
+
 class _Recorder(torch._inductor.custom_graph_pass.CustomGraphPass):
     def __init__(self, key: str) -> None:
         self.key, self.seen = key, []
