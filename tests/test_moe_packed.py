@@ -295,26 +295,33 @@ def test_packed_model_weighs_the_padding_against_the_moves():
 
 
 @pytest.mark.parametrize("profile_name", ["h100", "h200"])
-def test_gpu_profiles_offer_packed_under_cuda_graphs_for_bf16(profile_name):
-    """The packed experts are a GPU candidate, either direction, only where Inductor captures the
-    graph (host-launched, their per-piece launches are not replayed) and the section is bf16
-    (torch._grouped_mm's CUDA dtype; fp32 would read the group ends on the host); the bmm copy
-    engine always; a CPU profile never offers either."""
+def test_gpu_profiles_offer_packed_where_its_launches_replay_for_bf16(profile_name):
+    """The packed experts are a GPU candidate only where their launches run from a CUDA graph and
+    the section is bf16 (torch._grouped_mm's CUDA dtype; fp32 would read the group ends on the
+    host): under Inductor's CUDA graphs either direction; host-launched, the forward whose op
+    replays from runtime.op_graphs (the op_graphs option on), not the backward (its op is not
+    replayed: spec.backward_host_replay); launched piece by piece never. The bmm copy engine
+    always; a CPU profile never offers either."""
     from types import SimpleNamespace
 
     from torch._inductor import config as inductor_config
 
-    from overlap_compile import predictor
+    from overlap_compile import config, predictor
     from overlap_compile.templates import get_spec
 
     spec, prof, cpu = get_spec("moe_fused"), predictor.load_profile(profile_name), predictor.load_profile("cpu-gloo")
+    assert spec.host_replay and not spec.backward_host_replay, "the expectations below follow these defaults"
     bmm = {"split": "source", "transport": "p2p"}
     sections = [SimpleNamespace(direction=d, capacity=2560, dtype=dt) for d in ("forward", "backward")
                 for dt in (torch.bfloat16, torch.float32)]
     for match in sections:
-        assert spec.candidates(match, prof) == [bmm]
-        with inductor_config.patch({"triton.cudagraphs": True}):
-            want = [bmm, PACKED] if match.dtype == torch.bfloat16 else [bmm]
+        bf16 = match.dtype == torch.bfloat16
+        with config.patch(op_graphs=False):
+            assert spec.candidates(match, prof) == [bmm]
+        host = [bmm, PACKED] if bf16 and match.direction == "forward" else [bmm]
+        assert spec.candidates(match, prof) == host, (match, spec.candidates(match, prof))
+        with inductor_config.patch({"triton.cudagraphs": True}), config.patch(op_graphs=False):
+            want = [bmm, PACKED] if bf16 else [bmm]
             assert spec.candidates(match, prof) == want, (match, spec.candidates(match, prof))
             assert all(c.get("transport") != "p2p" for c in spec.candidates(match, cpu))
 

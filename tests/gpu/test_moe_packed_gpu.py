@@ -7,7 +7,8 @@ keep the wrong rows), 10 eager calls and one CUDA graph replayed on new slots (t
 on the device, so the call is capturable). bf16 bound 2e-2, as tests/gpu/test_moe_gpu.py: the
 grouped GEMMs sum in another order than bmm. World 2 is the test that matters (the exchange);
 world 1 runs on one GPU over NCCL (the own piece, the weight gradients grouped over K, the
-capture; the copy engine needs a peer)."""
+capture; the copy engine needs a peer). Host-launched, the packed forward op replays from
+runtime.op_graphs (default mode offers it there): new slot sizes every call, world 2, copy engine."""
 from __future__ import annotations
 
 import pytest
@@ -98,3 +99,73 @@ def test_packed_experts_match_bmm_on_every_slot(world, transport):
     from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
     assert_no_gpu_failures(_packed_vs_bmm, world, args=(transport,))
+
+
+CALLS = 6
+
+
+def _packed_forward_replays() -> list[str]:
+    """torch.ops.overlap_compile.moe_fused with packed experts, host-launched on one dispatch
+    buffer refilled with new routed rows (new sizes) every call, against kernels.run with bmm
+    experts on the same slots: from the third call on the op runs from its captured graph, and a
+    replay that kept the capture's sizes or index maps would drop or keep the wrong rows."""
+    import torch.distributed as dist
+
+    from overlap_compile.runtime import op_graphs
+    from overlap_compile.templates import load_all_ops
+    from overlap_compile.templates.moe_fused import kernels
+    from overlap_compile.templates.moe_fused.spec import SPEC
+    from overlap_compile.templates.plans import MoePlan
+
+    load_all_ops()
+    SPEC.host_replay = True  # whatever the default, this worker replays
+    rank, w = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    group, dev, dt = dist.group.WORLD.group_name, torch.device("cuda", rank), torch.bfloat16
+    bmm = {"split": "source", "transport": "p2p"}
+    why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm))
+    if why is not None:
+        return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
+    saves = ("tokens", "gate", "up", "act")
+    packed = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {**bmm, "experts": "packed"}, saves=saves)
+    as_bmm = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm, saves=saves)
+    torch.manual_seed(rank)
+    ws = [torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16, torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16,
+          torch.randn(E_LOCAL, F_, H, device=dev, dtype=dt) / 20]
+    buf = torch.empty(w * E_LOCAL * CAP, H, device=dev, dtype=dt)
+    op_graphs.clear()
+    fails: list[str] = []
+    for call in range(CALLS):
+        fails += _one_packed_call(buf, ws, group, packed, as_bmm, rank, w, call)
+    graphed = op_graphs.stats["captured"] + op_graphs.stats["replayed"]
+    if graphed < CALLS - 2:
+        fails.append(f"rank {rank}: {graphed} of {CALLS} calls ran from graphs ({dict(op_graphs.stats)}, "
+                     f"failures: {op_graphs.failures()})")
+    torch.cuda.synchronize()
+    kernels.check_errors(dev)
+    return fails
+
+
+def _one_packed_call(buf, ws, group, packed, as_bmm, rank: int, w: int, call: int) -> list[str]:
+    """One call on new slots (same address); nothing of it is held when the next one allocates,
+    so the allocator can hand out the same output addresses again (as in a model's steady state)."""
+    from overlap_compile.templates.moe_fused import kernels
+    from tests.gpu.moe_slots import zero_tails
+
+    buf.copy_(torch.randn_like(buf))
+    zero_tails(buf.view(w, E_LOCAL, CAP, H), 200 + call * 8 + rank)
+    got = torch.ops.overlap_compile.moe_fused(buf, *ws, group, packed.to_json())
+    want = kernels.run(buf, *ws, group, as_bmm)
+    fails = []
+    for name, g, t in zip(("out", "tokens", "gate", "up", "act"), got, want):
+        err = _rel(g, t)
+        if not err < 2e-2:
+            fails.append(f"rank {rank} host call {call} {name}: rel err {err:.3g}")
+    return fails
+
+
+@pytest.mark.multigpu
+def test_packed_forward_replays_from_op_graphs_with_new_sizes():
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
+
+    assert_no_gpu_failures(_packed_forward_replays, 2)

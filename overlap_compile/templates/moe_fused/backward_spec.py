@@ -29,27 +29,31 @@ COPY_ENGINE = {"split": "source", "transport": "p2p"}
 COPY_ENGINE_PACKED = {**COPY_ENGINE, "experts": "packed"}
 
 
-def gpu_candidates(match: Any) -> list[dict]:
+def gpu_candidates(match: Any, replays_on_host: bool = False) -> list[dict]:
     """The GPU profiles' configurations, either direction: the copy engine with bmm experts, and
-    with the experts on the routed rows only (packed.py) where Inductor captures the step in a
-    CUDA graph (mode="reduce-overhead": host-launched, the packed pieces' dozens of small
-    launches are not replayed, spec.py) and the section is bf16 (torch._grouped_mm's dtype on
-    CUDA; elsewhere packed.grouped reads the group ends on the host). The latency model weighs
-    the padding the packed GEMMs skip against the rows they move (model.packed_overhead_ms)."""
+    with the experts on the routed rows only (packed.py) where the section is bf16 (torch._grouped_mm's
+    dtype on CUDA; elsewhere packed.grouped reads the group ends on the host) and its launches
+    run from a CUDA graph: Inductor's (mode="reduce-overhead"), or, host-launched, the op's own
+    replay (``replays_on_host``: spec.replays_on_host, with the op_graphs option on). Launched
+    piece by piece, the packed pieces' dozens of small launches cost more than the padding they
+    skip (spec.py). The latency model weighs the padding the packed GEMMs skip against the rows
+    they move (model.packed_overhead_ms)."""
+    from ... import config
     from ...predictor.launch import launch_mode
     from ...predictor.models import dtype_name
 
     out = [dict(COPY_ENGINE)]
-    if launch_mode() == "cuda_graph" and dtype_name(getattr(match, "dtype", None)) == "bfloat16":
+    graphed = launch_mode() == "cuda_graph" or (replays_on_host and config.current().op_graphs)
+    if graphed and dtype_name(getattr(match, "dtype", None)) == "bfloat16":
         out.append(dict(COPY_ENGINE_PACKED))
     return out
 
 
-def candidates(match: Any, profile: Any) -> list[dict]:
+def candidates(match: Any, profile: Any, replays_on_host: bool = False) -> list[dict]:
     from ..base import gpu_profile
 
     if gpu_profile(profile):  # the forward's GPU paths, the copy engine (spec.py's module doc)
-        return gpu_candidates(match)
+        return gpu_candidates(match, replays_on_host)
     return [dict(CONFIG), dict(ROUTED)]
 
 

@@ -9,11 +9,14 @@ kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels
 (pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
 piece pipeline with asynchronous functional collectives.
 
-Host-launched copy-engine calls with bmm experts can go through runtime.op_graphs (captured on
-the second call with the same buffers, then replayed), as p2p_ring's do, where
+Host-launched copy-engine calls with bmm or packed experts can go through runtime.op_graphs
+(captured on the second call with the same buffers, then replayed), as p2p_ring's do, where
 ``spec.host_replay`` is on (it is: tests/gpu/test_moe_op_graphs.py passed at W=2 and the
 host-launched layer measured 1.18x over the layer as written, against 1.03x launched piece by
-piece); the predictor then prices the op's host time as a replay."""
+piece); the predictor then prices the op's host time as a replay. The packed experts' sizes
+and index maps are computed on the device inside the call, so a replay on new slots finds
+their new sizes (tests/gpu/test_moe_packed_gpu.py). The persistent expert kernel allocates its
+outputs and is not replayed."""
 from __future__ import annotations
 
 import torch
@@ -52,7 +55,7 @@ def moe_fused(buf: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         from . import kernels_nccl as impl
     else:
         impl = reference
-    if where == "p2p" and p.config.get("experts", "bmm") == "bmm" and replayable():
+    if where == "p2p" and p.config.get("experts", "bmm") != "fused" and replayable():
         outs = _new_outputs(buf, p)
         return run_replayed(group_name, plan, (buf, w1, w3, w2), outs,
                             lambda: impl.run(buf, w1, w3, w2, group_name, p, outs=outs))

@@ -99,9 +99,9 @@ class MoeFusedSpec(TemplateSpec):
 
     def candidates(self, match: Match, profile: Any) -> list[dict]:
         if is_backward(match):
-            return backward_spec.candidates(match, profile)
+            return backward_spec.candidates(match, profile, self.replays_on_host(match))
         if gpu_profile(profile):  # the paths measured faster on GPUs (module doc)
-            return backward_spec.gpu_candidates(match)
+            return backward_spec.gpu_candidates(match, self.replays_on_host(match))
         cap = getattr(match, "capacity", 1)
         routed = [{"split": "source", "payload": "routed"}]
         return [{"split": "source"}] + routed + [{"pieces": p} for p in (2, 4) if p <= cap]
