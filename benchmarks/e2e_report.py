@@ -25,6 +25,8 @@ def one_line(r: dict) -> str:
     fmt = lambda k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     extra = f"  rewritten {r['rewritten']}/{len(r['sites'])}, pass {r['pass_s']:.2f} s" if "sites" in r else ""
     extra += f"  collectives replaced {sum(r['nocomm_replaced'].values())}" if "nocomm_replaced" in r else ""
+    calls = r.get("op_graph_calls") or {}
+    extra += f"  op replays {calls.get('replayed', 0)}/{sum(calls.values())}" if sum(calls.values()) else ""
     modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
     loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
     return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import time_ms
+from benchmarks.timing import op_graph_calls_since, op_graph_counts, time_ms
 
 
 class Checkpointed(torch.nn.Module):
@@ -184,7 +184,9 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
             losses += [train_step() for _ in range(steps - 1)]
             row["losses"] = [mean_over_ranks(v) for v in losses]
             watch.start_timed()
+            calls_before = op_graph_counts()  # over the timed steps, warm-up included
             row["train_ms"] = time_ms(train_step, iters, warmup=2)
+            row["op_graph_calls"] = op_graph_calls_since(calls_before)
             recompiles += watch.compiled_since_mark()
             row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
             row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)

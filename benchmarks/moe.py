@@ -66,7 +66,6 @@ limit writes the rows measured before.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import datetime
 import functools
@@ -84,7 +83,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
 from benchmarks.results_io import result_stem, write_rows  # noqa: E402
-from benchmarks.timing import Budget, time_ms  # noqa: E402
+from benchmarks.timing import Budget, op_graph_calls_since, op_graph_counts, time_ms  # noqa: E402
 
 DRY_SHAPES = [{"name": "tiny-8", "S": 64, "H": 32, "I": 48, "E": 8, "topk": 2},
               {"name": "tiny-16", "S": 64, "H": 32, "I": 48, "E": 16, "topk": 2}]
@@ -112,9 +111,6 @@ SKEW_BIAS = 6.0  # added to expert 0's logit for an input of mean 1 (module docs
 # GPU: with the grace, the run ends inside run_multigpu.sh's MOE_TIMEOUT (480 s), start-up included
 DEFAULT_BUDGET_S = 300
 GRACE_S = 120  # one block in flight past the budget (a block: ~10 compiles), then the output
-# runtime.op_graphs' outcomes of the template ops' host-launched calls, counted over the timed calls
-# (warm-up included): "replayed" is the one where a call costs a single graph launch
-OP_GRAPH_CALLS = ("eager", "captured", "replayed", "failed")
 NOCOMM_NOTE = "none: nocomm replaces the all-to-alls by local copies, so its output differs by design"
 
 
@@ -203,7 +199,6 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
     import overlap_compile as oc
     from benchmarks.e2e_run import CompileWatch
     from overlap_compile.explain import no_compile_caches
-    from overlap_compile.runtime import op_graphs
 
     force, config = VARIANTS[name]
     torch._dynamo.reset()
@@ -245,10 +240,10 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
                         return y.detach()
                 out = step().clone()  # CUDA-graph outputs are overwritten by the next replay
                 watch.start_timed()
-                calls_before = collections.Counter(op_graphs.stats)
+                calls_before = op_graph_counts()  # over the timed calls, warm-up included
                 ms = time_ms(step, iters, warmup=3)
                 fields.update(ms=ms, tokens_per_s=layer.world * x.shape[0] / (ms / 1e3),
-                              op_graph_calls={k: op_graphs.stats[k] - calls_before[k] for k in OP_GRAPH_CALLS},
+                              op_graph_calls=op_graph_calls_since(calls_before),
                               **watch.summary(watch.compiled_since_mark()))
             except Exception as e:  # recorded, the sweep goes on
                 fields.update(error=f"{type(e).__name__}: {e}"[:1500], trace=traceback.format_exc()[-3000:])

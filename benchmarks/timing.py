@@ -8,16 +8,37 @@ this process's median. ``graphed(fn)``: fn captured in a CUDA graph
 (after warm-up on a side stream), returned as its replay; ``calls`` captures that many calls in one
 graph (gemm.py times kernels that way, without launch gaps). ``host_ms_per_call(fn, calls)``: the
 host's own time per call of back-to-back calls (host_profile.py). ``Budget``: rank 0's clock decides
-for every rank whether the next configuration still fits a time budget.
+for every rank whether the next configuration still fits a time budget. ``op_graph_counts()`` /
+``op_graph_calls_since(before)``: how the template ops' host-launched calls went between two
+points (runtime.op_graphs; moe.py's and e2e.py's rows).
 """
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+
+# runtime.op_graphs' outcomes of the template ops' host-launched calls: "replayed" is the one
+# where a call costs a single graph launch
+OP_GRAPH_CALLS = ("eager", "captured", "replayed", "failed")
+
+
+def op_graph_counts() -> collections.Counter:
+    """runtime.op_graphs' outcome counts so far (a snapshot for op_graph_calls_since)."""
+    from overlap_compile.runtime import op_graphs
+
+    return collections.Counter(op_graphs.stats)
+
+
+def op_graph_calls_since(before: collections.Counter) -> dict:
+    """outcome -> host-launched template op calls since ``before`` (op_graph_counts())."""
+    now = op_graph_counts()
+    return {k: now[k] - before[k] for k in OP_GRAPH_CALLS}
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:

@@ -120,6 +120,8 @@ def test_mixtral_training_through_moe_fused_matches_default(mixtral_rows):
     rewritten = [(s["graph"].split("_")[0], s["template"]) for s in ov["sites"] if s["rewritten"]]
     assert sorted(rewritten) == [("backward", "moe_fused"), ("forward", "moe_fused")], ov["sites"]
     assert ov["failure_modes"] == [], ov["failure_modes"]
+    # how the ops' host-launched calls went: on CPU the reference pipeline, never through op_graphs
+    assert ov["op_graph_calls"] == {k: 0 for k in ("eager", "captured", "replayed", "failed")}, ov["op_graph_calls"]
 
 
 def test_mixtral_nopad_bound_drops_the_padding_and_the_collectives(mixtral_rows):
