@@ -50,6 +50,18 @@ def one_gpu_group(tool: str, port: int) -> None:
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
+def launched_group(tool: str, port: int) -> None:
+    """Under torchrun (WORLD_SIZE set): the launcher's NCCL group, this process on its LOCAL_RANK's
+    GPU; otherwise one_gpu_group."""
+    if "WORLD_SIZE" not in os.environ:
+        return one_gpu_group(tool, port)
+    if torch.cuda.device_count() < int(os.environ["WORLD_SIZE"]):
+        raise SystemExit(f"{tool}: {os.environ['WORLD_SIZE']} ranks asked, {torch.cuda.device_count()} GPUs here")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+
+
 def role_of(name: str) -> str:
     low = name.lower()
     for role, parts in ROLES:

@@ -1,9 +1,11 @@
 """Where an end-to-end model's training step spends its GPU time, kernel by kernel: the e2e
 benchmark's block (benchmarks/models, e.g. mixtral_ep) under torch.compile on one GPU (a one-rank
-NCCL group: the collectives are local), profiled with torch.profiler over a few steps.
+NCCL group: the collectives are local), or on W GPUs under torchrun, profiled with torch.profiler
+over a few steps (rank 0's kernels reported; the step time is the slowest rank's).
 
     python benchmarks/diagnostics/train_step_breakdown.py --model mixtral_ep --out $OUT
     python benchmarks/diagnostics/train_step_breakdown.py --model mixtral_ep --backend overlap
+    torchrun --nproc-per-node 2 benchmarks/diagnostics/train_step_breakdown.py --backend overlap --out $OUT
 
 Kernels are put in roles by name (moe_breakdown.role_of, plus ``attention`` for the
 flash / efficient attention kernels). For a MoE block it also prints the expert slots' fill (the
@@ -61,9 +63,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     a = ap.parse_args()
-    from moe_breakdown import one_gpu_group
+    from moe_breakdown import launched_group
 
-    one_gpu_group("train_step_breakdown", 29533)
+    launched_group("train_step_breakdown", 29533)
+    rank0 = dist.get_rank() == 0
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.e2e import family_of, load_shapes
@@ -98,7 +101,9 @@ def main() -> None:
     for _ in range(a.iters):
         step()
     torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3 / a.iters
+    slowest = torch.tensor([(time.perf_counter() - t0) * 1e3 / a.iters], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step_ms = slowest.item()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.iters):
             step()
@@ -112,7 +117,11 @@ def main() -> None:
         roles[role(name)] += ms
     busy = sum(kernels.values())
     fill = moe_fill(built.model, built.x)
-    print(f"{a.model} {shape['name']} ({a.backend}): step {step_ms:.2f} ms, kernels {busy:.2f} ms")
+    if not rank0:
+        dist.destroy_process_group()
+        return
+    world = dist.get_world_size()
+    print(f"{a.model} {shape['name']} ({a.backend}, W={world}): step {step_ms:.2f} ms, rank 0's kernels {busy:.2f} ms")
     print("  " + "  ".join(f"{r} {ms:.2f} ({ms / busy:.0%})" for r, ms in roles.most_common()))
     if fill:
         print(f"  expert slots: fill {fill['fill']:.3f}, capacity {fill['capacity']}, routed {fill['routed_per_expert']}, "
@@ -126,7 +135,7 @@ def main() -> None:
                "backend": a.backend, "force": a.force, "step_ms": step_ms, "kernel_ms": busy,
                "roles_ms": dict(roles.most_common()), "moe_fill": fill,
                "kernels_ms": [[n, ms, role(n)] for n, ms in kernels.most_common()]}
-        path = write_rows([row], a.out, "train_step_breakdown", row["device"], 1,
+        path = write_rows([row], a.out, "train_step_breakdown", row["device"], world,
                           suffix=f"-{a.model}-{a.backend}{'-forced' if a.force else ''}")
         print("wrote", path)
     dist.destroy_process_group()
