@@ -53,6 +53,22 @@ def moe_fill(block, x: torch.Tensor) -> dict | None:
             "fill": sum(per_expert) / (cap * moe.num_experts), "dropped": int((~kept).sum())}
 
 
+def busy_and_span_ms(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(how long some kernel or copy ran, first start to last end), ms, of device ``intervals``
+    (start, end in us, the profiler's): span - busy is time the GPU sat idle, waiting on the host,
+    on a peer (stream waits are not kernels) or on nothing queued."""
+    busy, end_so_far = 0.0, None
+    for start, end in sorted(intervals):
+        if end_so_far is None or start > end_so_far:
+            busy += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            busy += end - end_so_far
+            end_so_far = end
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
+    return busy / 1e3, span / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mixtral_ep")
@@ -62,6 +78,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--tag", default="", help="appended to the results file's name (runs of one backend apart)")
     a = ap.parse_args()
     from moe_breakdown import launched_group
 
@@ -109,9 +126,15 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     kernels: collections.Counter = collections.Counter()
+    intervals = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
             kernels[ev.name] += ev.device_time / 1e3 / a.iters
+            intervals.append((ev.time_range.start, ev.time_range.end))
+    busy_ms, span_ms = busy_and_span_ms(intervals)
+    ranks: list = [None] * dist.get_world_size()  # every rank's (kernels, busy, span) per step
+    dist.all_gather_object(ranks, {"kernel_ms": sum(kernels.values()), "busy_ms": busy_ms / a.iters,
+                                   "span_ms": span_ms / a.iters})
     roles: collections.Counter = collections.Counter()
     for name, ms in kernels.items():
         roles[role(name)] += ms
@@ -123,6 +146,9 @@ def main() -> None:
     world = dist.get_world_size()
     print(f"{a.model} {shape['name']} ({a.backend}, W={world}): step {step_ms:.2f} ms, rank 0's kernels {busy:.2f} ms")
     print("  " + "  ".join(f"{r} {ms:.2f} ({ms / busy:.0%})" for r, ms in roles.most_common()))
+    for r, got in enumerate(ranks):  # kernels overlapping (copy engine beside compute) count once in busy
+        print(f"  rank {r}: kernels {got['kernel_ms']:.2f} ms, GPU busy {got['busy_ms']:.2f} ms of a "
+              f"{got['span_ms']:.2f} ms span per step: idle {got['span_ms'] - got['busy_ms']:.2f} ms")
     if fill:
         print(f"  expert slots: fill {fill['fill']:.3f}, capacity {fill['capacity']}, routed {fill['routed_per_expert']}, "
               f"dropped {fill['dropped']}")
@@ -133,10 +159,10 @@ def main() -> None:
 
         row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model, "shape": shape,
                "backend": a.backend, "force": a.force, "step_ms": step_ms, "kernel_ms": busy,
-               "roles_ms": dict(roles.most_common()), "moe_fill": fill,
+               "roles_ms": dict(roles.most_common()), "moe_fill": fill, "ranks": ranks,
                "kernels_ms": [[n, ms, role(n)] for n, ms in kernels.most_common()]}
         path = write_rows([row], a.out, "train_step_breakdown", row["device"], world,
-                          suffix=f"-{a.model}-{a.backend}{'-forced' if a.force else ''}")
+                          suffix=f"-{a.model}-{a.backend}{'-forced' if a.force else ''}{'-' + a.tag if a.tag else ''}")
         print("wrote", path)
     dist.destroy_process_group()
 
