@@ -38,8 +38,9 @@ grouped GEMMs on the routed rows only, sizes on the device, both directions: pac
 ``{"pieces": p}`` (the capacity axis in p slices); see reference.py. Latency model: model.py
 (both directions).
 
-On GPUs (gpu_implemented): the copy-engine path with bmm experts, and where Inductor captures the
-graph and the section is bf16 the same with packed experts too (backward_spec.gpu_candidates: the
+On GPUs (gpu_implemented): the copy-engine path with bmm experts, and where the section is bf16
+and its launches run from a CUDA graph (Inductor's, or host-launched the forward op's replay from
+runtime.op_graphs) the same with packed experts too (backward_spec.gpu_candidates: the
 model weighs the padding its GEMMs skip against the rows it moves; 2x H100, CUDA graphs, the
 Mixtral shape's training section 31.96 vs 32.94 ms, MoE-1's 3.42 vs 2.20,
 moe_op_profile-*-2026-11-27.json). With bmm experts, on 2x H100
