@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.plot import E2E_BOUNDS
 from benchmarks.timing import op_graph_calls_since, op_graph_counts, time_ms
 
 
@@ -45,7 +46,7 @@ def variant_context(variant: str):
 
         with async_tp():
             yield None
-    elif variant in ("nocomm", "nocomm_nopad"):
+    elif variant in E2E_BOUNDS:  # every bound runs without communication
         from benchmarks.nocomm import nocomm
 
         with nocomm() as p:

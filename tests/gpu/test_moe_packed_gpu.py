@@ -23,31 +23,43 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-def _packed_vs_bmm(transport: str) -> list[str]:
+def _rank_and_weights(bmm: dict) -> tuple[int, int, str, torch.device, list[torch.Tensor], str | None]:
+    """(rank, world, group name, device, [w1, w3, w2] bf16 drawn with the rank's seed, why the
+    copy engine cannot run here where ``bmm`` asks for it, else None), on this rank's GPU."""
     import torch.distributed as dist
 
-    from overlap_compile.templates.moe_fused import backward_nccl, backward_p2p, kernels, kernels_nccl
+    from overlap_compile.templates.moe_fused import kernels
     from overlap_compile.templates.plans import MoePlan
-    from tests.gpu.moe_slots import zero_tails
 
     rank, w = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     group, dev, dt = dist.group.WORLD.group_name, torch.device("cuda", rank), torch.bfloat16
+    why = None
+    if bmm.get("transport") == "p2p":
+        why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm))
+    torch.manual_seed(rank)
+    ws = [torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16, torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16,
+          torch.randn(E_LOCAL, F_, H, device=dev, dtype=dt) / 20]
+    return rank, w, group, dev, ws, why
+
+
+def _packed_vs_bmm(transport: str) -> list[str]:
+    from overlap_compile.templates.moe_fused import backward_nccl, backward_p2p, kernels, kernels_nccl
+    from overlap_compile.templates.plans import MoePlan
+    from tests.gpu.moe_slots import zero_tails
+
     bmm = {"split": "source", "transport": transport} if transport == "p2p" else {"split": "source"}
     packed = {**bmm, "experts": "packed"}
     forward_run, backward_run = (kernels.run, backward_p2p.run) if transport == "p2p" else (kernels_nccl.run,
                                                                                          backward_nccl.run)
-    if transport == "p2p":
-        why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm))
-        if why is not None:
-            return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
+    rank, w, group, dev, ws, why = _rank_and_weights(bmm)
+    if why is not None:
+        return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
+    dt = ws[0].dtype
     saves = ("tokens", "gate", "up", "act")
     plans = {name: (MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, cfg, saves=saves),
                     MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, cfg, direction="backward"))
              for name, cfg in (("bmm", bmm), ("packed", packed))}
-    torch.manual_seed(rank)
-    ws = [torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16, torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16,
-          torch.randn(E_LOCAL, F_, H, device=dev, dtype=dt) / 20]
     wts = [t.transpose(1, 2) for t in ws]
     fails: list[str] = []
 
@@ -109,8 +121,6 @@ def _packed_forward_replays() -> list[str]:
     buffer refilled with new routed rows (new sizes) every call, against kernels.run with bmm
     experts on the same slots: from the third call on the op runs from its captured graph, and a
     replay that kept the capture's sizes or index maps would drop or keep the wrong rows."""
-    import torch.distributed as dist
-
     from overlap_compile.runtime import op_graphs
     from overlap_compile.templates import load_all_ops
     from overlap_compile.templates.moe_fused import kernels
@@ -119,20 +129,14 @@ def _packed_forward_replays() -> list[str]:
 
     load_all_ops()
     SPEC.host_replay = True  # whatever the default, this worker replays
-    rank, w = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    group, dev, dt = dist.group.WORLD.group_name, torch.device("cuda", rank), torch.bfloat16
     bmm = {"split": "source", "transport": "p2p"}
-    why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm))
+    rank, w, group, dev, ws, why = _rank_and_weights(bmm)
     if why is not None:
         return [f"rank {rank}: the copy-engine path cannot run here: {why}"]
     saves = ("tokens", "gate", "up", "act")
     packed = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {**bmm, "experts": "packed"}, saves=saves)
     as_bmm = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, bmm, saves=saves)
-    torch.manual_seed(rank)
-    ws = [torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16, torch.randn(E_LOCAL, H, F_, device=dev, dtype=dt) / 16,
-          torch.randn(E_LOCAL, F_, H, device=dev, dtype=dt) / 20]
-    buf = torch.empty(w * E_LOCAL * CAP, H, device=dev, dtype=dt)
+    buf = torch.empty(w * E_LOCAL * CAP, H, device=dev, dtype=ws[0].dtype)
     op_graphs.clear()
     fails: list[str] = []
     for call in range(CALLS):
