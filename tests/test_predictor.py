@@ -568,11 +568,11 @@ def test_decisions_are_cached_and_deterministic(group):
     predictor.clear_cache()
     fresh = predictor.rank_configs(spec, match, p)
     assert [(c.config, c.predicted_ms) for c in fresh] == [(c.config, c.predicted_ms) for c in again]
-    keys = [k for k in predictor._cache if k[0] == "rank:signal_reorder"]
+    keys = [k for k in predictor.decision_cache.keys() if k[0] == "rank:signal_reorder"]
     assert keys and all(k[1] == match.signature() and k[2] == p.key for k in keys)
     # another profile is another decision
     predictor.rank_configs(spec, match, predictor.load_profile("h100"))
-    assert len([k for k in predictor._cache if k[0] == "rank:signal_reorder"]) == 2
+    assert len([k for k in predictor.decision_cache.keys() if k[0] == "rank:signal_reorder"]) == 2
 
 
 class _PeerOrNcclSpec:
