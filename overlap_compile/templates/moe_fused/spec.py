@@ -52,7 +52,7 @@ known), and NCCL by capacity pieces 0.82-0.94x on 2x H200
 (moe-*-2026-11-23.json). Those stay reachable through force_config. In a training step, with
 the SwiGLU elementwise steps in one pass (swiglu_kernels.py), the layer measured 1.20x (CUDA
 graphs) / 1.10x (host-launched) geomean and the Mixtral-like e2e block 1.025x, above its comm-free
-bound of 1.014x (moe-*-s16-train.*, e2e-*-mixtral-s16-final.*; 2x H100).
+bound of 1.014x (moe-*-2026-11-26-train-uniform.*, e2e-*-2026-11-26-mixtral-final.*; 2x H100).
 """
 from __future__ import annotations
 
