@@ -226,9 +226,8 @@ def test_allreduce_gather_grid():
 
 
 def test_unproven_gpu_kinds_stay_as_written_under_gpu_profiles_even_when_forced():
-    """GEMM + reduce-scatter / all-reduce: until the 2-GPU race loops pass, a GPU profile leaves the
-    site as written (with the reason) also under force_template; the all-gather (proven on 2x H200)
-    and the CPU reference (cpu-gloo profile) are still rewritten."""
+    """Until their 2-GPU race loops pass, a GPU profile leaves every tile_fused site as written (with
+    the reason) also under force_template; the CPU reference (cpu-gloo profile) still rewrites them."""
     from overlap_compile import config, predictor
     from overlap_compile.passes.decide import decide
     from overlap_compile.testing.fake_group import fake_process_group
@@ -243,10 +242,36 @@ def test_unproven_gpu_kinds_stay_as_written_under_gpu_profiles_even_when_forced(
             gpu = decide([rs, ar, ag], opts, predictor.load_profile("h200"))
             cpu = decide([rs, ar, ag], opts, predictor.load_profile("cpu-gloo"))
         free = decide([rs, ar], config.current(), predictor.load_profile("h200"))
-    assert [d.template for d in gpu] == ["baseline", "baseline", "tile_fused"]
-    for d in gpu[:2]:
-        assert "race loops" in d.reason and "force_template='tile_fused' cannot take this site" in d.reason, d.reason
+    assert [d.template for d in gpu] == ["baseline", "baseline", "baseline"]
+    for d in gpu:
+        assert "race loop" in d.reason and "force_template='tile_fused' cannot take this site" in d.reason, d.reason
+    assert "all-gather" in gpu[2].reason
     assert [d.template for d in cpu] == ["tile_fused"] * 3
     for d in free:  # not a candidate in the predictor's contest either, with the reason
         (tf,) = [c for c in d.candidates if c.template == "tile_fused"]
         assert tf.predicted_ms is None and "race loops" in tf.note
+
+
+def test_allgather_refusal_is_one_flag(monkeypatch):
+    """The all-gather's GPU refusal goes with ALLGATHER_RACE_LOOP_PASSED alone."""
+    from overlap_compile.templates.tile_fused import spec
+    from overlap_compile.testing.fake_group import fake_process_group
+    from overlap_compile.testing.patterns import traced_site
+
+    with fake_process_group(2):
+        ag = traced_site("allgather_gemm", 8192, 4096, 2048, 2)
+    assert spec.SPEC.gpu_refusal(ag) == spec.ALLGATHER_REFUSAL
+    monkeypatch.setattr(spec, "ALLGATHER_RACE_LOOP_PASSED", True)
+    assert spec.SPEC.gpu_refusal(ag) is None
+
+
+def test_allgather_gemm_leaves_an_sm_free():
+    """The all-gather's persistent GEMM spins on chunks that copies and flag writes land; it never
+    takes every SM, so whatever lands them finds one."""
+    pytest.importorskip("triton")
+    from overlap_compile.templates.tile_fused.kernels import AG_FREE_SMS, ag_programs
+
+    assert AG_FREE_SMS >= 1
+    assert ag_programs(132, 2, 256) == 132 - AG_FREE_SMS
+    assert ag_programs(132, 2, 10) == 20
+    assert ag_programs(1, 2, 10) == 1

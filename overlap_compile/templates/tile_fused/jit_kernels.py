@@ -79,7 +79,10 @@ if _HAVE_TRITON:
             n0 = tn * BLOCK_N
             if MODE == 1:
                 if stripe != rank:
-                    P.rank_wait(flags_ptr, stripe, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                    landed = P.rank_wait(flags_ptr, stripe, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                    if A_TMA:
+                        # TMA loads are async-proxy reads: ordered after the acquire only by this fence
+                        P.fence_async_reads(landed, USE_ASM)
             a_row0 = SR.global_row_jit(stripe, r0, world, chunk)
             loc_rows = r0 + offs_m
             g_rows = SR.global_row_jit(stripe, loc_rows, world, chunk).to(tl.int64)

@@ -6,10 +6,12 @@ the error records, symmetric buffers and streams; this module runs the ops (``ru
 ``run_allgather``) and re-exports both, so ``kernels.<name>`` reaches every name of the three.
 
 Streams. RS: comm stream (highest priority) = barrier, push, reduce; compute stream = GEMM; join.
-AG: comm stream = barrier, copy my shard into my symmetric buffer, barrier, then per peer (r+1,
-r+2, ...) a copy-engine pull of its shard into the gathered matrix + rank notify; compute stream =
-copy of my shard into the gathered matrix, the fused GEMM of the first consumer (waits per tile),
-then the flag reset; further consumers as plain GEMMs after the join.
+AG: comm stream = barrier, copy my shard into my symmetric buffer, barrier (the compute stream
+waits for these: no kernel the GEMM depends on is queued behind it), then per peer (r+1, r+2, ...)
+a copy-engine pull of its shard into the gathered matrix + rank notify (a stream memory write);
+compute stream = copy of my shard into the gathered matrix, the fused GEMM of the first consumer
+(waits per tile, ``AG_FREE_SMS`` left free), then the flag reset; further consumers as plain GEMMs
+after the join.
 
 Signals return to zero after every call with no host value that changes between calls (the
 waits consume, the AG chunk flags are reset by a 4-byte-per-rank memset after the GEMM that
@@ -181,10 +183,17 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
         barrier(group_name, device, w, rank, plan.timeout_ms)  # peers finished pulling my last shard
         mine.copy_(shard)
         barrier(group_name, device, w, rank, plan.timeout_ms)  # every shard is in its symmetric buffer
+    # The ranks meet before the persistent GEMM starts (stream order): queued behind a GEMM that
+    # holds every SM and spins on the chunks, the second barrier kernel found no SM slot, so no
+    # pull began and the GEMM's wait timed out ("rank 1 ... read 0"). After this point the comm
+    # stream holds only copies and flag writes, which need no SM (see ag_programs).
+    compute.wait_stream(comm)
+    with torch.cuda.stream(comm):
         for j in range(1, w):
             src = (rank + j) % w
             peer = symm.peer_view(group_name, mine, src)
             P.rank_copy_data(_stripe_pieces(gathered, st, src), _shard_pieces(peer, st), arrived, src, stream_notify)
+    shard.record_stream(comm)  # read by the staging copy on the comm stream
     for piece, part in zip(_stripe_pieces(gathered, st, rank), _shard_pieces(shard, st)):
         piece.copy_(part)  # my rows: no wait
     outs = []
@@ -192,7 +201,7 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     y0 = given[1] if given else torch.empty(plan.m, n0, dtype=shard.dtype, device=device)
     grid = TileGrid(rows_local, n0, bm, bn, c.get("group_m", 8))
     cfg = _gemm_cfg(device, plan.m, n0, plan.k, shard.dtype, plan)
-    programs = max(1, min(_num_sms(device), w * grid.num_tiles))
+    programs = ag_programs(_num_sms(device), w, grid.num_tiles)
     contig = plan.outer == 1 or plan.chunk % bm == 0
     _launch_gemm(MODE_AG, gathered, bs[0], biases[0], y0, arrived, rows_local, n0, plan.k, grid.num_tiles, w, rank,
                  plan.chunk, programs, cfg, contig, plan.chunk % bm == 0, y0, plan)
@@ -205,6 +214,17 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     gathered.record_stream(comm)
     _after_call(device, "allgather_gemm")
     return [gathered] + outs
+
+
+AG_FREE_SMS = 1  # SMs the all-gather's persistent GEMM leaves free
+
+
+def ag_programs(sms: int, world: int, tiles: int) -> int:
+    """CTAs of the all-gather's persistent GEMM: one per tile, at most every SM but
+    ``AG_FREE_SMS``. Its CTAs spin until the peers' chunks land; what lands them (a peer copy the
+    driver may run as a kernel, the notify kernel where no stream memory operation is available)
+    must find an SM, or the spin outlasts its bound."""
+    return max(1, min(sms - AG_FREE_SMS, world * tiles))
 
 
 def _stripe_pieces(x: torch.Tensor, st: Any, k: int) -> list[torch.Tensor]:

@@ -301,23 +301,50 @@ _driver_checked: list = []
 
 
 def stream_notify(flags: torch.Tensor, index: int) -> None:
-    """flags[index] += 1 behind the work already on the current stream: a stream memory operation
-    (cuStreamWriteValue32 of 1, no SM; the flag is 0 before: one notify per flag per call), else a
-    one-thread Triton kernel (rank_notify)."""
+    """flags[index] = 1 behind the work already on the current stream (the flag is 0 before: one
+    notify per flag per call), by ``notify_path()``: "torch", torch's ``symm_mem.stream_write_value32_``
+    (the cuStreamWriteValue32 p2p_ring writes its flags with, also under CUDA-graph capture);
+    "driver", the same call through cuda-bindings; "kernel", a one-thread Triton kernel
+    (rank_notify), compiled and loaded during the first-call warm-up like every other kernel."""
+    path = notify_path()
+    if path == "kernel":
+        _launch_small("notify", _notify_kernel, (1,), flags, index, num_warps=1)
+        return
     if _warming:
         return
+    if path == "torch":
+        torch.ops.symm_mem.stream_write_value32_(flags.view(torch.uint32), index, 1)
+        return
     drv = _stream_driver()
-    if drv is not None:
-        stream = drv.CUstream(torch.cuda.current_stream(flags.device).cuda_stream)
-        addr = drv.CUdeviceptr(flags.data_ptr() + 4 * index)
-        (err,) = drv.cuStreamWriteValue32(stream, addr, 1, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            return
+    stream = drv.CUstream(torch.cuda.current_stream(flags.device).cuda_stream)
+    addr = drv.CUdeviceptr(flags.data_ptr() + 4 * index)
+    (err,) = drv.cuStreamWriteValue32(stream, addr, 1, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{TEMPLATE}: cuStreamWriteValue32 failed: {err}")
-    _launch_small("notify", _notify_kernel, (1,), flags, index, num_warps=1)
+
+
+_notify_path: list = []
+
+
+def notify_path() -> str:
+    """How stream_notify writes a flag here: "torch", "driver" or "kernel" (the first available;
+    OVERLAP_COMPILE_TILE_FUSED_NOTIFY=torch|driver|kernel asks for one)."""
+    if _notify_path:
+        return _notify_path[0]
+    asked = os.environ.get("OVERLAP_COMPILE_TILE_FUSED_NOTIFY", "auto")
+    if asked not in ("auto", "torch", "driver", "kernel"):
+        raise ValueError(f"OVERLAP_COMPILE_TILE_FUSED_NOTIFY={asked!r}: expected auto, torch, driver or kernel")
+    have_torch = hasattr(getattr(torch.ops, "symm_mem", None), "stream_write_value32_") and hasattr(torch, "uint32")
+    order = [asked] if asked != "auto" else ["torch", "driver", "kernel"]
+    for path in order:
+        if path == "torch" and have_torch or path == "driver" and _stream_driver() is not None or path == "kernel":
+            _notify_path.append(path)
+            return path
+    raise RuntimeError(f"{TEMPLATE}: OVERLAP_COMPILE_TILE_FUSED_NOTIFY={asked} is not available here")
 
 
 def _stream_driver() -> Any:
+    """cuda-bindings' driver module (None without it, or when the notify is asked to be a kernel)."""
     if os.environ.get("OVERLAP_COMPILE_TILE_FUSED_NOTIFY", "auto") == "kernel":
         return None
     if not _driver_checked:

@@ -36,6 +36,15 @@ _UNPROVEN = ("tile_fused GEMM + {what} on GPUs gave wrong results on some calls 
 # kinds whose GPU kernels are not yet shown right on every call
 GPU_UNPROVEN = {"gemm_reducescatter": _UNPROVEN.format(what="reduce-scatter"),
                 "gemm_allreduce": _UNPROVEN.format(what="all-reduce")}
+# Set True once tests/gpu/test_tile_fused.py::test_race_loop_every_call_right[2-allgather_gemm]
+# passes on 2 GPUs: until then GPU profiles leave tile_fused all-gather sites as written.
+ALLGATHER_RACE_LOOP_PASSED = False
+ALLGATHER_REFUSAL = (
+    "tile_fused all-gather + GEMM timed out in its 2-GPU race loop (the GEMM's wait on a peer's chunk read 0: "
+    "its persistent GEMM held every SM while the call's second barrier kernel, which the chunk copies wait for, "
+    "was queued behind it). The fix (ranks meet before the GEMM starts, one SM left free) has not passed "
+    "tests/gpu/test_tile_fused.py's race loops on 2 GPUs yet, so the site stays as written on GPUs "
+    "(force_template included); the CPU reference still runs it")
 
 
 class TileFusedSpec(TemplateSpec):
@@ -69,10 +78,13 @@ class TileFusedSpec(TemplateSpec):
         return None
 
     def gpu_refusal(self, match: Match) -> str | None:
-        """GEMM + reduce-scatter / all-reduce: refused on GPUs until the 2-GPU race loops of
-        tests/gpu/test_tile_fused.py (1,000 calls per case, inputs changing every call) pass."""
+        """Refused on GPUs until the 2-GPU race loops of tests/gpu/test_tile_fused.py (1,000 calls
+        per case, inputs changing every call) pass: GEMM + reduce-scatter / all-reduce
+        (GPU_UNPROVEN), all-gather + GEMM (ALLGATHER_RACE_LOOP_PASSED)."""
         if match.kind in GPU_UNPROVEN:
             return GPU_UNPROVEN[match.kind]
+        if match.kind == "allgather_gemm" and not ALLGATHER_RACE_LOOP_PASSED:
+            return ALLGATHER_REFUSAL
         return None
 
     @staticmethod
