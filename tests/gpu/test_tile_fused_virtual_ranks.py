@@ -80,3 +80,56 @@ def test_every_call_right_with_two_virtual_ranks(kind, m, n, k, dtype):
     (r,) = run_distributed(race, world_size=1, args=(kind, m, n, k, 2, 300, dtype), timeout_s=400)
     print(kind, (m, n, k), dtype, r)
     assert r["wrong"] == 0, r
+
+
+def race_allgather(m: int, n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
+    """All-gather + GEMM with ``world`` virtual ranks, call after call, inputs changing: the call
+    start barriers, the staging copy, the peers' chunk pulls and their flags, the GEMM's waits."""
+    from overlap_compile.templates.plans import AllGatherGemmPlan
+    from overlap_compile.templates.tile_fused import kernels as K
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    rows = m // world
+    cfg = {"block_m": 128, "block_n": 128, "group_m": 8, "comm_ctas": 8}
+    plan = AllGatherGemmPlan("tile_fused", m, k, (n,), world, 1, rows, (False,), cfg, timeout_ms=5000)
+    g = torch.Generator(device=dev).manual_seed(11)
+    inputs = [([torch.randn(rows, k, device=dev, dtype=dtype, generator=g) / 4 for _ in range(world)],
+               torch.randn(k, n, device=dev, dtype=dtype, generator=g) / 4) for _ in range(VARIANTS)]
+    expected = [torch.cat(shards).double() @ b.double() for shards, b in inputs]
+    with virtual_ranks(world, dev) as group:
+        warm_up_tile_fused(group, [lambda r=r: K._run_ag(inputs[0][0][r], [inputs[0][1]], [None], "virtual", plan)
+                                   for r in range(world)])
+
+        def calls_of(r: int) -> torch.Tensor:
+            errs = []
+            for i in range(calls):
+                shards, b = inputs[i % VARIANTS]
+                _, y = K.run_allgather(shards[r], [b], [None], "virtual", plan)
+                exp = expected[i % VARIANTS]
+                errs.append((y.double() - exp).norm() / exp.norm())
+                if not group.pace(i):
+                    break
+            return torch.stack(errs)
+
+        errs = torch.stack(group.run(calls_of))
+        K.check_errors(dev)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    return {"calls": calls, "wrong": int(((errs > tol) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+
+
+@pytest.mark.parametrize("m,n,k", [(2 * 1000, 1000, 520), (4096, 4096, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_allgather_every_call_right_with_two_virtual_ranks(m, n, k, dtype):
+    """Two ranks' persistent GEMMs share one GPU here: a kernel a GEMM waits on that can only
+    start once some GEMM leaves the SMs (the call's second barrier, queued behind the GEMM before
+    the ranks met ahead of it) shows up as a wait timeout."""
+    from overlap_compile.templates.tile_fused import kernels as K
+
+    if not K.available():
+        pytest.skip("tile_fused kernels unavailable (Triton / sm_80+)")
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    (r,) = run_distributed(race_allgather, world_size=1, args=(m, n, k, 2, 300, dtype), timeout_s=400)
+    print("allgather", (m, n, k), dtype, r)
+    assert r["wrong"] == 0, r
