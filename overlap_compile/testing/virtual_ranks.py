@@ -167,6 +167,13 @@ def virtual_ranks(world: int, device: torch.device):
         buf = symm_buffer(group_name, key, shape, dtype, dev, zero)
         return buf.local, buf.ptrs
 
+    def peer_view(group_name, t, rank):
+        with lock:
+            for buf in buffers.values():
+                if any(b is t for b in buf.buffers):
+                    return buf.buffers[rank]
+        raise KeyError(f"{tuple(t.shape)} is not a virtual symmetric buffer")
+
     def zeros_cached(key, n, dev):
         return mine(("zeros", key), lambda: torch.zeros(n, dtype=torch.int32, device=dev))
 
@@ -190,6 +197,7 @@ def virtual_ranks(world: int, device: torch.device):
             (f"{rt}.comm", "rank_and_size", lambda name: (group.rank(), world)),
             (f"{rt}.symm", "symm_buffer", symm_buffer),
             (f"{rt}.symm", "tensor_and_ptrs", tensor_and_ptrs),
+            (f"{rt}.symm", "peer_view", peer_view),
             (f"{rt}.symm", "usable", lambda group_name, dev: None),
             (f"{rt}.symm", "available", lambda group_name, dev: True),
             (f"{rt}.agreement", "check_plan_agreement", lambda *a, **kw: None),
