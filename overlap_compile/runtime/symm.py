@@ -102,9 +102,10 @@ def node_reason(world: int, gpus_here: int, blocked: list[tuple[int, int]]) -> s
     return None
 
 
-def usable(group_name: str, device: torch.device) -> str | None:
-    """None when symmetric memory with peer copies can serve this group here; else why not.
-    Cached per (group, device): ops ask on every call."""
+def usable(group_name: str, device: torch.device, plan: Any = None) -> str | None:
+    """None when symmetric memory with peer copies can serve this group here; else why not
+    (``plan``: unused, the signature every path's ``usable`` shares). Cached per (group, device):
+    ops ask on every call."""
     ck = (group_name, device.type, device.index)
     with _lock:
         if ck in _usable:

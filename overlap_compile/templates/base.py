@@ -154,14 +154,14 @@ _routes: dict[tuple, tuple[Route, Any]] = {}
 
 def kernels_or_reference(package: str, reference: Any, errors_check: str | None = "check_errors") -> tuple[Callable, Callable]:
     """(route, route_allgather) for the op definers below: the template's ``<package>.kernels``
-    (imported on first use, graphable) where its ``usable(group_name, device)`` says so, else its
-    reference."""
+    (imported on first use, graphable) where its ``usable(group_name, device, plan)`` returns None,
+    else its reference."""
     import importlib
 
     def route_for(entry: str) -> Callable:
         def route(group_name: str, device: torch.device, plan: Any) -> Route:
             kernels = importlib.import_module(f"{package}.kernels")
-            if not kernels.usable(group_name, device):
+            if kernels.usable(group_name, device, plan) is not None:
                 return Route(getattr(reference, entry))
             check = getattr(kernels, errors_check) if errors_check else None
             return Route(getattr(kernels, entry), graphable=True,

@@ -198,7 +198,7 @@ def virtual_ranks(world: int, device: torch.device):
             (f"{rt}.symm", "symm_buffer", symm_buffer),
             (f"{rt}.symm", "tensor_and_ptrs", tensor_and_ptrs),
             (f"{rt}.symm", "peer_view", peer_view),
-            (f"{rt}.symm", "usable", lambda group_name, dev: None),
+            (f"{rt}.symm", "usable", lambda group_name, dev, plan=None: None),
             (f"{rt}.symm", "available", lambda group_name, dev: True),
             (f"{rt}.agreement", "check_plan_agreement", lambda *a, **kw: None),
             (f"{rt}.peer_flags", "copy_stream", high_priority_stream),

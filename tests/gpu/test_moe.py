@@ -33,8 +33,9 @@ def _kernels_vs_reference() -> list[str]:
     group = dist.group.WORLD.group_name
     dev = torch.device("cuda", rank)
     fails = []
-    if not kernels_nccl.usable(group, dev):
-        return [f"rank {rank}: kernels_nccl.usable() is False on an NCCL group"]
+    why = kernels_nccl.usable(group, dev)
+    if why is not None:
+        return [f"rank {rank}: the NCCL path cannot run on an NCCL group: {why}"]
     p2p = {"split": "source", "transport": "p2p"}
     why = kernels.usable(group, dev, MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, p2p))
     if why is not None:

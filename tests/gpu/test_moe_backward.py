@@ -34,8 +34,9 @@ def _nccl_vs_reference() -> list[str]:
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     group, dev = dist.group.WORLD.group_name, torch.device("cuda", rank)
-    if not kernels_nccl.usable(group, dev):
-        return [f"rank {rank}: kernels_nccl.usable() is False on an NCCL group"]
+    why = kernels_nccl.usable(group, dev)
+    if why is not None:
+        return [f"rank {rank}: the NCCL path cannot run on an NCCL group: {why}"]
     plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"split": "source"}, direction="backward")
     p2p_plan = MoePlan("moe_fused", w, E_LOCAL, CAP, H, F_, {"split": "source", "transport": "p2p"},
                        direction="backward")

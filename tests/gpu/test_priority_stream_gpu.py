@@ -131,8 +131,9 @@ def gemm_collective_checks() -> list[str]:
         if not e < TOL[dtype]:
             failures.append(f"rank {rank} {tag}: rel err {e:.3g}")
 
-    if not kernels.usable(group, dev):
-        return [f"rank {rank}: kernels.usable() is False on an NCCL group"]
+    why = kernels.usable(group, dev)
+    if why is not None:
+        return [f"rank {rank}: the NCCL path cannot run on an NCCL group: {why}"]
     least, greatest = kernels._priority_range()
     if kernels.comm_stream(dev).priority != greatest:
         failures.append(f"rank {rank}: comm stream priority {kernels.comm_stream(dev).priority} != {greatest}")

@@ -33,8 +33,9 @@ def _setup():
     rank = dist.get_rank()
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
-    if not K.usable(group, dev):
-        raise RuntimeError("tile_fused kernels not usable here (Triton / peer access / symmetric memory)")
+    why = K.usable(group, dev)
+    if why is not None:
+        raise RuntimeError(f"tile_fused kernels not usable here: {why}")
     return dist, K, dev, group, rank, dist.get_world_size()
 
 

@@ -21,7 +21,7 @@ def path(group_name: str, device: torch.device, plan: MoePlan) -> str:
 
     if plan.config.get("transport") == "p2p" and kernels.usable(group_name, device, plan) is None:
         return "p2p"
-    if kernels_nccl.usable(group_name, device):
+    if kernels_nccl.usable(group_name, device, plan) is None:
         return "nccl"
     return "reference"
 

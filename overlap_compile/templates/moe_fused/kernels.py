@@ -52,11 +52,12 @@ from . import routed_sizes
 TEMPLATE = "moe_fused"
 
 
-def usable(group_name: str, device: torch.device, plan: MoePlan) -> str | None:
-    """Why the copy-engine path cannot run this plan here (None: it can)."""
-    if plan.config.get("transport") != "p2p":
+def usable(group_name: str, device: torch.device, plan: MoePlan | None = None) -> str | None:
+    """Why the copy-engine path cannot run this plan here (None: it can); without a plan, whether
+    it can run on this group and device at all."""
+    if plan is not None and plan.config.get("transport") != "p2p":
         return "the plan's transport is not 'p2p'"
-    if not ref.by_source(plan.config):
+    if plan is not None and not ref.by_source(plan.config):
         return "the copy-engine path cuts the section by source rank only ({'split': 'source'})"
     if not spin_wait.HAVE_TRITON:
         return "the bounded waits need Triton"

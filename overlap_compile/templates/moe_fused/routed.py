@@ -203,7 +203,7 @@ def link_for(group_name: str, device: torch.device, world: int):
     if device.type == "cuda":
         from . import kernels_nccl
 
-        if kernels_nccl.usable(group_name, device):
+        if kernels_nccl.usable(group_name, device) is None:
             return StreamLink(group_name, device)
     return FunctionalLink(group_name, world)
 

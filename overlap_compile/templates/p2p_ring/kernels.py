@@ -87,11 +87,12 @@ SignalTimeoutError = peer_flags.PeerWaitTimeoutError
 
 # ---- where to run ----------------------------------------------------------------------------
 
-def usable(group_name: str, device: torch.device, plan) -> str | None:
-    """Why the copy-engine path cannot run this plan here (None: it can)."""
-    if plan.config.get("transport") != "p2p":
+def usable(group_name: str, device: torch.device, plan=None) -> str | None:
+    """Why the copy-engine path cannot run this plan here (None: it can); without a plan, whether
+    it can run on this group and device at all."""
+    if plan is not None and plan.config.get("transport") != "p2p":
         return "the plan's transport is not 'p2p'"
-    if plan.outer != 1:
+    if plan is not None and plan.outer != 1:
         return "the copy-engine path moves whole row stripes (scatter / gather along dim 0 only)"
     if not spin_wait.HAVE_TRITON:
         return "the bounded waits need Triton"

@@ -33,15 +33,16 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import a2a_pair, ag_source, check_config, rs_stripe
 
 
-def usable(group_name: str, device: torch.device, plan) -> str | None:
-    """Why this path cannot run the plan (None: it can)."""
+def usable(group_name: str, device: torch.device, plan=None) -> str | None:
+    """Why this path cannot run the plan (None: it can); without a plan, whether it can run on
+    this group and device at all."""
     from ..priority_stream.kernels import usable as nccl_on_cuda
 
     if getattr(plan, "kind", None) == "gemm_allreduce":
         return "the NCCL GPU path implements reduce-scatter, all-gather and all-to-all (all-reduce: the reference)"
-    if plan.config.get("slices", 1) != 1 or plan.config.get("bidirectional", False):
+    if plan is not None and (plan.config.get("slices", 1) != 1 or plan.config.get("bidirectional", False)):
         return "the NCCL GPU path runs slices=1 in one direction (other configs: the reference)"
-    if not nccl_on_cuda(group_name, device):
+    if nccl_on_cuda(group_name, device) is not None:
         return "needs CUDA tensors on an NCCL process group"
     return None
 

@@ -49,18 +49,21 @@ _REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "
 
 # ---- where to run ----------------------------------------------------------------------------
 
-def usable(group_name: str, device: torch.device) -> bool:
-    """True when this path can run: a CUDA tensor and an NCCL backend for it in the group.
-    (gloo on CUDA tensors blocks the host per call and cannot be captured: reference.py then.)"""
+def usable(group_name: str, device: torch.device, plan: Any = None) -> str | None:
+    """Why this path cannot run here (None: it can): it needs a CUDA tensor and an NCCL backend
+    for it in the group. (gloo on CUDA tensors blocks the host per call and cannot be captured:
+    reference.py then.)"""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return False
+        return "needs CUDA tensors on an NCCL process group"
     from ...runtime.comm import resolve_group
 
     try:
         backend = resolve_group(group_name)._get_backend(device)
-    except (RuntimeError, AttributeError):
-        return False
-    return type(backend).__name__ == "ProcessGroupNCCL"
+    except (RuntimeError, AttributeError) as e:
+        return f"process group {group_name!r}: {e}"
+    if type(backend).__name__ != "ProcessGroupNCCL":
+        return "needs an NCCL process group"
+    return None
 
 
 def stream_priority(option: str | int) -> int:

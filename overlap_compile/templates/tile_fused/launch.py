@@ -36,18 +36,23 @@ def available() -> bool:
     return _HAVE_TRITON and SR is not None and SR.available()
 
 
-def usable(group_name: str, device: torch.device) -> bool:
-    """GPU path: Triton kernels available, an NCCL group, symmetric memory with peer access."""
-    if not available() or device.type != "cuda":
-        return False
+def usable(group_name: str, device: torch.device, plan: Any = None) -> str | None:
+    """Why the GPU path cannot run here (None: it can). It needs the Triton kernels, an NCCL group
+    and symmetric memory with peer access."""
+    if not available():
+        return "the tile_fused kernels need Triton"
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got a {device.type} tensor"
     import torch.distributed as dist
 
     from ...runtime.comm import resolve_group
 
     pg = resolve_group(group_name)
     if dist.get_backend(pg) != "nccl":
-        return False
-    return _symm_ok(group_name, device)
+        return "needs an NCCL process group"
+    if not _symm_ok(group_name, device):
+        return "symmetric memory cannot serve this group (every rank on this node, with peer access)"
+    return None
 
 
 _state_lock = threading.RLock()
