@@ -78,7 +78,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
 from benchmarks.e2e_report import (  # noqa: E402,F401  (compare, markdown, verdict: also e2e.* for the tests)
-    compare, markdown, one_line, read_partial, run_file, verdict, write)
+    ATTRIBUTION, compare, markdown, one_line, read_partial, run_file, verdict, write)
 from benchmarks.e2e_run import failure_kind, fresh_kernel_caches, run_config, second_compile_hits  # noqa: E402
 from benchmarks.timing import Budget  # noqa: E402
 
@@ -153,11 +153,6 @@ def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
 
 
 # ---- the sweep on every rank -------------------------------------------------------------------------
-
-
-# options on by default whose share of the gain a run can isolate by turning one off: option ->
-# the suffix of that run's results file (run_multigpu.sh's E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS)
-ATTRIBUTION = {"defer_compute": "nodefer", "measure_uncertain": "nosettle"}
 
 
 def schema_keys(model: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, force: str | None) -> dict:

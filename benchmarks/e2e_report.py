@@ -11,6 +11,10 @@ import os
 
 from benchmarks.results_io import write_rows
 
+# options on by default whose share of the gain a run can isolate by turning one off: option ->
+# the suffix of that run's results file (run_multigpu.sh's E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS)
+ATTRIBUTION = {"defer_compute": "nodefer", "measure_uncertain": "nosettle"}
+
 
 def one_line(r: dict) -> str:
     if "check" in r:
@@ -119,8 +123,6 @@ def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
 
 def write(rows: list[dict], out: str) -> str:
     first = rows[0]
-    from benchmarks.e2e import ATTRIBUTION
-
     off = [tag for name, tag in ATTRIBUTION.items() if any((r.get("config") or {}).get(name) is False for r in rows)]
     path = write_rows(rows, out, "e2e", first["device"], first["world_size"], first["torch"], first["date"],
                       suffix="".join(f"-{tag}" for tag in off))

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .profile import HardwareProfile
+
+class SmLimits(Protocol):
+    """What occupancy reads of a profile (a ``HardwareProfile`` has these)."""
+
+    smem_per_sm: int
+    regs_per_sm: int
+    max_blocks_per_sm: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +35,7 @@ class Kernel:
             return self.smem_bytes
         return self.stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
 
-    def blocks_per_sm(self, profile: "HardwareProfile", itemsize: int = 2) -> int:
+    def blocks_per_sm(self, profile: SmLimits, itemsize: int = 2) -> int:
         """Co-resident blocks per SM, limited by shared memory, registers and the hardware cap."""
         by_smem = profile.smem_per_sm // max(1, self.smem(itemsize))
         by_regs = profile.regs_per_sm // max(1, self.regs_per_thread * self.warps * 32)
