@@ -42,6 +42,9 @@ class SiteReport:
     # the site as written's launches and the chosen op's
     baseline_host_ms: float = 0.0
     chosen_host_ms: float = 0.0
+    # a site with a symbolic row count (passes/symbolic_decide.py): per M bucket lo, hi, the M
+    # priced (at), template, config, baseline_ms, chosen_ms, reason; None for static sites
+    buckets: list | None = None
 
     @property
     def rewritten(self) -> bool:

@@ -85,6 +85,10 @@ def _decide_one(match: Match, options: Options, profile: Any,
                 deferred: list[tuple[int, int, int, int]] | None = None) -> Decision:
     if match.unsupported:
         return Decision(match, BASELINE, None, match.unsupported, [])
+    if getattr(match, "rows", None) is not None:  # symbolic row count: one decision per M bucket
+        from .symbolic_decide import decide_buckets
+
+        return decide_buckets(match, options, profile, _decide_one)
     base_ms = predictor.predict_baseline(match, profile, options) if profile is not None else None
     base_host = predictor.site_host_ms(profile, predictor.launch_mode()) if base_ms is not None else 0.0
     hidden, note = 0.0, ""

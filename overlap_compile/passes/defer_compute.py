@@ -171,10 +171,9 @@ def gemm_flops(n: fx.Node) -> float:
     out, a = val(n), val(n.args[-2] if n.target._opname in ("addmm", "baddbmm") else n.args[0])
     if not (isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor)):
         return 0.0
-    try:
-        return 2.0 * int(out.numel()) * int(a.shape[-1])
-    except TypeError:  # symbolic sizes
-        return 0.0
+    from .symbolic_sizes import hint  # int() of a symbolic size would pin it (a guard)
+
+    return 2.0 * hint(out.numel()) * hint(a.shape[-1])
 
 
 def gemm_shape(n: fx.Node) -> tuple[int, int, int, int] | None:

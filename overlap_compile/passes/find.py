@@ -44,12 +44,18 @@ from ..tiling import RowStripes
 
 def find(graph: fx.Graph, graph_name: str = "forward") -> list[Match]:
     from .find_moe import moe_section
+    from .symbolic_find import find_symbolic, symbolic_collective
 
     matches: list[Match] = []
     in_moe: set[fx.Node] = set()  # all-to-alls already reported as part of a MoE section
     for node in graph.nodes:
         if node in in_moe:
             continue
+        if symbolic_collective(node):  # dynamic shapes: a site with a symbolic row count
+            m = find_symbolic(node, graph_name)
+            if m is not None:
+                matches.append(m)
+                continue
         if is_call(node, c10d.all_to_all_single.default):
             # a GEMM -> all-to-all site the templates can take wins; else an expert-parallel
             # section starting here is reported (both of its all-to-alls)

@@ -62,7 +62,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
 def _site_report(d: Decision, graph_name: str) -> SiteReport:
     m = d.match
     predicted = {}
-    for c in d.candidates:
+    for c in getattr(d, "priced", d.candidates):  # a symbolic site: its size hint's bucket
         label = c.template if c.config is None else f"{c.template}{_short(c.config)}"
         if c.predicted_ms is not None or c.template == "baseline":
             predicted[label] = c.predicted_ms
@@ -72,7 +72,7 @@ def _site_report(d: Decision, graph_name: str) -> SiteReport:
         world_size=m.world_size, dtype=dtype_name(m.dtype) if m.dtype is not None else "?",
         comm_bytes=m.comm_bytes() if not m.unsupported else 0, host_clock=d.host_clock,
         output_fuses=bool(getattr(m, "output_fuses", False)),
-        workspace=_workspace(d), measured=d.measured, **_predicted_parts(d),
+        workspace=_workspace(d), measured=d.measured, buckets=getattr(d, "buckets", None), **_predicted_parts(d),
     )
 
 

@@ -35,6 +35,12 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
     for d in decisions:
         if not d.rewrites:
             continue
+        if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
+            from .symbolic_rewrite import rewrite_bucketed
+
+            rewrite_bucketed(graph, d, timeout_ms)
+            done += 1
+            continue
         spec = templates.get_spec(d.template)
         plan = spec.plan(d.match, d.config, timeout_ms)
         if isinstance(d.match, AllGatherGemmMatch):

@@ -66,3 +66,4 @@ def get_model(name: str) -> ModuleType | None:
 def load_all_ops() -> None:
     for pkg in _REGISTRY.values():
         importlib.import_module(pkg + ".op")
+    importlib.import_module(__name__ + ".bucketed")  # the ops of sites with a symbolic row count

@@ -1,0 +1,148 @@
+"""Reading symbolic sizes without guarding on them.
+
+A post-grad graph compiled with dynamic shapes carries ``SymInt`` sizes. Any ``int(s)``, ``s == 3``
+or ``s % 2`` on one adds a guard to the compile's shape environment, and a guard that pins a size
+to its example value makes Dynamo specialise (or, under ``mark_dynamic``, fail with a constraint
+violation). Code of the pass reads sizes through these helpers instead: ``hint`` is the example
+value (the compile's size hint, no guard), ``expr`` the sympy expression, ``static`` an int only
+where the size is one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_sym(x: Any) -> bool:
+    return isinstance(x, torch.SymInt)
+
+
+def hint(x: Any, fallback: int = 0) -> int:
+    """An int size, or a SymInt's example value (no guard); ``fallback`` when it has none."""
+    if isinstance(x, int):
+        return x
+    if is_sym(x):
+        h = getattr(x.node, "hint", None)
+        if h is not None:
+            return int(h)
+        return fallback
+    return fallback
+
+
+def expr(x: Any) -> Any:
+    """The sympy expression of a size (an Integer for an int)."""
+    import sympy
+
+    if is_sym(x):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def shape_exprs(shape: Any) -> tuple:
+    return tuple(expr(s) for s in shape)
+
+
+def symbols_of(x: Any) -> set:
+    """The free symbols of a size (empty for an int)."""
+    return set(expr(x).free_symbols) if is_sym(x) else set()
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two sizes are provably equal, by their expressions (no guard)."""
+    import sympy
+
+    return sympy.simplify(expr(a) - expr(b)) == 0
+
+
+def shape_env_of(*sizes: Any) -> Any:
+    for s in sizes:
+        if is_sym(s):
+            return s.node.shape_env
+    return None
+
+
+def value_range(x: Any) -> tuple[int, int | None]:
+    """(lower, upper) bound the compile knows for a size; upper None when unbounded."""
+    if not is_sym(x):
+        return int(x), int(x)
+    env = x.node.shape_env
+    try:
+        vr = env.bound_sympy(x.node.expr)
+        lo = int(vr.lower) if vr.lower.is_finite else 0
+        hi = int(vr.upper) if vr.upper.is_finite else None
+        return lo, hi
+    except Exception:  # a bound the environment cannot work out: the size alone says nothing
+        return 0, None
+
+
+# ---- symbolic sizes as graph nodes -------------------------------------------------------------
+
+def size_arg(before: Any, size: Any, emit: Any = None) -> Any:
+    """``size`` as an argument of a node inserted before ``before``: an int, a node earlier in the
+    graph holding the same expression, or (with ``emit``, a passes.graph_utils.GraphEmitter
+    inserting before ``before``) arithmetic on the nodes of its symbols. Without ``emit``: a dry
+    run, None where the size cannot be built. A view given such sizes has exactly the shape the
+    graph's other nodes have, so Inductor proves it equal without a guard."""
+    if not is_sym(size):
+        return int(size)
+    return _build(before, expr(size), emit)
+
+
+def _earlier(before: Any):
+    node = before.prev
+    while node.op != "root":
+        yield node
+        node = node.prev
+
+
+def _node_holding(before: Any, e: Any) -> Any:
+    for node in _earlier(before):
+        v = node.meta.get("val")
+        if is_sym(v) and v.node.expr == e:
+            return node
+    return None
+
+
+def _tensor_dim_holding(before: Any, e: Any) -> tuple[Any, int] | None:
+    for node in _earlier(before):  # graph inputs only: the site's own nodes are erased by the rewrite
+        v = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(v, torch.Tensor):
+            for d, s in enumerate(v.shape):
+                if is_sym(s) and s.node.expr == e:
+                    return node, d
+    return None
+
+
+def _build(before: Any, e: Any, emit: Any) -> Any:
+    import operator
+
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    if e.is_Integer:
+        return int(e)
+    found = _node_holding(before, e)
+    if found is not None:
+        return found
+    if e.is_Symbol:
+        at = _tensor_dim_holding(before, e)
+        if at is None or emit is None:
+            return at and True
+        return emit(torch.ops.aten.sym_size.int, at[0], at[1])
+    if isinstance(e, (sympy.Mul, sympy.Add)):
+        op = operator.mul if isinstance(e, sympy.Mul) else operator.add
+        parts = [_build(before, x, emit) for x in e.args]
+    elif isinstance(e, FloorDiv):
+        op = operator.floordiv
+        parts = [_build(before, x, emit) for x in e.args]
+    else:
+        return None
+    if any(p is None for p in parts):
+        return None
+    if emit is None:
+        return True
+    out = parts[0]
+    for p in parts[1:]:
+        out = emit(op, out, p)
+    return out

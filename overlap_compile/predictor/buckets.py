@@ -1,0 +1,75 @@
+"""Row-count buckets of a site whose M is symbolic: the size ranges a decision is made for.
+
+A dynamic-shape compile knows M only as an expression with a size hint (the example's value) and
+bounds (``mark_dynamic(min=, max=)``, else [2, unbounded)). The decision prices each template at
+one representative M per bucket and the op picks the bucket's choice at run time. Buckets are
+powers of two (M <= 2^i), from the smallest valid M up to the compile's upper bound, or where
+there is none to max(8 x hint, 2^16); the last bucket is open. Representatives are the geometric
+middle of a bucket's ends, a multiple of ``step`` (every valid M is one). At most ``MAX_BUCKETS``:
+a longer run of powers is thinned to every other one, then every fourth, ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_BUCKETS = 10
+OPEN_TOP_MIN = 1 << 16  # no upper bound known: buckets reach at least this far
+OPEN_TOP_MAX = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """M in [lo, hi] (hi None: no end); priced at ``at``."""
+
+    lo: int
+    hi: int | None
+    at: int
+
+    def label(self) -> str:
+        return f"M>{self.lo - 1}" if self.hi is None else f"M<={self.hi}"
+
+
+def _round_up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+def buckets(hint: int, lo: int, hi: int | None, step: int = 1) -> list[Bucket]:
+    """The buckets of a symbolic M: ``hint`` its example value, [lo, hi] its bounds, ``step`` the
+    factor every valid M has."""
+    step = max(1, step)
+    first = _round_up(max(1, lo), step)
+    top = hi if hi is not None else min(OPEN_TOP_MAX, max(OPEN_TOP_MIN, 8 * hint))
+    top = max(top, first)
+    powers = [1 << i for i in range(max(0, first.bit_length() - 1), top.bit_length() + 1)
+              if first <= (1 << i) < top]
+    stride = 1
+    while len(powers) // stride + 1 > MAX_BUCKETS:
+        stride *= 2
+    bounds = powers[::stride] if stride > 1 else powers
+    if hi is not None:
+        bounds = bounds + [hi]
+    out, start = [], first
+    for b in bounds:
+        end = b // step * step
+        if end < start:
+            continue
+        out.append(Bucket(start, b, _middle(start, end, step)))
+        start = end + step
+    if hi is None:
+        out.append(Bucket(start, None, _middle(start, 2 * start, step)))
+    return out
+
+
+def _middle(lo: int, hi: int, step: int) -> int:
+    """The geometric middle of [lo, hi], a multiple of ``step`` within them."""
+    mid = int(math.isqrt(lo * hi))
+    return min(max(_round_up(mid, step), lo), max(lo, hi // step * step))
+
+
+def choose(table: list[dict], m: int) -> dict:
+    """The entry of a bucket table (dicts with "max_m", None for the open end) that holds M."""
+    for entry in table:
+        if entry["max_m"] is None or m <= entry["max_m"]:
+            return entry
+    return table[-1]
