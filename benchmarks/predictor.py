@@ -339,10 +339,10 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        try:
-            worker(*wargs)
-        finally:
-            dist.destroy_process_group()
+        worker(*wargs)
+        from overlap_compile.runtime import teardown
+
+        teardown.finish()  # barrier, then destroy_process_group, every rank before the store's host leaves
         return
     if args.world < 2:
         raise SystemExit("benchmarks/predictor.py needs 2+ CUDA GPUs")

@@ -25,6 +25,9 @@ class DecisionMismatchError(RuntimeError):
 
 
 def check_plan_agreement(group_name: str, plan_json: str, template: str) -> None:
+    from . import teardown
+
+    teardown.install()  # the op's resources go with its group (destroy_process_group, exit)
     digest = plan_digest(plan_json)
     key = (group_name, digest)
     with _lock:

@@ -51,7 +51,8 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
         module, name = target.rsplit(".", 1)
         fn = getattr(importlib.import_module(module), name)
         result = fn(*args, **kwargs)
-        dist.barrier()
+        if dist.is_initialized():  # a function may end with its own teardown (tests of it)
+            dist.barrier()
         queue.put((rank, True, result))
     except BaseException:
         # Report at once and leave the process group alone: the other ranks may be blocked in a
@@ -60,7 +61,12 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
         # run_distributed stops the other ranks when it reads this.
         queue.put((rank, False, traceback.format_exc()))
         return
-    dist.destroy_process_group()  # may hang (see the module docstring): the parent kills us then
+    from ..runtime import teardown
+
+    try:  # barrier, release, destroy; rank 0 (the store's host) leaves last
+        teardown.finish(timeout_s=TEARDOWN_S / 2)
+    except Exception:
+        pass  # may hang or fail (see the module docstring): the parent kills a rank still here
 
 
 def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
