@@ -1,18 +1,11 @@
 """p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
-buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through
-flags in symmetric memory. A copy's flag writes follow it (BUSY, then READY): with the BUSY
-write queued ahead of it, the first copy of a call started ~20 us after what it waits for in a
-CUDA-graph replay on 2x H100 (benchmarks/diagnostics/op_timeline.py). Row stripes only (``outer == 1``), one direction; ``slices`` row slices
-per peer message of the reduce-scatter and all-to-all (each computed and pushed on its own;
-checked on GPUs, speed not measured, not offered).
-
-STATUS: passes tests/gpu/test_p2p_ring.py on 2x H200 (2026-11-23: bf16/fp16/fp32, odd shapes,
-CUDA-graph replays) and on 2x H100 (2026-11-26, with the push all-gather and the chunked
-all-reduce below, in its two-phase form too); spec.gpu_implemented is True.
-
-The order of the pieces is the reference's (reference.rs_stripe / ag_source / a2a_pair). Each
-data buffer has a READY / BUSY flag pair per peer (runtime.peer_flags: written by stream memory
-operations, waited on with bounded one-thread kernels, back at 0 after every call).
+buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through a
+READY / BUSY flag pair per peer and buffer (runtime.peer_flags: stream memory operations, bounded
+one-thread wait kernels, back at 0 after every call). A copy's flag writes follow it (BUSY, then
+READY): a BUSY write queued ahead of the copy would delay its start. Row stripes only
+(``outer == 1``), one direction; ``slices`` cut each reduce-scatter / all-to-all message into row
+slices computed and pushed on their own. The order of the pieces is the reference's
+(reference.rs_stripe / ag_source / a2a_pair).
 
 All-gather -> GEMMs (push, straight from the shard: no staging copy, no meeting of the ranks
 before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, slot q for q's shard)::
@@ -25,8 +18,7 @@ before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, 
                   gathered[rows of src]; once both are done, BUSY[me] = 0 on src
 
 The copies into ``gathered`` are left out where the graph reads only the GEMMs' outputs
-(``plan.gathered`` false: passes/rewrite.py); that output is then left unwritten.
-``slices`` do not apply to this path: each shard travels in one copy, with one READY.
+(``plan.gathered`` false); each shard travels in one copy (no ``slices``).
 
 GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
 
@@ -39,19 +31,8 @@ GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive):
                   pass (sum_kernel.py), in the dtype
 
 GEMM -> all-reduce: the reduce-scatter above over W row stripes of the output, then the
-all-gather above of the reduced stripes (no GEMM); every slot wait of both halves runs on the
-compute stream before the first GEMM (_claim); my reduced stripe is summed straight into its
-rows of the result. With ``"chunks": c`` the rows are cut into c chunks, each with its own W
-stripes, buffers and flags, in two phases (run_allreduce)::
-
-    phase 1   for chunk i: the peers' stripes' GEMMs, each partial pushed once computed
-    phase 2   for chunk i: wait for the peers' partials of chunk i; my stripe's GEMM with them
-              added (W = 2, no bias: one addmm with the partial as C) into the result; its
-              reduced rows pushed to every peer; chunk i-1's reduced stripes waited for and
-              copied out of the inbox
-    chunk c-1's reduced stripes waited for and copied out
-
-so chunk i's gather travels while chunk i+1's GEMM runs, and only the last chunk's trails.
+all-gather above of the reduced stripes (no GEMM); with ``"chunks": c`` in two phases so chunk
+i's gather travels while chunk i+1's GEMM runs (run_allreduce).
 
 GEMM -> all-to-all (push blocks to their destination)::
 
@@ -61,11 +42,9 @@ GEMM -> all-to-all (push blocks to their destination)::
                   then for every src: wait READY[src]; out[rows of src] <- slot[src];
                   BUSY[me] = 0 on src
 
-Cross-rank waits run either before the first GEMM of the call (copy stream) or on the compute
-stream between GEMMs, never on the copy stream while a GEMM holds every SM: a waiting kernel
-needs an SM slot, and a persistent cuBLAS kernel would keep it from starting. The whole op is
-stream work (copies, events, flag writes, cuBLAS, wait kernels): no host synchronisation, no
-host-to-device copy, capturable in a CUDA graph; buffers are allocated once (runtime.symm).
+Cross-rank waits run before the first GEMM (copy stream) or on the compute stream between
+GEMMs, never on the copy stream while a GEMM holds every SM: a waiting kernel needs an SM slot.
+The whole op is stream work, capturable in a CUDA graph; buffers are allocated once (runtime.symm).
 """
 from __future__ import annotations
 
@@ -276,8 +255,7 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
 
     so the reduced stripes travel while later chunks' GEMMs run and only the last chunk's
     trail the GEMMs. Pushing every partial first keeps the copy queue from tying a chunk's
-    partials to the previous chunk's sum (the earlier chunk-by-chunk order measured 0.87-1.29x of
-    sequential where the whole measured 1.05-1.40x, 2x H100)."""
+    partials to the previous chunk's sum (chunk by chunk ran slower than the unchunked op)."""
     a = a.contiguous()
     out = a.new_empty(plan.m, plan.n) if out is None else out
     chunks = allreduce_chunks(plan)

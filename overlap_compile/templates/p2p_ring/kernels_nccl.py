@@ -21,8 +21,8 @@ Covers slices = 1, one direction (the other configs run reference.py); any row s
 The rounding differs from the reference's in one place: p_s is rounded to the dtype before the
 received sum is added (cuBLAS writes the dtype); the sum itself runs in fp32 and is rounded once.
 Everything is stream work (NCCL P2P on the comm stream, events, cuBLAS): capturable in a CUDA
-graph, no host synchronisation. Passes tests/gpu/test_p2p_ring.py on 2x H200; measured 0.87-0.91x
-of sequential there, so GPU profiles offer the copy-engine transport instead (spec.py).
+graph, no host synchronisation. Its NCCL kernels take SMs from the GEMM, so GPU profiles offer
+the copy-engine transport instead (spec.py).
 """
 from __future__ import annotations
 

@@ -77,8 +77,7 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
     reduced stripes of the peers brought here with nothing left to hide them: W-1 transfers of
     a stripe, counted one after the other (the copy curve is measured one copy at a time; the
     copies of several peers share this GPU's links), plus, on the copy engine, each received
-    stripe copied out of the inbox (read + write) and one handshake. Unfitted, it replays the first 2x H200 runs
-    (ops-...-2026-11-23-p2p_ring-allreduce.json) within 4.2% mean |error|."""
+    stripe copied out of the inbox (read + write) and one handshake."""
     W, copy_engine = site.world, config.get("transport", "nccl") == "p2p"
     if int(config.get("chunks", 1)) > 1:
         return p2p_ring_allreduce_chunked(site, config, profile, ctx)
@@ -90,10 +89,8 @@ def p2p_ring_allreduce(site: Site, config: dict, profile: HardwareProfile, ctx: 
                                       f"gather {W - 1} reduced stripes", "the reduced stripes gathered")
 
 
-# What a chunk's pieces cost beyond their rate, read off a replay of AR 4096x8192x2048 in 4 chunks
-# on 2x H100 (benchmarks/results/op_timeline-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-gemm_allreduce-4096x8192x2048.json):
-# each 512-row GEMM took 28 us where the whole GEMM's rate gives 23-25 us, and each bounded
-# wait kernel 1.5-2 us on the compute stream (phase 2 has two per chunk).
+# A chunk GEMM's ms beyond the whole GEMM's rate, and a bounded wait kernel's ms on the compute
+# stream (phase 2 has two per chunk): read off replays by benchmarks/diagnostics/op_timeline.py.
 CHUNK_GEMM_MS = 0.003
 WAIT_MS = 0.002
 

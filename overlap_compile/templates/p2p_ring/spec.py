@@ -34,18 +34,11 @@ class P2PRingSpec(TemplateSpec):
     name = "p2p_ring"
     host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = ("gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "gemm_allreduce")
-    # On GPUs (op.py): transport "p2p" runs kernels.py (copy-engine peer copies over symmetric
-    # memory), transport "nccl" with slices=1 one direction runs kernels_nccl.py (cuBLAS + NCCL
-    # send/recv on a high-priority stream); both pass tests/gpu/test_p2p_ring.py on 2x H200. Other
-    # configs run the reference (torch.distributed send/recv from Python, fp32 pieces: 0.06-0.12x
-    # of sequential on H200x4). Measured on 2x H200 under CUDA graphs (benchmarks/results/
-    # ops-...-w2-...-p2p_ring*.json): copy engine 1.15-1.56x (RS, with the one-pass sum of
-    # sum_kernel.py; 1.01-1.02x before it), 1.13-1.22x (AG), 1.33-1.39x (A2A) and 1.09-1.34x (AR:
-    # the reduce-scatter then the copy-engine gather, ...-p2p_ring-allreduce.json); NCCL send/recv
-    # 0.87-0.91x (its kernels take SMs from the GEMM and its model is 15% optimistic), so under a
-    # GPU profile candidates() offers the copy-engine transport only (force_template with an
-    # explicit config still runs the NCCL one). The copy engine also runs "slices" > 1 (each
-    # message in row slices, 2026-11-23, not yet run on GPUs): not offered until measured.
+    # On GPUs transport "p2p" runs kernels.py (copy engine over symmetric memory) and "nccl" with
+    # slices=1 in one direction runs kernels_nccl.py; other configs run the reference (send/recv
+    # from Python). GPU profiles offer the copy engine only: NCCL send/recv kernels take SMs from
+    # the GEMM and ran slower than sequential (force_template with a config still runs them).
+    # "slices" > 1 on the copy engine runs but has no GPU measurement, so it is not offered.
     gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:

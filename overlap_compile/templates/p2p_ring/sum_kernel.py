@@ -2,9 +2,9 @@
 
 Summing the partials with torch ops took four passes over the stripe (copy the arrived bf16
 partial to fp32, add it, add my own partial, cast back): at W=2 on an 8192 x 4096 output that is
-~350 MiB of memory traffic and four launches after the last GEMM, the op's exposed tail (measured
-1.01x of sequential on 2x H200, where the ring's bound is ~1.4x). This kernel reads each input
-once, sums in fp32 and writes the result in its dtype: ~96 MiB, one launch.
+~350 MiB of memory traffic and four launches after the last GEMM, the op's exposed tail, which
+ate most of the ring's gain. This kernel reads each input once, sums in fp32 and writes the
+result in its dtype: ~96 MiB, one launch.
 
     kernel (_sum_kernel)  ->  launcher (sum_into)
 
