@@ -7,7 +7,6 @@ CUDA streams (kernels_nccl.rounds_by_source, the forward's rounds):
                     three weight-gradient GEMMs over all rows while the last d_h pieces travel
     join            the compute stream waits for the comm stream before the op returns
 
-Matches backward_reference.py at W = 2 on 2x H100 (tests/gpu/test_moe_backward.py, 2026-11-26);
 GPU profiles offer the copy-engine backward only (backward_spec.py), this path by force_config.
 """
 from __future__ import annotations

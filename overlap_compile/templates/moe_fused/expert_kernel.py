@@ -28,17 +28,10 @@ past its bound it records [failed, code, index, seen, target] in ``err`` and the
 ``check_errors`` raises. Counters are zeroed after every call (stream order, a memset: no host
 state, capturable).
 
-STATUS (2026-11-24, 1x H200 and 1x H100): correct against bmm on odd shapes, fp32 and bf16,
-both schedules, 50 calls back to back, in a CUDA graph, and with the tokens landing (copy
-stream + cuStreamWriteValue32) while it runs (tests/gpu/test_moe_expert_kernel_gpu.py); the
-index math, the table order and the signal protocol also under Triton's interpreter
-(tests/test_moe_expert_kernel.py). Speed with arrival waits over cuBLAS bmm, every shapes.json
-moe case at W = 2, CUDA graph (benchmarks/moe_experts.py, results/moe_experts-*-2026-11-24-*):
-0.97x on H200, 0.99x on H100 (Mixtral 0.94-0.96x: 0.71x before the row blocks were grouped,
-its 112 weight column blocks read again for every row block); with routed sizes, uniform
-routing 1.09x (H200) / 1.13x (H100), skewed 2.9x (H100). Under the static schedule uniform
-routing with sizes ran 0.87-0.95x (H100) / 0.97x (H200): skipped tiles leave some programs
-ahead of others, and a program's next tile waits behind its slow ones (our reading).
+Row blocks go in groups (``group_m``) so that a weight column block is read once per group
+rather than once per row block. The dynamic schedule (a ticket counter hands out the next tile)
+is the default: under the static one, skipped tiles leave some programs ahead of others and a
+program's next tile waits behind its slow ones.
 """
 from __future__ import annotations
 
@@ -67,7 +60,7 @@ class ExpertTiles:
 
     block_m: int = 128
     block_f: int = 128
-    block_h: int = 256  # 1x H200: 0.94-1.05x of cuBLAS bmm; 128x128x128 0.80-0.92x (moe_experts.py)
+    block_h: int = 256  # 128 ran well below cuBLAS bmm (benchmarks/moe_experts.py compares them)
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
@@ -140,33 +133,16 @@ if HAVE_TRITON:
         DYNAMIC: tl.constexpr, SAVE_GATE: tl.constexpr, SAVE_UP: tl.constexpr, WHOLE_ACT: tl.constexpr,
     ):
         """Weights are contiguous: w1, w3 ``[E, H, F]``, w2 ``[E, F, H]``; x, act, y have a unit
-        last stride. See the module doc for the tiles and their signals.
+        last stride; x and act may be any layout whose (source, expert) slots are row blocks of one
+        dense array (TMA rows are found from the strides). See the module doc for the tiles.
 
-        W_TMA: the weights through 2-D descriptors over ``[E * H, F]`` / ``[E * F, H]`` (the
-        launcher sets it only when H and F are multiples of BLOCK_K, so no K step reads the next
-        expert's rows). X_TMA: x through a descriptor over ``[W * E * C, H]`` (rows past C belong
-        to the next slot and only feed rows that are never stored); after an arrival wait a
-        proxy fence orders those TMA reads after the acquire. A_TMA: phase 2 reads act through a
-        descriptor over ``[W * E * C, F]`` the same way (its rows were stored by other programs:
-        the act_done acquire, then the proxy fence; columns past F read as zeros).
-
-        SAVE_GATE / SAVE_UP: phase 1 also stores the gate / up GEMM results (as the layer rounds
-        them) into ``gate_ptr`` / ``up_ptr``, laid out as act (a training section saves them).
-        WHOLE_ACT (set with either, or when act itself is saved): a phase-1 tile past the routed
-        rows (USE_SIZES) stores zeros into act (and gate, up), so the saved intermediates are
-        whole. x and act may be any layout whose
-        (source, expert) slots are row blocks of one dense [rows, H|F] array (the saved
-        intermediates' expert-major one included): TMA rows are found from the strides.
-
-        DYNAMIC: a program takes its next tile from ``*ticket_ptr`` (an atomic add), so tiles are
-        taken in table order by whichever program is free; otherwise program p takes p, p + P, ...
-        Either way a tile is taken only after every earlier tile was, which is what keeps the
-        waits from depending on a tile nobody runs.
-
-        USE_SIZES: ``sizes[s * E + e]`` rows of (source, expert) are routed, the rest are zero
-        (routed.py's sizes, in place once the chunk's arrival is seen): a tile whose rows all lie
-        past it computes nothing (a zero row's output is zero; its y rows are stored as zeros),
-        a tile across it computes its zero rows as the GEMM would (exact zeros)."""
+        W_TMA / X_TMA / A_TMA: weights, x, act through 2-D descriptors (rows past a slot only feed
+        rows never stored; a proxy fence orders TMA reads after each acquire). SAVE_GATE / SAVE_UP:
+        phase 1 also stores the gate / up results (a training section saves them); WHOLE_ACT: tiles
+        past the routed rows store zeros, so saved intermediates are whole. DYNAMIC: tiles taken in
+        table order from ``*ticket_ptr`` (else program p takes p, p + P, ...); either way a tile is
+        taken only after every earlier one, so no wait depends on a tile nobody runs. USE_SIZES:
+        ``sizes[s * E + e]`` rows are routed, the rest zero: tiles wholly past them compute nothing."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         m_blocks = (C + BLOCK_M - 1) // BLOCK_M

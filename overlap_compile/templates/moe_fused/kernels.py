@@ -1,11 +1,8 @@
 """moe_fused on NVIDIA GPUs with transport "p2p": the source-piece pipeline of reference.py with
 the pieces moved by the copy engine between symmetric buffers (no SMs taken from the expert
-GEMMs, the reason p2p_ring's copy-engine all-to-all beat NCCL's by 1.32-1.39x on 2x H200), the
-experts on cuBLAS bmm, readiness through runtime.peer_flags (stream memory operations, bounded
-one-thread waits). Config ``{"split": "source", "transport": "p2p"}``.
-
-STATUS: passes tests/gpu/test_moe.py at W = 2 on 2x H100 (2026-11-26); with bmm experts it measured
-1.03-1.20x of the layer as written (forward, CUDA graphs), the path GPU profiles offer (spec.py).
+GEMMs, which is why p2p_ring's copy-engine all-to-all beats NCCL's), the experts on cuBLAS bmm,
+readiness through runtime.peer_flags (stream memory operations, bounded one-thread waits).
+Config ``{"split": "source", "transport": "p2p"}``.
 
 Experts: cuBLAS bmm per piece (default, below), or with ``"experts": "fused"`` one persistent
 Triton kernel over every source (expert_kernel.py; _fused_experts). With ``plan.saves`` (a

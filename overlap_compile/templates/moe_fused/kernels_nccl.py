@@ -14,8 +14,8 @@ behind expert bmm that fill every SM would start only as bmm blocks retire; on t
 high-priority stream they get SMs as soon as they are issued, so piece r+1 travels while piece r
 is computed. Every rank issues the same collectives in the same order (round order), as NCCL
 requires. CUDA graphs: only stream/event work and NCCL calls with static split sizes (Python
-lists), which capture. On 2x H200 it matches its reference (tests/gpu/test_moe.py) but ran
-0.82-0.94x of the layer as written, so GPU profiles do not offer it (spec.py: force_config only).
+lists), which capture. It ran slower than the layer as written on GPUs, so GPU profiles do not
+offer it (spec.py: force_config only).
 """
 from __future__ import annotations
 

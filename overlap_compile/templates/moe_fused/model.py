@@ -163,10 +163,8 @@ def routed_setup_ms(site: Site, profile: HardwareProfile, ctx: Ctx) -> float:
     every routed row (a read and a write each way), and the host round trip
     (``moe.routed_host_ms``, default 1.2). The round trip drains the GPU's queue: what the host
     issues after it (the op's own launches, then the rest of the step) runs exposed until the GPU
-    is behind again. In the section alone it cost ~0.3 ms (1x H100, the small shapes.json moe
-    sections, benchmarks/diagnostics/moe_routed_experts.py); in demo.moe's whole layer (MoE-1 at
-    W = 1, benchmarks/moe.py) 0.2-1.6 ms over the capacity pipeline by source in the forward and
-    1.1-1.6 ms in the training step, hence the default."""
+    is behind again, so the default is what the whole layer lost to it (benchmarks/moe.py), not
+    the section alone (benchmarks/diagnostics/moe_routed_experts.py)."""
     fill = routed_fill(profile)
     scan = hbm_ms(profile, site.coll_bytes())
     sizes = comm_call_ms(site, profile, 4096.0, ctx, contended=False)  # W * E_local int32: latency-bound
@@ -281,14 +279,8 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
 
     priced at ``moe.packed_move_factor`` times an elementwise pass over those bytes, plus
     ``moe.packed_piece_ms`` per piece (the index maps' small kernels; the backward's gathers
-    count as one more). The defaults are a least-squares fit to one CUDA-graph replay of each
-    direction on 2x H100 (benchmarks/fitting/fit_packed_overhead.py over
-    moe_op_profile-...-2026-11-27-fused-unpack.json: MoE-1 and the Mixtral shape, 80% fill):
-    the moves cost ~2.9x their HBM time there (the copy-engine waits behind the pieces' extra
-    kernels count in), and 0.049 ms a piece besides; the four ratios to bmm land within 6%.
-    Not refitted to the later replay with one-launch index maps (-index-kernel.json): its bmm
-    backward ran 23.4 ms against 21.5-22.7 in the earlier replays, and no two constants fit it
-    within 10%."""
+    count as one more; the copy-engine waits behind the pieces' extra kernels count in the factor).
+    The defaults are fitted by benchmarks/fitting/fit_packed_overhead.py."""
     move_ms, pieces = packed_overhead_terms(site, profile, backward)
     return (profile_extra(profile, "packed_move_factor", 2.9, "moe") * move_ms
             + pieces * profile_extra(profile, "packed_piece_ms", 0.049, "moe"))

@@ -20,17 +20,9 @@ gathered from the saved layout); after the last piece the three weight
 gradients as grouped GEMMs that split K at each expert's rows, over every source's rows packed
 expert by expert (the saved tokens and act gathered; the pieces' packed gradients re-ordered).
 
-What it buys: 1x H100, one rank's Mixtral-like experts at EP=2 with uniform routing (80% of the
-slots routed), forward + backward under CUDA graphs, grouped GEMMs on packed rows measured 1.12x
-of cuBLAS bmm on every slot (benchmarks/diagnostics/expert_gemm_padding.py,
-expert_gemm_padding-*-2026-11-26.json). In the op (2x H100, CUDA graphs, the forward with the
-training saves and the backward, benchmarks/diagnostics/moe_op_profile.py,
-moe_op_profile-*-2026-11-27.json) the grouped GEMMs took 25.5 ms where bmm took 32.1 on the
-Mixtral shape, and the row moves and index maps took much of it back: 31.96 vs 32.94 ms in all
-(3.42 vs 2.20 on MoE-1, whose GEMMs are small beside its moves). Correct against bmm on GPUs
-(tests/gpu/test_moe_packed_gpu.py, both transports) and on CPU (tests/test_moe_packed.py). GPU
-profiles offer it under CUDA graphs for bf16 sections (backward_spec.gpu_candidates), priced by
-model.packed_overhead_ms.
+The grouped GEMMs skip the padding, but the row moves and index maps take part of that back
+(most of it where the GEMMs are small beside the moves); model.packed_overhead_ms prices them,
+and GPU profiles offer the path under CUDA graphs for bf16 sections (backward_spec.gpu_candidates).
 
     kernels (_move_rows_kernel, _silu_mul_unpack_kernel, _piece_maps_kernel)
         ->  launchers (move_rows, silu_mul_unpack, slot_maps)

@@ -80,9 +80,8 @@ def packed_rows(sizes: torch.Tensor, starts: torch.Tensor, total: int) -> torch.
 
 # torch._grouped_mm (three launches per piece) from this many local experts, one cuBLAS mm per
 # expert below it and wherever the grouped GEMM cannot run (fp32 / fp16 on CUDA, unaligned rows).
-# 1x H100, bf16, shapes.json moe (benchmarks/diagnostics/moe_routed_experts.py): the grouped GEMM
-# takes as long on 81% of the rows as cuBLAS bmm on all of them, but one mm per expert left the
-# pipeline host-bound (24 launches of ~20 us GEMMs per call on MoE-1 at W = 2).
+# One mm per expert leaves the pipeline host-bound (many launches of short GEMMs), though the
+# grouped GEMM is slower per row than cuBLAS (benchmarks/diagnostics/moe_routed_experts.py).
 GROUPED_FROM_EXPERTS = 1
 
 
@@ -211,7 +210,8 @@ def link_for(group_name: str, device: torch.device, world: int):
 # A piece travels and meets the experts in the trimmed layout [E, m, H] (m: its fullest expert's
 # rows; bmm computes the few zero rows below m, exactly zero) when its rows fill at least this
 # share of E * m, packed (grouped GEMM over the routed rows only) otherwise: the grouped GEMM
-# took as long on 81% of the rows as cuBLAS bmm on all of them (1x H100, bf16).
+# takes about as long on that share of the rows as cuBLAS bmm on all of them
+# (benchmarks/diagnostics/moe_routed_experts.py measures it).
 TRIMMED_FROM_FILL = 0.8
 
 

@@ -8,12 +8,10 @@ the first block holding a non-zero entry (atomic-maxing 1 + its last non-zero ro
 group's size) or as soon as a routed row above its block was found by another program. So
 mostly the padding is read, by many SMs at once, a few dependent loads each (the padding is a
 fifth of the slots under uniform routing at capacity factor 1.25, most of them under skewed
-routing). Measured on 1x H100, MoE-1's 84 MB buffer: one program per group scanning down was
-latency-bound (100 us: one dependent load after another), one program per 32-row block read
-everything (70 us: all of them resident before any could skip).
-``sizes`` launches it on CUDA and
-computes the same with torch ops elsewhere (CPU, no Triton). NaN is non-zero (such a row must
-travel).
+routing). One program per group scanning down is latency-bound (one dependent load after
+another); one program per small block reads everything (all resident before any could skip).
+``sizes`` launches it on CUDA and computes the same with torch ops elsewhere (CPU, no Triton).
+NaN is non-zero (such a row must travel).
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 An expert-parallel layer builds its dispatch buffer as ``zeros(rows, H).index_add(0, slot, src)``
 (in the post-grad graph: ``index_put(full(0), [slot], src, accumulate=True)``): each routed choice
 adds its token's row into its (expert, position) slot. On GPUs that runs as ATen's index kernel,
-one atomic add per element: 21-24% of the whole layer on 1x H100, the largest kernel after the
-expert GEMMs (benchmarks/results/moe_breakdown-NVIDIA_H100_80GB_HBM3-w1-torch2.11.0-2026-11-26.json,
-e.g. MoE-3: 0.71 of 3.0 ms). Yet nearly every slot has exactly one writer (positions are unique
-per expert; only choices dropped past the capacity are clamped onto a kept slot, with zero rows).
+one atomic add per element, the layer's largest kernel after the expert GEMMs
+(benchmarks/diagnostics/moe_breakdown.py). Yet nearly every slot has exactly one writer (positions
+are unique per expert; only choices dropped past the capacity are clamped onto a kept slot, with
+zero rows).
 
 Here the same sum is made in three launches::
 

@@ -28,31 +28,17 @@ weights' transposes; dw1, dw3, dw2 feed what the weight-gradient bmm fed)::
     outs = overlap_compile.moe_fused_backward(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, '0', '{plan}')
     d_buf, dw1, dw3, dw2 = outs[0], outs[1], outs[2], outs[3]
 
-Its one configuration is ``{"split": "source"}`` (backward_spec.py, backward_reference.py: the
-forward's rounds, d_h of each piece sent home as soon as it is computed, the weight gradients
-once over all rows after the last piece). Configurations of the forward: ``{"split": "source"}`` (one piece per source
-rank, the own tokens first, no transfer; ``"transport": "p2p"`` moves the pieces by copy engine,
-kernels.py, GPU profiles only, with ``"experts": "fused"`` the persistent expert kernel and then
-``"skip_padding": true`` its tiles past the routed rows skipped, or with ``"experts": "packed"``
-grouped GEMMs on the routed rows only, sizes on the device, both directions: packed.py) or
-``{"pieces": p}`` (the capacity axis in p slices); see reference.py. Latency model: model.py
-(both directions).
+Configurations of the forward (reference.py): ``{"split": "source"}`` (one piece per source rank,
+own tokens first), optionally with ``"transport": "p2p"`` (pieces moved by copy engine, kernels.py)
+and ``"experts": "fused"`` (the persistent expert kernel, ``"skip_padding"``) or ``"packed"``
+(grouped GEMMs on the routed rows only, packed.py); ``{"pieces": p}`` (the capacity axis in p
+slices). The backward has one, ``{"split": "source"}`` (backward_spec.py: d_h of each piece sent
+home once computed, the weight gradients once after the last piece). Latency model: model.py.
 
-On GPUs (gpu_implemented): the copy-engine path with bmm experts, and where the section is bf16
-and its launches run from a CUDA graph (Inductor's, or host-launched the forward op's replay from
-runtime.op_graphs) the same with packed experts too (backward_spec.gpu_candidates: the
-model weighs the padding its GEMMs skip against the rows it moves; 2x H100, CUDA graphs, the
-Mixtral shape's training section 31.96 vs 32.94 ms, MoE-1's 3.42 vs 2.20,
-moe_op_profile-*-2026-11-27.json). With bmm experts, on 2x H100
-(benchmarks/results/moe-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26.json, CUDA graphs,
-forward) the copy engine measured 1.03-1.20x of the layer as written on every shapes.json moe case, uniform
-and skewed, where the comm-free bound is 1.07-1.20x; the routed payload measured 1.00-1.14x (below
-it on every case), the persistent expert kernel with skip_padding 0.05x (why is not yet
-known), and NCCL by capacity pieces 0.82-0.94x on 2x H200
-(moe-*-2026-11-23.json). Those stay reachable through force_config. In a training step, with
-the SwiGLU elementwise steps in one pass (swiglu_kernels.py), the layer measured 1.20x (CUDA
-graphs) / 1.10x (host-launched) geomean and the Mixtral-like e2e block 1.025x, above its comm-free
-bound of 1.014x (moe-*-2026-11-26-train-uniform.*, e2e-*-2026-11-26-mixtral-final.*; 2x H100).
+GPU profiles offer the paths that measured faster than the section as written: the copy engine
+with bmm experts, and with packed experts where the section is bf16 and launched from a CUDA graph
+(backward_spec.gpu_candidates weighs the padding skipped against the rows moved). The routed
+payload, the fused expert kernel and NCCL capacity pieces stay reachable through force_config.
 """
 from __future__ import annotations
 
@@ -69,15 +55,12 @@ class MoeFusedSpec(TemplateSpec):
     name = "moe_fused"
     kinds = ("moe",)
     gpu_implemented = True
-    # op.py replays the copy-engine path from per-site CUDA graphs (runtime.op_graphs):
-    # tests/gpu/test_moe_op_graphs.py passed at W=2 (2x H100, 2026-11-26), and host-launched the
-    # layer went from 1.03x to 1.18x geomean over the layer as written (moe-...-host-replay.json)
+    # op.py replays the copy-engine path from per-site CUDA graphs (runtime.op_graphs): one
+    # dispatch and one graph launch per host-launched call instead of every piece's launches
     host_replay = True
-    # moe_fused_backward's copy-engine path replays the same way (backward_op.py; its GPU test
-    # passes at W=2), but a host-launched training step with both sections replayed measured
-    # 0.90-1.02x of the layer as written (MoE-1..4, 2x H100, moe-...-train-host-replay.json)
-    # against 0.99-1.04x with the forward section alone: off, cause not found, the backward op
-    # runs piece by piece and is priced so
+    # The backward's copy-engine path replays the same way (backward_op.py), but host-launched
+    # training steps with both sections replayed ran slower than with the forward's alone (cause
+    # not found): off, the backward op runs piece by piece and is priced so
     backward_host_replay = False
 
     def replays(self, direction: str) -> bool:

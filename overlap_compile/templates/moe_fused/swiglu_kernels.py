@@ -6,11 +6,10 @@
 
 Written as torch ops these were five passes forward (silu, then the product) and about thirteen
 backward (silu, two products, silu_backward, a copy into the full d_gate) over ``[E, rows, F]``
-tensors, where the section as written gets one fused Inductor kernel each way. On the Mixtral-like
-block at EP=2 (E_local 4, 5120 rows, F 14336: 587 MB a tensor in bf16) that is ~2 GB of extra
-traffic forward and ~6 GB backward per step, about the 3.8 ms by which the copy-engine training
-step trailed the section as written (2x H100, e2e mixtral_ep, 2026-11-26). Here each operand is
-read once and each result written once, in fp32 arithmetic.
+tensors, where the section as written gets one fused Inductor kernel each way: on a Mixtral-like
+block that extra traffic (GBs per step) was most of what the copy-engine training step lost to
+the section as written. Here each operand is read once and each result written once, in fp32
+arithmetic.
 
     kernels (_silu_mul_kernel, _silu_mul_backward_kernel)  ->  launchers (silu_mul, silu_mul_backward)
 
