@@ -1,0 +1,40 @@
+"""benchmarks/soak.py's dry run (CPU, gloo, the reference implementations): random sites for a few
+seconds, one row per (template, kind, dtype, mode) in DESIGN.md's schema, every call right."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def test_dry_run_rows(tmp_path):
+    from benchmarks import soak
+
+    rows = soak.main(["--dry-run", "--minutes", "0.02", "--calls", "2", "--out", str(tmp_path)])
+    (path,) = list(tmp_path.iterdir())
+    assert json.loads(path.read_text()) == rows
+    assert rows and sum(r["calls"] for r in rows) > 0
+    for r in rows:
+        assert r["benchmark"] == "soak" and r["world_size"] == 2 and r["minutes"] == 0.02 and r["mode"] == "eager"
+        assert r["wrong"] == r["timeouts"] == r["hangs"] == r["errors"] == 0, r
+        for key in ("template", "kind", "dtype", "calls", "recompiles", "peak_mem_gib", "device"):
+            assert key in r
+
+
+def test_drawn_sites_fit_their_collective():
+    """M odd where the collective allows it; dim 0 splits in W where it must; K and N multiples of 8."""
+    from benchmarks.soak import draw_site
+
+    rng = random.Random(1)
+    for world in (2, 4):
+        for _ in range(200):
+            s = draw_site(rng, world, small_dims=rng.random() < 0.5)
+            assert s["n"] % 8 == 0 and s["k"] % 8 == 0 and s["m"] > 0
+            if s["kind"] == "gemm_allreduce":
+                assert s["m"] % 2 == 1
+            else:
+                assert s["m"] % world == 0 and (s["m"] // world) % 2 == 1
