@@ -1,17 +1,11 @@
 """host_pacing: in a host-launched graph, is a rewritten site's host time hidden or exposed?
 
 Without CUDA graphs the host issues a graph's kernels one after another while the GPU runs them.
-A template's op launched piece by piece (``op_graphs=False``; replayed from a CUDA graph it costs
-less than the site, runtime/op_graphs.py) costs 0.3-1.0 ms of host time per call (profile ``op_overhead_ms``;
-``benchmarks/host_profile.py`` shows where it goes: torch's custom-op dispatch, Triton's
-launcher, stream and event work). ``decide`` prices each site on its own, starting from an idle
-host, so that time is exposed and adds to the op's GPU time. That is what ``benchmarks/ops.py``
-measures host-launched, with the ranks synchronised before every call, and there the baseline
-wins. Inside a graph the host is usually ahead of the GPU by the GPU time of the work it has
-already queued, and then the same op costs nothing extra. On 2x H200, the Llama-3-8B TP+SP block
-with p2p_ring forced on all 10 sites ran at 1.012x (train) and 1.080x (prefill) of
-torch.compile's default. The per-site rule had kept all 10 sites as written
-(``benchmarks/results/e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-23-default-*.json``).
+A template's op launched piece by piece costs host time per call (profile ``op_overhead_ms``;
+``benchmarks/host_profile.py`` shows where it goes). ``decide`` prices each site on its own from an
+idle host, so that time adds to the op's GPU time and the baseline wins. Inside a graph the host is
+usually ahead of the GPU by the GPU time of the work it has already queued, and then the same op
+costs nothing extra: forced rewrites of sites the per-site rule kept ran faster than the default.
 
 So for host-launched graphs, ``pace`` simulates the graph on two clocks, taking its nodes in
 order:

@@ -1,34 +1,20 @@
 """settle: a site the predictor cannot call is timed on its group and decided by what it measures.
 
 ``decide`` rewrites a site when its predicted gain clears min_speedup x (1 + the profile's model
-error). The margin keeps a rewrite the model is merely optimistic about from losing, but it also
-keeps true wins out: on the Llama-3-8B TP+SP block on 2x H200 (reduce-overhead), three of ten
-sites were predicted 1.07x, 1.10x and 1.12x and stayed as written under a bar of 1.13x
-(``benchmarks/results/e2e-NVIDIA_H200-w2-torch2.11.0-2026-11-23-reduce-overhead-run2.json``).
+error). That margin keeps out rewrites the model is merely optimistic about, but also true wins.
+So a site whose decision lies within the model error (``uncertain``) is measured once, on its own
+group, while the graph compiles: the site as written and each template's best configuration in
+question, on random operands of the site's shapes (predictor/exhaustive.py), replayed from a CUDA
+graph where Inductor captures the graph, else host-launched and issued while the GPU is busy
+where host_pacing's clocks show enough GPU work queued ahead of the site to hide the op's host time
+(``_timing``): from an idle GPU the op's host time would count against it, which the graph does not
+see. Every rank measures the same sites in the same order and takes the slowest rank's time, so
+all ranks decide the same; the fastest rewrite clearing min_speedup is taken, and the Report
+shows predicted beside measured gain.
 
-So a site whose decision lies within the model error is measured once, on its own group, while
-the graph compiles (``uncertain`` says which: kept as written with a best predicted gain within
-the error of min_speedup, either side; rewritten in a captured graph with another template
-predicted within the error of the chosen one; host-launched rewrites the host share puts in
-doubt): the site as written and each template's best predicted configuration in question, on random
-operands of the site's shapes, replayed from a CUDA graph where Inductor captures the graph and
-launched from the host otherwise (predictor/exhaustive.py): there, issued while the GPU is busy
-where host_pacing's clocks show enough GPU work queued ahead of the site to hide the op's host
-time (``_timing``), so the site and the op are compared by what the GPU does, as in the graph.
-From an idle GPU, the op's host time (Python dispatch, the replay lookup) counted against it: on
-2x H100 the Llama-3-8B block's W1/W3 all-gather measured p2p_ring 0.94x that way and 1.07x
-replayed from a CUDA graph (``benchmarks/results/e2e-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-run1.json``),
-and 1.07x queued in the next run. Every rank of the group measures the same sites in the same
-order and takes the slowest rank's time, so all ranks decide the same.
-The fastest measured rewrite is taken when its measured gain clears min_speedup; either way the
-Report shows predicted beside measured gain.
-
-Only groups on GPUs are measured (on CPU, gloo, the reference implementations say nothing about
-a GPU); elsewhere the prediction stands and the site's ``measured`` note says why. Off with
-``measure_uncertain=False``, with ``force_template``, and under ``search`` other than "predict"
-("exhaustive" measures every candidate, "measure" reports without changing a decision).
-Measurements are cached per (group, site, mode, profile), so recompiles and repeated layers do not
-measure again.
+Only GPU groups are measured (elsewhere the prediction stands, with the reason). Off with
+``measure_uncertain=False``, ``force_template``, or ``search`` other than "predict". Measurements
+are cached per (group, site, mode, profile).
 """
 from __future__ import annotations
 
@@ -69,14 +55,10 @@ def uncertain(d: Decision, options: Options, needed: float) -> tuple[Candidate, 
 
     * kept as written, its best predicted gain within the model error of min_speedup, either side
       (min_speedup / (1 + err) up to the bar ``needed``): each template's best predicted
-      configuration predicted to clear min_speedup / (1 + err), fastest first. Below
-      min_speedup counts too: on 2x H100 RS 8192x4608x9216 was predicted 1.03x under CUDA graphs
-      (1.00x host-launched), so never measured, and p2p_ring measured 1.13x (1.11x) there
-      (``benchmarks/results/ops-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26-settle-band.json``);
+      configuration predicted to clear min_speedup / (1 + err), fastest first (below min_speedup
+      too: sites predicted just under it can measure well over it);
     * rewritten in a captured graph while another template's best configuration is predicted
-      within the model error of the chosen one: the chosen one and those rivals (on the same run
-      AG 8192x7392x8192 took tile_fused, predicted 2% ahead of p2p_ring: measured 1.02x against
-      p2p_ring's 1.14x);
+      within the model error of the chosen one: the chosen one and those rivals;
     * host-launched and rewritten, its predicted gain under the bar grown by the op's share of
       host time in its price (``doubtful_rewrite``): the chosen configuration.
 
@@ -142,12 +124,10 @@ def _rivals(d: Decision, timed: list[Candidate], err: float) -> tuple[Candidate,
 def doubtful_rewrite(d: Decision, needed: float) -> tuple[Candidate, list[Candidate], str] | None:
     """A host-launched rewrite the prediction cannot carry: (baseline, [chosen], why), else None.
 
-    The host part of a host-launched price is its least certain part: on 2x H100 the host time a
-    replayed op exposed from an idle GPU ranged 1.2-1.8x the site's from one shape to the next,
-    and rewrites of small sites predicted 1.24-1.26x measured 0.84-1.00x
-    (``benchmarks/results/ops-NVIDIA_H100_80GB_HBM3-w2-torch2.11.0-2026-11-26.json``). So a
-    rewrite whose predicted gain is under the bar times (1 + the host share of the op's price) is
-    measured too, and goes back to the site as written if it does not clear min_speedup."""
+    The host part of a host-launched price is its least certain part (the host time a replayed op
+    exposes varies from one shape to the next). So a rewrite whose predicted gain is under the bar
+    times (1 + the host share of the op's price) is measured too, and goes back to the site as
+    written if it does not clear min_speedup."""
     from .. import predictor
 
     if predictor.launch_mode() != "eager":

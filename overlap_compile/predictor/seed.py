@@ -9,9 +9,9 @@ bandwidth and clocks under the same power; an estimate). Both are to be replaced
 ``python -m overlap_compile profile`` measures on those machines (world sizes 2 and 4).
 ``cpu-gloo``: plausible numbers for CPU processes over gloo (tests, the CPU demo).
 
-Since 2026-11-22 the built-in ``h200.json`` is this seed *plus* measurements folded in by
-``benchmarks/fitting/calibrate_profile.py`` (see its ``notes``): re-seeding overwrites them, so re-run the
-calibration afterwards.
+The built-in ``h200.json`` is this seed *plus* measurements folded in by
+``benchmarks/fitting/calibrate_profile.py`` (see its ``notes``): re-seeding overwrites them, so
+re-run the calibration afterwards.
 """
 from __future__ import annotations
 
