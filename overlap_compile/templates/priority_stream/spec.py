@@ -65,10 +65,9 @@ class PriorityStreamSpec(TemplateSpec):
         """1, 2, 4, 8 chunks where each chunk gets at least one row of every stripe, on cuBLAS.
 
         The occupancy-shaped configs (block_m/block_n/stages/programs: the persistent Triton GEMM
-        holding fewer SMs or less shared memory) run and can be forced, but are not offered: on
-        2x H200 (benchmarks/results/occupancy-*, all-reduce 8192x8192x4096, 4 chunks) none beat
-        cuBLAS chunks (1.15x): full occupancy 128x256 reached 1.14x, holding 118/105/85 of 132
-        SMs 1.10/1.09-1.14/0.95x (the GEMM slows more than NCCL gains), 2 stages 0.43-0.60x."""
+        holding fewer SMs or less shared memory) run and can be forced, but are not offered: none
+        beat cuBLAS chunks (holding SMs back slows the GEMM more than NCCL gains;
+        benchmarks/diagnostics/occupancy_sweep.py compares them)."""
         rows = rows_per_stripe(match)
         return [_config(c) for c in CHUNK_CHOICES if c <= rows] or [self.default_config(match)]
 

@@ -151,10 +151,9 @@ def choose_wait_mode(requested: str, programs: int, sms: int, have_stream_wait: 
     ``auto``: always the bounded spin waiter: no wait on a GPU signal may hang forever, and
     cuStreamWaitValue32 cannot time out, so it is used only when asked for explicitly
     (``stream``, experiments). The spin waiter needs a free SM: the predictor plans
-    programs < SMs (NCCL needs SMs too). Measured on one H100 (1-rank NCCL group, CUDA graph):
-    with programs == SMs the spin waiter made the whole op 1.2-1.5x slower than mm +
-    all_reduce, cuStreamWaitValue32 0.94-1.04x. ``programs``/``sms``/``have_stream_wait`` are
-    kept in the signature for callers that log the choice."""
+    programs < SMs (NCCL needs SMs too): with programs == SMs it makes the whole op slower than
+    mm + all_reduce. ``programs``/``sms``/``have_stream_wait`` are kept in the signature for
+    callers that log the choice."""
     if requested not in WAIT_MODES:
         raise ValueError(f"OVERLAP_COMPILE_SIGNAL_WAIT: got {requested!r}; allowed: {list(WAIT_MODES)}")
     if requested == "stream" and not have_stream_wait:

@@ -353,12 +353,9 @@ def sr_epilogue(profile: HardwareProfile) -> dict[str, float] | None:
 
 
 # HBM passes over the received tile-order buffer that its un-reorder costs. Read in place by a
-# fused consumer (pointwise / reduction readers: Site.output_fuses), nothing: a residual + RMSNorm
-# consumer compiled with static shapes measured -1.3% to +0.3% over the plain consumer under CUDA
-# graphs on 6 all-reduce output shapes, 2048-16384 x 8192-16384 bf16, on H100 and H200
-# (benchmarks/results/reorder-consumer-*-2026-11-23.json; the +44-68% of 2026-11-22 was that
-# benchmark recompiling with dynamic shapes, which the finder never rewrites). Materialised for
-# any other reader (a GEMM, a collective, the graph output): a copy, read + write = 2.
+# fused consumer (pointwise / reduction readers: Site.output_fuses), nothing: Inductor fuses the
+# gather into the consumer's own read (benchmarks/diagnostics/reorder_consumer.py measures it).
+# Materialised for any other reader (a GEMM, a collective, the graph output): a copy, read + write = 2.
 SR_REORDER_PASSES_FUSED = 0.0
 SR_REORDER_PASSES_COPY = 2.0
 

@@ -95,7 +95,7 @@ class SignalReorderSpec(TemplateSpec):
         configs = [self.with_subtile(match, c) for c in configs]
         # other signalling points (kernels.SIGNAL_AT) once the profile has measured their cost;
         # one that costs no less than group_end is dominated (it also signals a tile later) and
-        # is not offered (H200, 2026-11-23: next_tile +4.0% against group_end's +3.8%)
+        # is not offered
         epi = sr_epilogue(profile) or {}
         points = [p for p in epi if p in SIGNAL_POINTS and p != "group_end" and epi[p] < epi["group_end"]]
         return configs + [dict(c, signal_at=p) for p in points for c in configs]

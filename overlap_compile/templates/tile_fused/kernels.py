@@ -22,21 +22,10 @@ the template, the op, what was waited on, its index and the value seen. The op c
 eager call, without synchronising: the record is copied to pinned memory behind the call and
 read at the next call (or by check_errors(), which synchronises).
 
-Status (2x H200, torch 2.11, Triton 3.6, one run): everything compiled, but the first GEMM+RS
-case failed with a barrier wait timing out ("the wait on rank 1 timed out: its flag read 0"), and
-Triton 3.6 rejected the inline-asm variant of the barrier kernel (the tl.atomic fallback ran).
-Likely cause of the timeout, fixed since but not re-run: kernels were compiled lazily *after* the
-first bounded wait had started, and a rank compiling several variants kept its peers waiting past
-the bound; the first call now compiles everything (Triton warmup) and meets the peers at a host
-barrier before any wait. The asm operands are now always tensors (a constant operand is the
-likely 3.6 rejection). 2026-11-23 on 2x H200: all-gather + GEMM passes its GPU tests (also under
-CUDA-graph trees) and is a GPU candidate; GEMM + reduce-scatter still fails on some calls, so
-spec.py offers it no configuration under GPU profiles. Likely cause, found on 1x H100 the same day
-(tests/gpu/test_kernel_loading.py): the first call launched the push kernel, which spins on the
-GEMM's tiles, before the GEMM's first launch, and CUDA's lazy loading held the GEMM's load until
-the spin ran out its bound (3.0 s timeout vs 2.5 ms once preloaded); the flags left unconsumed by
-that call then released later calls' waits early (wrong results). Warm-up now loads every kernel
-(``_loaded``); the 2-GPU test has not run since.
+A plan's first call compiles and loads every kernel (Triton warm-up, ``_loaded``) and meets the
+peers at a host barrier before any bounded wait starts: a kernel compiled or loaded lazily
+(CUDA's lazy loading) while a peer already spins would keep that peer waiting past its bound,
+and flags a timed-out call leaves unconsumed would release later calls' waits early.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 COMM_CTA_CHOICES = (4, 8, 16)
-_UNPROVEN = ("tile_fused GEMM + {what} on GPUs gave wrong results on some calls on 2x H200 (2026-11-23); the "
+_UNPROVEN = ("tile_fused GEMM + {what} on GPUs gave wrong results on some calls; the "
              "suspected cause is fixed but its 2-GPU race loops (tests/gpu/test_tile_fused.py) have not passed "
              "since, so the site stays as written on GPUs (force_template included); the CPU reference still runs it")
 # kinds whose GPU kernels are not yet shown right on every call
@@ -51,16 +51,8 @@ class TileFusedSpec(TemplateSpec):
     name = "tile_fused"
     host_replay = True  # runtime.op_graphs (base.Route(graphable=True) in op.py)
     kinds = ("gemm_reducescatter", "gemm_allreduce", "allgather_gemm")
-    # GPU path (kernels.py) on 2x H200 (2026-11-23, benchmarks/results/predictor-...-w2-...):
-    # all-gather + GEMM passes tests/gpu/test_tile_fused.py (100 calls back to back, eager and
-    # torch.cuda.graph replays), runs under Inductor's CUDA-graph trees
-    # (tests/gpu/test_reduce_overhead.py, after its first-call barrier moved off the graph pool)
-    # and measured 1.29-1.36x of sequential under CUDA graphs (0.36-0.41x host-launched: the
-    # op's host cost, which the predictor charges). GEMM + reduce-scatter gave wrong results on
-    # some calls and wait timeouts, and 0.12-0.54x: candidates() offers no reduce-scatter
-    # configuration under a GPU profile (force_template still selects it). GEMM + all-reduce (the
-    # reduce-scatter plus the reduced tiles pushed to every peer) passes its CPU checks
-    # (tests/test_tile_fused_interp.py) and has not run on a GPU: no GPU configuration either.
+    # GPU profiles offer a kind only once its GPU kernels are shown right on every call
+    # (GPU_UNPROVEN, ALLGATHER_RACE_LOOP_PASSED); until then the site stays as written there.
     gpu_implemented = True
 
     def supports(self, match: Match) -> str | None:
