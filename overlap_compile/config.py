@@ -178,11 +178,10 @@ except Exception:  # pragma: no cover - an interpreter without the private mappi
 
 def _env_values() -> tuple:
     """The raw values of the OVERLAP_COMPILE_* variables (None where unset). Ops read the options
-    on every call, host time a host-launched model pays per site: on a GPU machine 15
-    ``os.environ.get`` calls and building Options took ~23 us
-    (benchmarks/results/op_host_probe-NVIDIA_H200-w1-torch2.11.0-2026-11-23.txt), so
-    this reads the environment's own mapping with pre-encoded keys where CPython has one, and
-    Options are built once per distinct set of values (``_options_from``)."""
+    on every call, host time a host-launched model pays per site (one ``os.environ.get`` per
+    option and building Options cost tens of us), so this reads the environment's own mapping
+    with pre-encoded keys where CPython has one, and Options are built once per distinct set of
+    values (``_options_from``)."""
     data = getattr(os.environ, "_data", None)
     if isinstance(data, dict) and _ENCODED is not None:
         return tuple(data.get(k) for k in _ENCODED)

@@ -11,8 +11,8 @@ from .build import gemm_shapes
 
 
 def _warm_up(bench: "Bench", device: str, dtype: Any, seconds: float = 0.5) -> None:
-    """GEMMs until ``seconds`` have passed: the first timings otherwise run at idle clocks (the
-    2x H200 table of 2026-11-22 was 10-28% off the operator benchmark's on small shapes)."""
+    """GEMMs until ``seconds`` have passed: the first timings otherwise run at idle clocks and
+    come out well off the operator benchmark's on small shapes."""
     import torch
 
     if not bench.cuda:
@@ -48,9 +48,8 @@ def measure_gemms(bench: "Bench", device: str, *, sets: dict, dtype: Any, progre
     """The GEMM table of this GPU: cuBLAS (torch.mm) rows for every shape of ``gemm_shapes(sets)``,
     and rows of each Triton kernel config of ``kernels`` (with the error that stopped them, if
     one did). Clocks are ramped up first; each sample is >= 1 ms of back-to-back calls. The whole
-    table is timed ``passes`` times and each row keeps its fastest pass: a single pass had rows
-    4-7x off (1x H100, 2026-11-23: 71 TFLOP/s on a 2048x2048x1536 cuBLAS GEMM) from slow
-    stretches lasting several samples. Local work only: one GPU is enough
+    table is timed ``passes`` times and each row keeps its fastest pass: in a single pass slow
+    stretches lasting several samples left rows several times off. Local work only: one GPU is enough
     (benchmarks/fitting/gemm_profile.py), and a rank failing here cannot desynchronise the others."""
     import torch
 

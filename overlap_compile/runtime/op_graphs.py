@@ -2,8 +2,8 @@
 
 In torch.compile's default mode the host launches every kernel, and a template op queues many
 small pieces (stream forks and joins, events, flag writes, bounded wait kernels, GEMM slices):
-0.3-0.7 ms of host time per call on an H200 host where the site it replaces costs 0.07-0.16 ms
-(benchmarks/host_profile.py). All of that stream work is capturable (the ops already run inside
+several times the host time of the site it replaces (benchmarks/host_profile.py shows where it
+goes). All of that stream work is capturable (the ops already run inside
 Inductor's CUDA-graph trees), so here a call's work is captured once into a CUDA graph and later
 calls with the same buffers replay it: one graph launch instead of dozens of runtime calls.
 

@@ -19,8 +19,8 @@ A buffer is allocated once per (group, key, shape, dtype, device) (``cache_key``
 every call: allocation and rendezvous are collective (every rank must ask for the same buffers in
 the same order) and slow, and must not happen inside a CUDA-graph capture (refused with a clear
 error). Buffers and rendezvous handles live for the life of the process: a peer view outlives
-nothing it depends on (the profile run on 4x H200 showed a peer copy failing with "invalid
-argument" once the local buffer behind the handle had been freed).
+nothing it depends on (a peer copy fails with "invalid argument" once the local buffer behind
+the handle has been freed).
 
 On torch 2.11+ ``buffer_ptrs`` are the allocation bases: a tensor's address on rank q is
 ``buffer_ptrs[q] + (t.data_ptr() - buffer_ptrs[rank])`` (DESIGN.md), and peer views take the same
