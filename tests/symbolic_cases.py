@@ -58,14 +58,16 @@ def reducescatter_dim0(g, w, n=20, k=12):
 
 
 def reducescatter_dim1(g, w, batch=2, n=20, k=12):
-    """DTensor's Shard(1) reduce-scatter: [B*S, K] -> mm -> [B, S, N] -> split(S/W, 1) -> cat -> RS."""
+    """DTensor's Shard(1) reduce-scatter: the local [B, S/W, K] made [B, S, K] (as the all-gather
+    before it would), [B*S, K] -> mm -> [B, S, N] -> split(S/W, 1) -> cat -> RS."""
     def fn(x, b):
         bs, s = x.shape[0], x.shape[1]
-        y = aten.view.default(aten.mm.default(aten.view.default(x, [bs * s, k]), b), [bs, s, n])
-        x2 = aten.cat.default(list(aten.split.Tensor(y, s // w, 1)))
+        full = aten.cat.default([aten.mul.Tensor(x, i + 1) for i in range(w)], 1)
+        y = aten.view.default(aten.mm.default(aten.view.default(full, [bs * s * w, k]), b), [bs, s * w, n])
+        x2 = aten.cat.default(list(aten.split.Tensor(y, s, 1)))
         return wait(c10d.reduce_scatter_tensor.default(x2, "sum", w, g)) + 1
 
-    return fn, lambda s: [(batch, w * s, k), (k, n)], [[1], []]
+    return fn, lambda s: [(batch, s, k), (k, n)], [[1], []]
 
 
 def sum_reducescatter(g, w, n=20, k1=12, k2=8):

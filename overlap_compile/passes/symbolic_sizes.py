@@ -66,14 +66,18 @@ def value_range(x: Any) -> tuple[int, int | None]:
     """(lower, upper) bound the compile knows for a size; upper None when unbounded."""
     if not is_sym(x):
         return int(x), int(x)
-    env = x.node.shape_env
     try:
-        vr = env.bound_sympy(x.node.expr)
-        lo = int(vr.lower) if vr.lower.is_finite else 0
-        hi = int(vr.upper) if vr.upper.is_finite else None
-        return lo, hi
+        vr = x.node.shape_env.bound_sympy(x.node.expr)
     except Exception:  # a bound the environment cannot work out: the size alone says nothing
         return 0, None
+    return _int_or(vr.lower, 0), _int_or(vr.upper, None)
+
+
+def _int_or(bound: Any, default: Any) -> Any:
+    try:  # an infinite bound (int_oo) has no int
+        return int(bound)
+    except Exception:
+        return default
 
 
 # ---- symbolic sizes as graph nodes -------------------------------------------------------------

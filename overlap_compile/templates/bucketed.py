@@ -106,10 +106,30 @@ def fit_config(config: dict | None, match: Any, spec: Any) -> dict | None:
     return cfg
 
 
-@functools.lru_cache(maxsize=1024)
+# (table, M, group) -> (template, plan JSON, why): the choice of each M a site ran at
+_choices: dict[tuple[str, int, str], tuple[str, str | None, str]] = {}
+
+
+def choices_made() -> list[tuple[int, str, str]]:
+    """(M, template, why) of every choice made since ``clear_choices`` (tests, diagnostics)."""
+    return [(key[1], got[0], got[2]) for key, got in _choices.items()]
+
+
+def clear_choices() -> None:
+    _choices.clear()
+
+
 def _choice(table_json: str, m: int, group_name: str) -> tuple[str, str | None, str]:
     """(template, plan JSON, why) at this M; template "baseline" (plan None) where the bucket
     says so or the template cannot take this M (why says which)."""
+    key = (table_json, m, group_name)
+    got = _choices.get(key)
+    if got is None:
+        got = _choices[key] = _choose_at(table_json, m, group_name)
+    return got
+
+
+def _choose_at(table_json: str, m: int, group_name: str) -> tuple[str, str | None, str]:
     t = BucketTable.from_json(table_json)
     entry = choose(list(t.buckets), m)
     name = entry["template"]
