@@ -7,7 +7,7 @@ Each block (``--models``: llama_dtensor, the DTensor form e2e.py's headline rows
 llama_megatron; ``benchmarks/models/llama.py``) is built on the meta device on a fake process group
 and planned by ``overlap_compile.plan``: traced, partitioned and passed through Inductor's
 post-grad passes as a GPU compile would be, in seconds and with no memory. Per site it prints the
-decision and its reason; per block, the forecast (``Report.forecast``) of the metric issue 19
+decision and its reason; per block, the forecast (``Report.forecast``) of the metric e2e.py
 measures on GPUs: of the time the sites' collectives take as written, how much the pass is
 predicted to hide (rewrites and the compute defer_compute puts under the collectives left as
 written). Sites inside the model's error band are measured on GPUs (passes/settle.py); here they

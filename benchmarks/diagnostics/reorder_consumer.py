@@ -11,7 +11,7 @@ compiled by torch.compile (Inductor) and timed:
     plain     rmsnorm(y + residual) * w                 y: [M, N] row-major (what the baseline has)
     reorder   rmsnorm(untile(buf) + residual) * w       buf: [tiles, BM, BN] in tile order
 
-The overhead is reorder / plain - 1 (target <= 10%, issue #4). Inputs are random (never zero),
+The overhead is reorder / plain - 1 (target <= 10%). Inputs are random (never zero),
 the result of both is compared in the same run, times are triton.testing.do_bench medians
 host-launched ("eager") and do_bench_cudagraph ("cuda_graph"). JSON rows follow the benchmark
 schema and go to <out>/reorder-consumer-<device>-w1-torch<v>-<date>.json

@@ -231,7 +231,7 @@ def print_best_chosen(ratios: dict[tuple, list[float]]) -> None:
               f"{sum(x < 0.98 for x in v):>5}")
 
 
-# ---- per-template bars: evaluated, not adopted (README, session 8) --------------------------------
+# ---- per-template bars: evaluated, not adopted (README) -------------------------------------------
 
 GAIN_QUANTILE = 0.8
 SHRINK_ROWS = 8  # a template/kind with n measured sites counts n / (n + 8) of its own quantile

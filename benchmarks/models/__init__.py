@@ -45,7 +45,7 @@ REQUIRED = {"llama": ("hidden", "intermediate", "heads", "seq", "batch"),
             "moe": ("hidden", "intermediate", "heads", "seq", "batch", "E", "topk")}
 MISSING: dict[str, str] = {}  # model -> why it is not in the registry
 
-try:  # the MoE layer is another issue's work: the registry says when it is missing
+try:  # the MoE layer is optional: the registry says when it is missing
     from .mixtral import build_mixtral_ep
 
     MODELS["mixtral_ep"] = build_mixtral_ep
