@@ -2,34 +2,17 @@
 
     torchrun --nproc-per-node 4 -m overlap_compile profile --out h200.json --name h200
 
-Under torchrun on GPUs (NCCL), in this order, with a progress bar on rank 0:
+Under torchrun on GPUs (NCCL), with a progress bar on rank 0, this module runs in order:
+gemms.py's GEMM table (cuBLAS for every GEMM of shapes.json's operator sets and their row splits
+M/2 ... M/16, and signal_reorder's Triton kernels); collectives.py's curves for every
+power-of-two world size 2 ... W at 64 KiB ... 512 MiB (per call of a CUDA graph of back-to-back
+calls, the max over ranks), the launch cost per call and the contention between a GEMM and a
+collective either way; op_overhead.py's host overhead of each template's op. build.py turns the
+measurements into the profile dict (``nccl_sms`` from NCCL_MAX_NCHANNELS or the defaults, which
+cannot be measured from outside NCCL) and rank 0 validates and writes it (``--out``).
 
-1. GEMM table: cuBLAS bf16 (``torch.mm``) for every GEMM of the operator shape sets (the
-   ``gemm_*`` / ``allgather_gemm`` lists of shapes.json; ``--shapes`` reads another file) and
-   their row splits M/2 ... M/16 (the pieces p2p_ring and priority_stream compute); the Triton
-   kernels of signal_reorder (``kernels.gemm``) on the unsplit shapes, when they import.
-2. Collective curves for every power-of-two world size 2 ... W (sub-groups of ranks 0..w-1):
-   all_reduce, reduce_scatter, all_gather, all_to_all, p2p (ring send/recv) and copy_engine
-   (peer copies through symmetric memory), at 64 KiB ... 512 MiB. Each point is the time per
-   call of a CUDA graph of back-to-back calls (eager back-to-back when capture fails on any
-   rank), the MAX over ranks.
-3. Launch cost per call: eager back-to-back small all_reduces minus the graph-captured ones.
-4. Contention: a GEMM alone vs beside a looping all_reduce (``gemm_slowdown``), the same with
-   cuBLAS leaving NCCL's SMs free (``gemm_slowdown_reserved``, needs
-   ``torch._C._set_sm_carveout_experimental``), the all_reduce alone vs beside GEMMs
-   (``comm_slowdown``).
-5. Host overhead of each template's op, host-launched vs CUDA graph (op_overhead.py; GPUs only).
-6. Rank 0 validates and writes the JSON (``--out``), then prints a summary.
-
-This module runs the steps in that order; gemms.py, collectives.py and op_overhead.py measure,
-build.py turns the measurements into the profile dict, bench.py times.
-
-``nccl_sms`` is not measurable from outside NCCL: it comes from NCCL_MAX_NCHANNELS when set,
-else the defaults (build.py; one SM per channel); the file's ``notes`` say which. It takes about a
-minute on 4 H200 (budget: under 5 minutes).
-
-``--smoke`` runs the same code on an already initialised process group of any backend with tiny
-sizes on CPU (the tests use it with the fake backend); nothing it measures means anything.
+``--smoke`` runs the same code on an initialised process group of any backend with tiny sizes on
+CPU (the tests use it with the fake backend); nothing it measures means anything.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 In torch.compile's default mode the host launches every kernel, and a template op queues many
 small pieces (stream forks and joins, events, flag writes, bounded wait kernels, GEMM slices):
 several times the host time of the site it replaces (benchmarks/host_profile.py shows where it
-goes). All of that stream work is capturable (the ops already run inside
-Inductor's CUDA-graph trees), so here a call's work is captured once into a CUDA graph and later
-calls with the same buffers replay it: one graph launch instead of dozens of runtime calls.
+goes). All of that stream work is capturable, so a call's work is captured once into a CUDA graph
+and later calls with the same buffers replay it: one graph launch instead of dozens of calls.
 
 What makes a replay the same call:
 
@@ -19,15 +18,11 @@ What makes a replay the same call:
   and returns to its initial values at the end of each call (each template's kernels module says
   so), so a replay is a fresh call.
 
-A key seen for the first time runs the op as usual (most one-off addresses never come back); the
-second time it is captured (on a stream of this module's, into a graph nothing runs yet) and
-replayed, and from then on replayed. A workspace cuBLAS allocates during a capture lands in the
-graph's pool and stays with the graph, as in Inductor's CUDA-graph trees. The op's temporaries live
-in one graph memory pool per device that all op graphs share: their replays are stream-ordered
-one after the other, so none can be running while another uses the same memory. Inside another
-capture (``mode="reduce-overhead"``, a user's ``torch.cuda.graph``) the op runs as written and the
-outer graph records it. A capture that fails leaves that site to run as written from then on,
-with a warning naming the template and the error.
+A key seen for the first time runs the op as usual (one-off addresses rarely come back); the
+second time it is captured and replayed, and from then on replayed. The ops' temporaries live in
+one graph memory pool per device shared by all op graphs (their replays are stream-ordered).
+Inside another capture (``mode="reduce-overhead"``, ``torch.cuda.graph``) the op runs as written
+and the outer graph records it; a failed capture leaves the site to run as written, with a warning.
 """
 from __future__ import annotations
 

@@ -17,19 +17,12 @@ needs, so that the transfer of step s runs while step s+1 is computed:
                     then the all-gather above of the reduced stripes, with no GEMM to hide it
                     (that tail is what the predictor weighs against the collective).
 
-Config (spec.default_config): ``slices`` cuts every ring message into that many row slices (sent
-as soon as each is computed, so a step pipelines against itself); ``bidirectional`` runs two rings
-at once, clockwise and counter-clockwise, each carrying half the data (reduce-scatter: half the
-columns; all-gather: half the shard's rows), so both directions of every link are busy.
-
-Transport: ``torch.distributed`` isend/irecv on the site's process group, posted in batches of
-(send to the next rank, receive from the previous one) through ``batch_isend_irecv``: on NCCL a
-batch is one group call (a ring of single sends would deadlock), on gloo the ops are independent
-and matched by tag; every message has its own tag so nothing depends on FIFO order.
-
-Partial sums are formed in fp32 (the GEMM's accumulator plus the received running sum, as a fused
-epilogue would) and rounded to the tensor's dtype once per ring hop, which is what the collective
-itself does when it reduces the already-rounded GEMM outputs.
+Config: ``slices`` cuts every ring message into row slices, each sent once computed;
+``bidirectional`` runs two rings in opposite directions with half the data each, so both
+directions of every link are busy. Transport: ``batch_isend_irecv`` batches of (send to the next
+rank, receive from the previous) on the site's group (one NCCL group call: single sends around a
+ring would deadlock), a tag per message. Partial sums are formed in fp32 and rounded to the dtype
+once per hop, as the collective does when it reduces the rounded GEMM outputs.
 """
 from __future__ import annotations
 

@@ -17,23 +17,13 @@ Which rows form a chunk (``Layout``):
                      (source j's rows [lo, hi), i.e. local rows [lo, hi) of stripe j); those rows
                      are placed into the gathered matrix and multiplied as soon as they land.
 
-A chunk's rows of one stripe may cross an outer block (``outer > 1``: a [outer, W*chunk, n] view
-scattered along dim 1); they are then a few *segments*, each lying inside one outer block, where
-the W stripes' rows are one strided ``[W, len, cols]`` view of the matrix (``stripe_block``). The
-GEMM of a segment is one batched GEMM over those views (``gemm_into``), so no rows are copied.
-
-Chunk sizes: ``R`` rows per stripe (all-reduce: R = m) split into ``min(chunks, R)`` chunks whose
-sizes differ by at most one, the larger ones first: an uneven split is fine, and the last chunk,
-whose collective nothing hides, is never the larger one. More chunks than rows are clamped (no
-empty collectives). Every rank computes the same split, so the collectives pair up.
-
-Numerics: each chunk is the same GEMM (``torch.mm``/``addmm``, or ``bmm``/``baddbmm`` over
-segments) in the tensors' dtype, with the bias added by the GEMM before any reduction, exactly
-as ``mm -> collective`` does; the collectives are the graph's own functional collectives (same
-reduce op, same backend). Results equal eager up to the GEMM's summation order.
-
-Here the collectives are started asynchronously (runtime.comm), so even on CPU/gloo the
-collective of chunk c runs while chunk c+1 is computed.
+A chunk's rows of one stripe may cross an outer block (``outer > 1``); they are then a few
+segments, each one strided ``[W, len, cols]`` view of the matrix (``stripe_block``) multiplied by
+one batched GEMM (``gemm_into``), so no rows are copied. ``R`` rows per stripe (all-reduce: m)
+split into ``min(chunks, R)`` chunks, the larger first, so the last chunk, whose collective
+nothing hides, is never the larger one; every rank computes the same split. Each chunk is the
+same GEMM with the bias added before any reduction, and the graph's own functional collectives,
+started asynchronously (runtime.comm): results equal eager up to the GEMM's summation order.
 """
 from __future__ import annotations
 

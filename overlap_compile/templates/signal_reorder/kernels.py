@@ -11,28 +11,18 @@ every name of the three::
     run()                 what op.py calls: GEMM on the compute stream, per group wait +
                           collective on the comm stream, join; returns reference.run's buffer
 
-Counters without a memset per call. Each (device, plan) owns an int32 counter per wave group,
-zeroed once at allocation. The GEMM adds the group's tile count. The waiter of group ``g`` waits
-until the counter reaches it and then *consumes* it (writes 0 back) before the collective is
-issued. So every call leaves the counters at zero for the next one, with no host-side value
-that changes between calls: the whole op is capturable in a CUDA graph and a replay is exactly
-a fresh call. (We chose this over epochs: an epoch compared against would have to live on the
-device and be bumped by an extra kernel for graph replays to stay right, and the
-consume-and-reset costs nothing extra because the waiter is already there.) Calls that share a
-plan are serialised because each call joins the compute stream back onto the comm stream.
+Counters without a memset per call: each (device, plan) owns an int32 counter per wave group,
+zeroed once. The GEMM adds the group's tile count; the waiter of group ``g`` waits for it and then
+*consumes* it (writes 0) before the collective is issued. So every call leaves the counters at
+zero with no host-side value that changes between calls, and a CUDA-graph replay is exactly a
+fresh call (an epoch would need an extra kernel per replay; the waiter is already there).
 
-Waiters (``OVERLAP_COMPILE_SIGNAL_WAIT``, see choose_wait_mode; default ``auto``):
-* ``spin``: ``_wait_kernel``, one thread polls the counter and gives up after
-  ``plan.timeout_ms`` (read off %globaltimer); on a timeout, or if the counter overshoots (a
-  bug), it records group, counter value and target in a small pinned host buffer and lets the
-  stream go on: never a silent hang. The host raises ``SignalTimeoutError`` (naming template,
-  group and counter) at the next call of a signal_reorder op on that device, or from
-  ``check_errors()`` after a synchronisation. It needs an SM slot of its own.
-* ``stream``: ``cuStreamWaitValue32`` (cuda-bindings), done by the stream's front end with no
-  SM, then ``cuStreamWriteValue32`` resets the counter. Cannot time out.
-* ``auto`` (default): spin, the bounded waiter (stream only when asked for: it cannot time out).
-The release is at GPU scope for the spin waiter (a kernel on the same GPU; NCCL runs
-after it in stream order) and at system scope for the stream waiter (what DESIGN.md measured).
+Waiters (``OVERLAP_COMPILE_SIGNAL_WAIT``, choose_wait_mode): ``spin`` (the default) is
+``_wait_kernel``, one thread bounded by ``plan.timeout_ms``: a timeout or overshoot is recorded in
+pinned host memory and raised as ``SignalTimeoutError`` at the next call or from
+``check_errors()``, never a silent hang; it needs an SM slot. ``stream`` is
+``cuStreamWaitValue32`` (no SM, cannot time out, only when asked for). The release is at GPU scope
+for the spin waiter and at system scope for the stream waiter.
 """
 from __future__ import annotations
 

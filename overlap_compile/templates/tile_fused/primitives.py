@@ -14,32 +14,19 @@ Signals (all int32 counters, one per tile / rank):
     rank_notify(flag, n) / rank_wait      the same at rank granularity (barriers, chunk arrivals)
     consume(flag, n)                      CTA barrier, then thread 0: flag -= n (the wait's target)
 
-Consuming (subtracting the target, not storing 0) is what returns every counter to zero after
-a call without a memset and without losing an early signal of the next call: a peer may add
-its next signal before this rank consumed the current one, and a store of 0 would erase it.
+Consuming (subtracting the target, not storing 0) returns every counter to zero after a call
+without a memset and without erasing a peer's early signal for the next call.
 
-Data: ``tile_push_data`` (local tile -> remote address: stores over NVLink) and
-``tile_pull_data`` (remote -> local: loads), both over a [BM, BN] tile in row chunks so a tile
-needs few registers. ``rank_copy_data`` (host) moves a whole rank chunk with the copy engine and
-signals its arrival with a stream memory operation (no SM), see ``rank_copy_data`` below.
+Data: ``tile_push_data`` / ``tile_pull_data`` move a [BM, BN] tile to / from a peer in row chunks
+(few registers); ``rank_copy_data`` (host) moves a rank chunk by copy engine and signals it with a
+stream memory operation (no SM).
 
-Every wait is bounded: after ``timeout_ns`` (read off %globaltimer on the GPU) or ``max_polls``
-polls (the interpreter) the waiter writes an error record ``[failed, code, index, seen, target]``
-to ``err`` and returns 0; every later wait first reads ``err[0]`` and returns 0 at once, so a
-failed call finishes quickly instead of timing out tile by tile. The host raises from the record
-(kernels.check_errors), naming the template, what was waited on, its index and the value seen.
-
-Two implementations of each signal, chosen by the constexpr ``USE_ASM``:
-
-* ``USE_ASM=True`` (GPU): inline PTX, ``red.release.{gpu,sys}.global.add.s32`` from thread 0
-  after ``bar.sync 0`` (cumulativity of the release covers the other threads' stores ordered
-  before it by the barrier), polling with ``ld.relaxed.{gpu,sys}`` and one
-  ``ld.acquire.{gpu,sys}`` once the target is seen (an acquire per poll would invalidate L1 each
-  time under the GEMM sharing the SM);
-* ``USE_ASM=False``: ``tl.atomic_add`` with the same semantics and scopes, volatile polls. This is
-  what runs under ``TRITON_INTERPRET=1`` (inline asm does not), so CPU tests cover all the index
-  math and the protocol; the launcher also falls back to it (with a warning) on a Triton that
-  rejects the asm.
+Every wait is bounded (``timeout_ns`` off %globaltimer, or ``max_polls`` in the interpreter): a
+timed-out wait writes ``[failed, code, index, seen, target]`` to ``err`` and every later wait
+returns at once, so a failed call ends quickly; kernels.check_errors raises from the record.
+``USE_ASM`` picks inline PTX (a release add after ``bar.sync``, relaxed polls and one acquire: an
+acquire per poll would invalidate L1 under the GEMM sharing the SM) or ``tl.atomic_add`` with the
+same semantics, which runs under ``TRITON_INTERPRET=1`` and where Triton rejects the asm.
 """
 from __future__ import annotations
 
