@@ -1,33 +1,16 @@
 """The pieces every latency model is built from, and the model of a site as written (``baseline``).
 
-A latency model takes a site under a template configuration to a predicted schedule. Each
-template's own model lives beside its spec and kernels, in ``templates/<name>/model.py``
-(``MODEL``; the predictor finds it through the template registry, ``templates.get_model``); this
-module holds what they share.
+A latency model (``MODEL(site, config, profile, ctx) -> Schedule | None`` in each template's
+``templates/<name>/model.py``, found through ``templates.get_model``) takes a site under a
+configuration to a ``Schedule``: the predicted end (ms), the bars of a two-lane Gantt chart
+(``compute``: the GEMM or its pieces; ``comm``: each collective call) and the overlap bound. Its
+inputs are the ``HardwareProfile``'s GEMM times, collective curves, per-call launch cost and
+contention factors; ``pipeline`` chains pieces over the two lanes. Without a model,
+``rank_configs`` falls back to the template's ``spec.predict``.
 
-Every model returns a ``Schedule``: the predicted end time, the bars of a two-lane Gantt chart
-(``compute`` lane: the GEMM or its pieces; ``comm`` lane: each collective call) and the overlap
-bound. All times are milliseconds; all inputs come from the ``HardwareProfile``:
-
-* ``profile.gemm.ms(M, N, K, dtype, kernel)``: GEMM time (table / interpolation / roofline);
-* ``profile.comm_ms(collective, bytes, world, cross_node)``: one collective call (curves);
-* ``profile.launch(mode)``: per-call cost on top of a curve (``mode`` "eager" or "cuda_graph");
-* ``profile.contention``: ``gemm_slowdown`` (a full-grid GEMM beside a collective),
-  ``gemm_slowdown_reserved`` (a GEMM that leaves the collective's SMs free, or beside copy-engine
-  traffic), ``comm_slowdown`` (a collective beside a GEMM).
-
-Models
-------
-baseline
-    The site as written: GEMM(s), then one collective call (all-gather: the collective first).
-    ``T = g + c``. Launch costs: a site's first collective call is enqueued while its GEMM runs
-    and pays nothing extra; every further call (a template's groups, chunks, ring steps) pays
-    ``profile.launch(mode)``.
-
-Adding a model: write ``templates/<name>/model.py`` with ``MODEL(site, config, profile, ctx) ->
-Schedule | None`` from the template's schedule, built from the pieces here (``pipeline`` for a
-chain of pieces). Until a template has one, ``rank_configs`` falls back to the template's own
-``spec.predict`` and, failing that, reports the candidate without a prediction.
+``baseline``: the site as written, GEMM(s) then one collective call (all-gather: the collective
+first), ``T = g + c``; a site's first collective call is enqueued while its GEMM runs, every
+further call (a template's groups, chunks, ring steps) pays ``profile.launch(mode)``.
 """
 from __future__ import annotations
 

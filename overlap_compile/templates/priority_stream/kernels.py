@@ -18,15 +18,10 @@ All-gather runs the other way round: the comm stream issues every chunk's gather
 records an event after each; the compute stream waits for event c, then computes chunk c's
 GEMMs. The gathered rows are copied into place on the comm stream, off the GEMM's critical path.
 
-Why a high-priority stream: the chunked GEMM fills every SM; a collective on a normal-priority
-stream gets its blocks scheduled only as GEMM blocks retire, i.e. it is starved and the overlap
-disappears (DESIGN.md). The stream's priority is ``oc.config``'s ``comm_priority`` ("highest":
-the greatest priority the device offers, the low end of torch.cuda.Stream.priority_range()).
-
-CUDA graphs: everything here is stream/event work (fork with wait_stream, events, join) and
-NCCL calls, which capture; there is no host synchronisation and no host-to-device copy.
-
-Importing this module touches no CUDA state: streams are created on first use.
+A high-priority stream, because the chunked GEMM fills every SM: a collective on a normal-priority
+stream gets its blocks scheduled only as GEMM blocks retire, and the overlap disappears. Its
+priority is ``comm_priority``. Everything is stream/event work and NCCL calls, so a call captures
+in a CUDA graph; importing this module touches no CUDA state (streams are made on first use).
 """
 from __future__ import annotations
 
