@@ -1,28 +1,14 @@
 """``search="exhaustive"``: measure the baseline and every predicted candidate of a site, once.
 
-It runs inside the decision, i.e. while the first call of the compiled function compiles its
-graph, on every rank of the site's group at the same point (all ranks compile the same graph and
-rank the same candidates in the same order, so their collectives pair up):
-
-1. each rank builds random operands of the site's shapes on the group's device (CUDA for NCCL
-   groups, CPU for gloo), runs the baseline (mm + the collective, as written) or the candidate's
-   op (``torch.ops.overlap_compile.<template>_gemm_collective`` / ``_allgather_gemm`` with the
-   plan of that config) ``WARMUP`` times, then ``ROUNDS`` x ``PER_ROUND`` timed calls interleaved over
-   the items, and keeps the median per item (CUDA events on GPU;
-   where Inductor captures the graph, mode="reduce-overhead", the calls are replays of one CUDA
-   graph capture, so the host's launch time counts as it will there: not at all);
-2. the group all-reduces the times with MAX (a step takes as long as its slowest rank), so every
-   rank holds the same numbers;
-3. candidates are re-ranked by measured time; rank 0 broadcasts the index of its best and every
-   rank checks it has the same one (``DecisionMismatchError`` otherwise, never a hang later).
-
-The Candidate keeps both numbers: ``predicted_ms`` becomes the measured time (the decision uses
-it) and ``note`` says "measured X ms (predicted Y ms)". Results are cached with the decision, so
-recompiles do not measure again. Groups whose backend is neither NCCL nor gloo (e.g. the fake
-backend of tests) are not measured: the note says so and the predictions stand.
-
-Tests replace the timing with ``set_measure(fn)``; ``fn(template, match, config, options)``
-returns ms (template "baseline" for the site as written).
+It runs inside the decision (while the first call compiles its graph), on every rank of the
+site's group at the same point, so the collectives pair up: each rank times the baseline and each
+candidate's op on random operands of the site's shapes (``WARMUP``, then ``ROUNDS`` x
+``PER_ROUND`` calls interleaved over the items, the median per item; CUDA-graph replays where
+Inductor captures the graph); the group all-reduces the times with MAX; candidates are re-ranked
+by measured time and rank 0's best is checked on every rank (``DecisionMismatchError``, never a
+hang later). ``predicted_ms`` becomes the measured time and ``note`` says "measured X ms
+(predicted Y ms)"; results are cached with the decision. Groups on neither NCCL nor gloo are not
+measured (the note says so). Tests replace the timing with ``set_measure(fn)``.
 """
 from __future__ import annotations
 

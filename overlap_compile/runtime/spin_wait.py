@@ -7,20 +7,12 @@ for, gives up after a time bound, records what it saw, and never hangs the strea
     failure(device) -> (tag, seen, target) | None      read the record without synchronising
     clear(device)                                       forget a record (after raising it)
 
-``wait_kernel`` is the Triton kernel (signal_reorder launches it with its own record buffer, on
-its wave-group counters: GEQ mode, GPU scope). On a timeout, or when the flag ends up at another
-value than the target (an overshoot: a bug), it writes (failed, tag, seen, target, ready) into a
-small pinned host buffer and lets the stream go on; the host raises at the next call or when a
-template's ``check_errors`` is called. ``tag`` is the caller's code for *which* wait it was (a
-template maps it back to, e.g., "ring step 2, partial from rank 3").
-
-Why a spin kernel and not ``cuStreamWaitValue32``: a stream wait cannot time out, so a peer that
-never signals would hang the process (and a CUDA graph replay) with no message. The kernel takes
-one thread of one SM and naps 0.5 us between polls (shared SM with a GEMM CTA).
-
-``sys_scope``: the acquire that ends the wait is at system scope, for flags written by another
-GPU (a peer's ``cuStreamWriteValue32`` over NVLink); GPU scope suffices for flags written on the
-same GPU. Importing this module touches no CUDA state.
+On a timeout, or an overshoot (a bug), ``wait_kernel`` writes (failed, tag, seen, target, ready)
+into a small pinned host buffer and lets the stream go on; the host raises at the next call or in
+a template's ``check_errors``. ``tag`` is the caller's code for which wait it was. A spin kernel
+rather than ``cuStreamWaitValue32`` because a stream wait cannot time out: a peer that never
+signals would hang the process with no message. It takes one thread of one SM and naps between
+polls. ``sys_scope``: the final acquire at system scope, for flags written by another GPU.
 """
 from __future__ import annotations
 
