@@ -1,6 +1,6 @@
 """Fill each MoE section's dispatch buffer with templates/moe_fused/scatter.py instead of ATen's
 atomic index kernel: a store per row for slots with one writer, an atomic add only where a slot
-has several (exact; the module there says why and what it measured).
+has several (exact; the module there says why).
 
 The dispatch buffer of an expert-parallel layer (demo.moe) in the post-grad forward graph, before::
 
@@ -13,15 +13,12 @@ After::
     moe_scatter_rows = overlap_compile.moe_scatter_rows(slot, src, rows)
     all_to_all_single = all_to_all_single(moe_scatter_rows, ...)
 
-``index_add(full(0), 0, slot, src)`` (alpha 1) is taken the same way. A training step's backward
-section fills its buffer (the gradient of the combine's gather, sent back by the backward's first
-all-to-all) the same way and is taken too: its zeros are recomputed in the backward rather than
-saved from the forward (passes/recompute_zeros.py), so they are seen to be zeros. Only buffers on CUDA devices
-(on CPUs ATen's kernel has no atomics to save), of the sections the finder verified (find_moe:
-``buffer_node``), with a 1-D index and 2-D rows of the buffer's dtype; never while
-``torch.use_deterministic_algorithms`` is on (a slot with several writers sums them in the order
-the atomics land). Whatever is left gets its reason. This is not communication hiding: the
-buffer is filled before the dispatch all-to-all whether or not the section is rewritten.
+``index_add(full(0), 0, slot, src)`` (alpha 1) is taken the same way, and so is a training
+step's backward buffer, whose zeros passes/recompute_zeros.py recomputes so they are seen to be
+zeros. Only CUDA buffers (on CPUs ATen's kernel has no atomics to save) of sections the finder
+verified (find_moe: ``buffer_node``), with a 1-D index and 2-D rows of the buffer's dtype; never
+under ``torch.use_deterministic_algorithms`` (several writers sum in the order the atomics land).
+Whatever is left gets its reason.
 """
 from __future__ import annotations
 
