@@ -5,11 +5,9 @@
 Per (kind, template) on a small site (GPU work of microseconds, so the host is what is timed):
 the wall time per call of N back-to-back calls of the rewritten graph (host-bound), beside the
 sequential pattern's. What a host-launched model pays per rewritten site beyond the GEMM and
-collective it replaced; the numbers the predictor's ``op_overhead_ms`` summarises. Where the time
-goes (the cost of each CUDA runtime call an op makes) was measured piece by piece on one GPU
-(benchmarks/results/op_host_probe-NVIDIA_H200-w1-torch2.11.0-2026-11-23.txt): a cProfile here put
-most of it in torch's custom-op frame, an artefact of calls through the C++ dispatcher (2x H200,
-2026-11-23).
+collective it replaced; the numbers the predictor's ``op_overhead_ms`` summarises. A cProfile of
+these calls puts most of the time in torch's custom-op frame, an artefact of calls through the C++
+dispatcher: where the time goes is found by timing each CUDA runtime call an op makes on its own.
 """
 from __future__ import annotations
 

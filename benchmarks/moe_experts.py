@@ -33,11 +33,9 @@ from benchmarks.results_io import write_rows  # noqa: E402
 from overlap_compile.templates.moe_fused import expert_kernel as EK  # noqa: E402
 from overlap_compile.templates.moe_fused import reference  # noqa: E402
 
-# 1x H200 2026-11-23: pointer loads 0.74-0.83x of bmm; with TMA 128x128x256x64 s3 0.94-1.05x,
-# smaller tiles 0.60-0.92x (benchmarks/results/moe_experts-NVIDIA_H200-w1-*-tma.json)
-# The first three differ only in how tiles are taken, defaults first (since 2026-11-24: the
-# dynamic ticket, row blocks in groups of 8), then the static p, p + P, ... and the row-major
-# order (group_m=1) they replaced, so every run compares them.
+# The first three differ only in how tiles are taken, defaults first (the dynamic ticket, row
+# blocks in groups of 8), then the static p, p + P, ... and the row-major order (group_m=1) they
+# replaced, so every run compares them; the rest vary the tile, stages, warps and waits.
 CONFIGS = [EK.ExpertTiles(128, 128, 256, 64, 8, 3), EK.ExpertTiles(128, 128, 256, 64, 8, 3, schedule="static"),
            EK.ExpertTiles(128, 128, 256, 64, 8, 3, group_m=1),
            EK.ExpertTiles(128, 128, 256, 64, 8, 4),

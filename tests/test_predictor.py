@@ -381,7 +381,7 @@ def test_builtin_profiles_load_and_are_marked():
         if one_gpu:
             assert any("re-measure with `torchrun" in n for n in p.raw["notes"]), p.raw["notes"]
         assert {2, 4} <= set(p.curves["all_reduce"])
-    assert not predictor.load_profile("h200").provisional  # measured on 2x H200 (2026-11-22)
+    assert not predictor.load_profile("h200").provisional  # measured by the profile command
     # ANCHORS: AR 128 MiB ~0.73 ms, RS 64 MiB ~0.25 ms, GEMM 8192x8192x7168 1.324 ms (H200, W=4)
     h = h200()
     assert h.comm_ms("all_reduce", 128 * MiB, 4) == pytest.approx(0.73, rel=0.03)

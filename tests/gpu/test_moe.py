@@ -3,9 +3,7 @@ pieces) and kernels.py (copy engine over symmetric memory, by source; experts by
 persistent expert kernel, odd tile counts: C = 96 rows in blocks of 32, H = 256, F = 384; and the
 kernel skipping the tiles past the routed rows, zero tails of new lengths each call), fp32 (TF32 off), world 2
 and 4, eager (the copy-engine path 20 calls back to back on new inputs: a flag protocol race
-shows as a moving error) and captured in a CUDA graph (replayed on new inputs). Passed at
-world 2 on 2x H100 (2026-11-26); the copy-engine path with bmm experts is what GPU profiles offer
-(spec.py)."""
+shows as a moving error) and captured in a CUDA graph (replayed on new inputs)."""
 from __future__ import annotations
 
 import pytest

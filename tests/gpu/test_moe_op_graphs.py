@@ -5,8 +5,8 @@ and is compared with reference.run's one-shot pipeline; an inference plan and a 
 (its saved intermediates are outputs too, compared with the layer's own math), and the backward
 section's op (moe_fused_backward, compared with the section as written); world 2 (and 4 where
 there are 4 GPUs). The workers turn spec.host_replay on themselves, so the test holds
-whatever its default. Passed at W=2 on 2x H100 (2026-11-26, run 2; run 1 held the last call's
-outputs while the next allocated, so a training plan's addresses never repeated)."""
+whatever its default. A call's outputs are released before the next call allocates, or a
+training plan's addresses would never repeat."""
 from __future__ import annotations
 
 import pytest

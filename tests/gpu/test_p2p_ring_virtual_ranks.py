@@ -3,13 +3,8 @@ called through torch.ops the way a compiled graph calls them, host-launched: eac
 captured into CUDA graphs and replayed by runtime.op_graphs while its peer runs (and captures) on
 its own schedule. Every call's output is compared with the sum / gather over ranks, the inputs
 changing from call to call. What it cannot show: ordering across an NVLink fabric (every "peer"
-shares one L2); tests/gpu/test_p2p_ring.py checks that on 2 GPUs.
-
-Status (1x H200, 2026-11-24): 8 of 8 passed in a run of this file alone (with the kernel-loading
-round; before it, the first case of a process timed out); in one run of the whole GPU suite the
-op_graphs all-gather case hit a bounded-wait timeout (rank 0's READY flag, ring step 1) with no
-wrong result. Whether that is the one-GPU emulation (both ranks share one context
-and launch queue) or a real hazard is open until the 2-GPU runs.
+shares one L2, and both ranks share one context and launch queue);
+tests/gpu/test_p2p_ring.py checks that on 2 GPUs.
 """
 from __future__ import annotations
 

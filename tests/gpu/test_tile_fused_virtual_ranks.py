@@ -8,10 +8,6 @@ flag protocol pairs the right tiles and slots, no call reads a slot before it is
 the next call overwrote it, and the result is right on every call with the inputs changing from
 call to call. What it cannot show: ordering across an NVLink fabric (every "peer" here shares one
 L2), which the 2-GPU race loops of tests/gpu/test_tile_fused.py check.
-
-Status (1x H200, 2026-11-24): 8 of 8 passed in each of three runs of this file alone; in one run of
-the whole GPU suite the all-reduce 4096^2 bf16 case hit a bounded-wait timeout (a peer tile's
-"done" flag) with no wrong result. Emulation artefact or real hazard: open until the 2-GPU runs.
 """
 from __future__ import annotations
 
