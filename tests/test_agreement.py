@@ -1,0 +1,52 @@
+"""Ranks that disagree about a rewritten site (other shapes, one rank compiled without the backend)
+get a clear error naming the site and the group, on every rank that reached it, within
+signal_timeout_ms: the plans are compared through the store, never through a collective that a
+missing rank could leave unpaired (CPU, gloo, the reference path)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from overlap_compile.testing.multiprocess import run_distributed
+
+
+def disagree(case: str) -> dict:
+    import torch.distributed as dist
+
+    from overlap_compile import config, templates
+    from overlap_compile.runtime.agreement import DecisionMismatchError
+    from overlap_compile.testing.patterns import site_plan
+
+    templates.load_all_ops()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD.group_name
+    m = 8 * world * (2 if case == "shapes" and rank == 1 else 1)  # rank 1 has other shapes
+    plan = site_plan("gemm_reducescatter", "p2p_ring", m, 16, 8, world)
+    a, b = torch.randn(m, 8), torch.randn(8, 16)
+    start = time.monotonic()
+    if case == "missing" and rank == 1:  # compiled without the backend: never reaches the op
+        return {"rank": rank, "error": None, "s": 0.0}
+    try:
+        with config.patch(signal_timeout_ms=1500):
+            torch.ops.overlap_compile.p2p_ring_gemm_collective(a, b, None, group, plan)
+        error = None
+    except DecisionMismatchError as e:
+        error = str(e)
+    return {"rank": rank, "error": error, "s": time.monotonic() - start, "group": group}
+
+
+@pytest.mark.parametrize("case", ["shapes", "missing"])
+def test_disagreeing_ranks_get_a_clear_error(case):
+    results = run_distributed(disagree, world_size=2, args=(case,), timeout_s=120)
+    came = results if case == "shapes" else results[:1]
+    for r in came:
+        assert r["error"], r
+        assert "p2p_ring gemm_reducescatter" in r["error"] and f"group {r['group']!r}" in r["error"], r["error"]
+        assert r["s"] < 10, r
+    if case == "shapes":  # each rank's site in words, so the difference shows
+        assert "rank 0: p2p_ring gemm_reducescatter 16x16x8" in results[0]["error"], results[0]["error"]
+        assert "rank 1: p2p_ring gemm_reducescatter 32x16x8" in results[0]["error"], results[0]["error"]
+    else:
+        assert "rank(s) [1] did not reach it within signal_timeout_ms (1500 ms)" in results[0]["error"]
