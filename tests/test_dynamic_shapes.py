@@ -75,12 +75,12 @@ def _graph_cases(templates_: list[str]) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("templates_", [("p2p_ring", "signal_reorder"), ("priority_stream", "tile_fused")])
-def test_every_kind_every_template_at_any_m(templates_):
+def test_every_kind_every_template_at_any_m():
     from overlap_compile import templates
     from tests import symbolic_cases as sc
 
-    for rows in run_distributed(_graph_cases, world_size=2, args=(list(templates_),), timeout_s=600):
+    names = ["p2p_ring", "signal_reorder", "priority_stream", "tile_fused"]
+    for rows in run_distributed(_graph_cases, world_size=2, args=(names,), timeout_s=600):
         for r in rows:
             label = f"{r['case']}/{r['template']}"
             assert r["kind"] == sc.KIND[r["case"]], label
@@ -89,5 +89,148 @@ def test_every_kind_every_template_at_any_m(templates_):
                 assert r["chosen"] == "bucketed" and r["in_graph"], f"{label}: {r['reason']}"
                 assert r["template"] in r["ran"], f"{label}: ran {r['ran']}"
                 assert r["buckets"] and all(b["template"] == r["template"] for b in r["buckets"]), label
+                if (r["case"], r["template"]) == ("allreduce_2d", "p2p_ring"):  # odd M: W stripes cannot be cut
+                    assert "baseline" in r["ran"], r["ran"]
             else:
                 assert r["chosen"] == "baseline" and not r["in_graph"], label
+
+
+def _mlp_allreduce(x, w1, w2, group):
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(torch.relu(x @ w1) @ w2, "sum", group))
+
+
+def _mlp_sequence_parallel(x, w1, w2, group):
+    from torch.distributed._functional_collectives import (all_gather_tensor_autograd,
+                                                           reduce_scatter_tensor_autograd)
+
+    full = all_gather_tensor_autograd(x, gather_dim=0, group=group)
+    return reduce_scatter_tensor_autograd(torch.relu(full @ w1) @ w2, "sum", scatter_dim=0, group=group)
+
+
+def _alltoall(x, w1, w2, group):
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(torch.relu(x @ w1) @ w2, None, None, group)
+
+
+def _compile_checks(template: str | None) -> dict:
+    """Run on every rank: each model compiled with the overlap backend, with ``mark_dynamic`` (one
+    compile, then lengths it was not compiled for) and with automatic dynamic (two lengths, then
+    a third); forward and backward against eager; what the pass did and how often Dynamo compiled."""
+    import functools
+
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+    from overlap_compile.explain import no_compile_caches
+    from torch._dynamo.utils import counters
+
+    group, rank = dist.group.WORLD.group_name, dist.get_rank()
+    overrides = {"force_template": template} if template else {}
+    out = {}
+    for name, model in (("allreduce", _mlp_allreduce), ("sequence_parallel", _mlp_sequence_parallel),
+                        ("alltoall", _alltoall)):
+        for mode in ("mark_dynamic", "automatic"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            w1, w2 = torch.randn(16, 24, requires_grad=True), torch.randn(24, 8, requires_grad=True)
+            report = oc.Report()
+            fn = torch.compile(functools.partial(model, group=group),
+                               backend=functools.partial(overlap_backend, report=report))
+            frames = counters["stats"]["unique_graphs"]
+            errs = []
+            lengths = (6, 10, 14) if mode == "mark_dynamic" else (6, 10, 22)  # rows per rank: even (A2A)
+            with oc.config.patch(**overrides), no_compile_caches():
+                for i, rows in enumerate(lengths):
+                    torch.manual_seed(10 * rank + rows)
+                    x = torch.randn(rows, 16, requires_grad=True)
+                    if mode == "mark_dynamic" and i == 0:
+                        torch._dynamo.mark_dynamic(x, 0)
+                    y = fn(x, w1, w2)
+                    y.sum().backward()
+                    gx, g1, g2 = x.grad, w1.grad, w2.grad
+                    x2 = x.detach().clone().requires_grad_()
+                    w1.grad = w2.grad = None
+                    y_ref = model(x2, w1, w2, group)
+                    y_ref.sum().backward()
+                    errs.append(max((a - b).abs().max().item() for a, b in
+                                    ((y, y_ref), (gx, x2.grad), (g1, w1.grad), (g2, w2.grad))))
+                    w1.grad = w2.grad = None
+            out[(name, mode)] = {"err": max(errs), "compiles": counters["stats"]["unique_graphs"] - frames,
+                                 "sites": [(s.graph, s.kind, s.template, s.reason) for s in report.sites]}
+    return out
+
+
+@pytest.mark.slow
+def test_compile_dynamic_forward_and_backward():
+    """p2p_ring forced: every site of every graph (the symbolic ones included) rewritten."""
+    for r in run_distributed(_compile_checks, world_size=2, args=("p2p_ring",), timeout_s=900):
+        for (name, mode), got in r.items():
+            label = f"{name}/{mode}"
+            assert got["err"] < 1e-4, (label, got)
+            symbolic = [s for s in got["sites"] if "symbolic M" in s[3]]
+            assert symbolic, (label, got["sites"])
+            graphs = {s[0].split("_")[0] for s in symbolic}
+            # the backward's collectives of the all-reduce and all-to-all models read no GEMM output
+            assert graphs == ({"forward", "backward"} if name == "sequence_parallel" else {"forward"}), \
+                (label, got["sites"])
+            assert all(s[2] == "bucketed" for s in symbolic), (label, got["sites"])
+            # mark_dynamic: one compile; automatic: static first, one recompile with M symbolic, no third
+            assert got["compiles"] == (1 if mode == "mark_dynamic" else 2), (label, got["compiles"])
+
+
+def _dtensor_block_checks(template: str | None) -> dict:
+    """Run on every rank: the DTensor TP+SP Llama block (demo), compiled with the overlap backend
+    under mark_dynamic on the sequence dim (automatic dynamic is the functional models' test, to
+    keep CPU time down), at three sequence lengths; output and every gradient against eager."""
+    import functools
+
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+    from overlap_compile.demo.common import max_err, setup_block
+    from overlap_compile.demo.run import CPU_SIZES
+    from overlap_compile.explain import no_compile_caches
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    overrides = {"force_template": template} if template else {}
+    out = {}
+    for mode in ("mark_dynamic",):
+        torch._dynamo.reset()
+        ref, blk, _, _ = setup_block(CPU_SIZES, "cpu", torch.float32)
+        mesh = next(iter(blk.parameters())).device_mesh
+        report = oc.Report()
+        compiled = torch.compile(blk, backend=functools.partial(overlap_backend, report=report))
+        frames = counters["stats"]["unique_graphs"]
+        errs = []
+        with oc.config.patch(**overrides), no_compile_caches():
+            for i, seq in enumerate((12, 20, 36)):  # local rows 6, 10, 18: no tile multiple
+                torch.manual_seed(seq)
+                x = torch.randn(CPU_SIZES["batch"], seq, CPU_SIZES["hidden"])
+                xr = distribute_tensor(x.clone().requires_grad_(), mesh, [Shard(1)])
+                xc = distribute_tensor(x.clone().requires_grad_(), mesh, [Shard(1)])
+                if mode == "mark_dynamic" and i == 0:
+                    torch._dynamo.mark_dynamic(xc, 1)
+                yr, yc = ref(xr), compiled(xc)
+                yr.to_local().sum().backward()
+                yc.to_local().sum().backward()
+                errs.append(max([max_err(yc, yr), max_err(xc.grad, xr.grad)]
+                                + [max_err(p.grad, q.grad) for p, q in zip(blk.parameters(), ref.parameters())]))
+                for p in (*blk.parameters(), *ref.parameters()):
+                    p.grad = None
+        out[mode] = {"err": max(errs), "compiles": counters["stats"]["unique_graphs"] - frames,
+                     "sites": [(s.graph, s.kind, s.template, s.reason) for s in report.sites]}
+    return out
+
+
+@pytest.mark.slow
+def test_compile_dynamic_dtensor_block():
+    for r in run_distributed(_dtensor_block_checks, world_size=2, args=("p2p_ring",), timeout_s=900):
+        for mode, got in r.items():
+            assert got["err"] < 1e-4, (mode, got)
+            symbolic = [s for s in got["sites"] if "symbolic M" in s[3]]
+            kinds = {(s[0].split("_")[0], s[1]) for s in symbolic}
+            assert kinds == {("forward", "allgather_gemm"), ("forward", "gemm_reducescatter"),
+                             ("backward", "allgather_gemm"), ("backward", "gemm_reducescatter")}, (mode, got["sites"])
+            assert all(s[2] == "bucketed" for s in symbolic), (mode, got["sites"])
+            assert got["compiles"] == (1 if mode == "mark_dynamic" else 2), (mode, got["compiles"])
