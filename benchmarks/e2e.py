@@ -84,9 +84,13 @@ from benchmarks.timing import Budget  # noqa: E402
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
-    "tiny": {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 8, "seq": 32, "batch": 2},
+    "tiny": {"name": "tiny (CPU)", "hidden": 64, "intermediate": 128, "heads": 8, "kv_heads": 4, "seq": 32, "batch": 2},
     # the 70B block's proportions (intermediate = 3.5 x hidden): llama70_dtensor's dry-run stand-in
-    "tiny-70b": {"name": "tiny 70B-like (CPU)", "hidden": 64, "intermediate": 224, "heads": 8, "seq": 32, "batch": 2},
+    "tiny-70b": {"name": "tiny 70B-like (CPU)", "hidden": 64, "intermediate": 224, "heads": 8, "kv_heads": 4, "seq": 32,
+                 "batch": 2},
+    # the long-context cell's stand-in (seq 16384 on GPUs); kv_heads 4 serves world 2 and 4
+    "tiny-long": {"name": "tiny long (CPU)", "hidden": 64, "intermediate": 128, "heads": 8, "kv_heads": 4, "seq": 64,
+                  "batch": 1},
     "tiny-moe": {"name": "tiny MoE (CPU)", "hidden": 64, "intermediate": 96, "heads": 8, "seq": 32, "batch": 2,
                  "E": 4, "topk": 2},
 }
@@ -111,7 +115,9 @@ def shape_table(dry: bool) -> dict[str, dict]:
     from benchmarks.shape_sets import shapes_by_name
 
     e2e = shapes_by_name("e2e")
-    return {"8b": e2e["Llama-3-8B block, TP+SP"], "70b": e2e["Llama-3-70B block, TP+SP"],
+    l8 = e2e["Llama-3-8B block, TP+SP"]
+    long = {**l8, "name": "Llama-3-8B block, TP+SP, seq 16384", "seq": 16384}
+    return {"8b": l8, "70b": e2e["Llama-3-70B block, TP+SP"], "8b-16k": long,
             "moe": e2e["Mixtral-8x7B block, EP"], **SMALL_SHAPES}
 
 
@@ -348,8 +354,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "ignored under torchrun")
     ap.add_argument("--models", default=None, help="comma list or 'all' (default: all registered; "
                     "llama70_dtensor runs the 70b shape only: see the module docstring)")
-    ap.add_argument("--shapes", default=None, help="GPU: comma list of 8b, 70b, moe, 8b-small, moe-small, or 'all' "
-                    "(default 8b,moe); dry run: tiny, tiny-70b, tiny-moe")
+    ap.add_argument("--shapes", default=None, help="GPU: comma list of 8b, 70b, 8b-16k, moe, 8b-small, moe-small, or "
+                    "'all' (default 8b,moe); dry run: tiny, tiny-70b, tiny-long, tiny-moe")
     ap.add_argument("--variants", default="default,overlap,async_tp,nocomm",
                     help="comma list of default, overlap, async_tp (CUDA only), nocomm (the comm-free bound), "
                     "nocomm_nopad (MoE: also no capacity padding in the expert GEMMs)")

@@ -62,8 +62,49 @@ def forced_options(force: str | None) -> dict:
     return {**({"force_template": name} if name else {}), **({"force_config": config} if config else {})}
 
 
-def compiled(model, variant: str, compile_mode: str, force: str | None, report):
+@contextlib.contextmanager
+def framework_mode(built, compile_mode: str):
+    """A model its framework compiles (``Built.compile_with``) takes no ``mode=``: torchtitan's
+    compile passes only a backend. The mode's Inductor options (CUDA graphs for reduce-overhead)
+    are set around the whole configuration instead, which is what ``mode=`` does per compile."""
+    if built.compile_with is None or compile_mode == "default":
+        yield
+        return
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(torch._inductor.list_mode_options(compile_mode)):
+        yield
+
+
+class RecordsSince:
+    """The overlap pass's records of the process-wide report from now on, copied into ``report``
+    by ``collect()``: a model compiled with the backend by name reports there."""
+
+    def __init__(self, report) -> None:
+        import overlap_compile as oc
+
+        self.report, self.start = report, len(oc.last_report().records)
+
+    def collect(self) -> None:
+        import overlap_compile as oc
+
+        for record in oc.last_report().records[self.start:]:
+            self.report.add(record)
+        self.start = len(oc.last_report().records)
+
+
+def compiled(model, variant: str, compile_mode: str, force: str | None, report, compile_with=None):
+    """The callable a step runs and the overlap options it runs under. ``compile_with``: the
+    model's framework compiles it in place, with the backend named as users name it."""
     mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
+    if compile_with is not None:
+        overrides = forced_options(force) if variant == "overlap" else {}
+        if variant == "overlap":
+            from overlap_compile.backend import register
+
+            register()
+        compile_with("overlap" if variant == "overlap" else "inductor", async_tp=variant == "async_tp")
+        return model, overrides
     if variant == "overlap":
         import overlap_compile as oc
         from overlap_compile.backend import overlap_backend
@@ -153,8 +194,9 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     recompiles = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with variant_context(variant) as nocomm_pass:
-        fn, overrides = compiled(model, variant, compile_mode, force, report)
+    records = RecordsSince(report)
+    with framework_mode(built, compile_mode), variant_context(variant) as nocomm_pass:
+        fn, overrides = compiled(model, variant, compile_mode, force, report, built.compile_with)
         finalize_grads = built.finalize_grads
         if nocomm_pass is not None:  # the bounds: no gradient all-reduce outside the graphs either
             from benchmarks.nocomm import without_eager_all_reduce
@@ -191,6 +233,8 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
             recompiles += watch.compiled_since_mark()
             row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
             row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
+        if built.compile_with is not None:
+            records.collect()
         train_graphs = len(report.records)  # the graphs compiled so far are the training step's
         if "prefill" in phases:
             t0 = time.perf_counter()
@@ -202,6 +246,8 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
             recompiles += watch.compiled_since_mark()
             row["prefill_compile_s"] = max(0.0, first_s - row["prefill_ms"] / 1e3)
             row["prefill_tokens_per_s"] = built.tokens / (row["prefill_ms"] / 1e3)
+        if built.compile_with is not None:
+            records.collect()
     row.update(watch.summary(recompiles))
     if nocomm_pass is not None:
         row["nocomm_replaced"] = dict(nocomm_pass.replaced)
@@ -236,9 +282,10 @@ def second_compile_hits(model_name, shape, compile_mode, force, device, dtype) -
     def once():
         torch._dynamo.reset()
         built = build(model_name, shape, device, dtype, seed=0)
-        fn, overrides = compiled(built.model, "overlap", compile_mode, force, oc.Report())
-        with oc.config.patch(**overrides):
-            built.to_local(fn(built.x)).float().sum().backward()
+        with framework_mode(built, compile_mode):
+            fn, overrides = compiled(built.model, "overlap", compile_mode, force, oc.Report(), built.compile_with)
+            with oc.config.patch(**overrides):
+                built.to_local(fn(built.x)).float().sum().backward()
 
     with inductor_config.patch({"fx_graph_cache": True}):
         once()

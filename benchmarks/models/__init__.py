@@ -13,6 +13,14 @@ group, one rank per device):
                      runs it on that shape only, and names every 70B llama_dtensor row after it
     mixtral_ep       attention + expert-parallel MoE FFN (overlap_compile.demo.moe), when present
 
+The model zoo, one module per form as its framework parallelizes it, each pinned to the 8B, 70B
+and 8B long-context (seq 16384) shapes as ``<form>_8b``, ``<form>_70b``, ``<form>_8b_16k``:
+
+    megatron_fused   Megatron-LM style: fused QKV and gate/up GEMMs, GQA, [seq, batch, hidden]
+    dtensor_gqa      a DTensor plan over separate wq / wk / wv, GQA
+    titan_llama3     the real torchtitan Llama 3 with its own plan and per-block compile
+                     (benchmarks extra ``[bench]``; listed in MISSING where it does not import)
+
 ``sizes`` come from shapes.json's e2e set (hidden, intermediate, heads, seq, batch [, E, topk]);
 ``FAMILY`` says which shapes a model takes ("llama": dense, "moe": needs E and topk).
 """
@@ -21,13 +29,20 @@ from __future__ import annotations
 from typing import Callable
 
 from .common import Built
+from .dtensor_gqa import build_dtensor_gqa
 from .llama import build_llama_dtensor, build_llama_megatron
+from .megatron_fused import build_megatron_fused
 
 MODELS: dict[str, Callable[..., Built]] = {
     "llama_dtensor": build_llama_dtensor,
     "llama_megatron": build_llama_megatron,
+    "megatron_fused": build_megatron_fused,
+    "dtensor_gqa": build_dtensor_gqa,
 }
 FAMILY = {"llama_dtensor": "llama", "llama_megatron": "llama", "llama70_dtensor": "llama"}
+ZOO = ("megatron_fused", "dtensor_gqa", "titan_llama3")
+# a zoo form's sizes: e2e.py's shape key on GPUs and its CPU stand-in on dry runs
+ZOO_SIZES = {"8b": ("8b", "tiny"), "70b": ("70b", "tiny-70b"), "8b_16k": ("8b-16k", "tiny-long")}
 # A model that is another model on one shape: name -> (the model it builds, e2e.py's shape key on
 # GPUs, the key of its CPU stand-in on dry runs).
 #
@@ -41,10 +56,28 @@ FAMILY = {"llama_dtensor": "llama", "llama_megatron": "llama", "llama70_dtensor"
 # checkpointing (--ckpt on still works for it).
 PINNED_SHAPE = {"llama70_dtensor": ("llama_dtensor", "70b", "tiny-70b")}
 MODELS["llama70_dtensor"] = build_llama_dtensor
-REQUIRED = {"llama": ("hidden", "intermediate", "heads", "seq", "batch"),
-            "moe": ("hidden", "intermediate", "heads", "seq", "batch", "E", "topk")}
 MISSING: dict[str, str] = {}  # model -> why it is not in the registry
 
+from .titan import available as _titan_missing  # noqa: E402
+
+if _titan_missing() is None:
+    from .titan import build_titan_llama3
+
+    MODELS["titan_llama3"] = build_titan_llama3
+for _form in ZOO:
+    FAMILY[_form] = "llama"
+    for _suffix, (_key, _dry_key) in ZOO_SIZES.items():
+        _name = f"{_form}_{_suffix}"
+        FAMILY[_name] = "llama"
+        if _form in MODELS:
+            PINNED_SHAPE[_name] = (_form, _key, _dry_key)
+            MODELS[_name] = MODELS[_form]
+        else:
+            MISSING[_name] = _titan_missing() or f"{_form} is not registered"
+if "titan_llama3" not in MODELS:
+    MISSING["titan_llama3"] = _titan_missing()
+REQUIRED = {"llama": ("hidden", "intermediate", "heads", "seq", "batch"),
+            "moe": ("hidden", "intermediate", "heads", "seq", "batch", "E", "topk")}
 try:  # the MoE layer is optional: the registry says when it is missing
     from .mixtral import build_mixtral_ep
 

@@ -21,6 +21,10 @@ class Built:
     # gradient reductions a hand-written parallel model owes its replicated weights, as Megatron-LM
     # does in finalize_model_grads. DTensor models do theirs themselves (Partial -> Replicate).
     finalize_grads: Callable[[], None] = _nothing
+    # a model its framework compiles itself (torchtitan's per-block compile): compile_with(backend,
+    # async_tp) compiles it in place and the benchmark calls the model as it is; None: the
+    # benchmark wraps the model in torch.compile
+    compile_with: Callable[..., None] | None = None
 
 
 def local(t: Any) -> torch.Tensor:
