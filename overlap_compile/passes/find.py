@@ -21,12 +21,14 @@ from .graph_utils import (
     VIEW_OPS,
     aten,
     c10d,
+    gemm_terms,
     getitems_of,
     group_name_of,
     is_call,
     is_symbolic,
     mm_operands,
     single_user,
+    sole_wait,
     static_shape,
     val,
     world_size_of,
@@ -80,20 +82,6 @@ def find(graph: fx.Graph, graph_name: str = "forward") -> list[Match]:
         if m is not None:
             matches.append(m)
     return matches
-
-
-def _wait_of(collective: fx.Node) -> fx.Node | None:
-    u = single_user(collective)
-    return u if is_call(u, c10d.wait_tensor.default) else None
-
-
-def _walk_back_views(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """Follow view/reshape producers back; returns (first non-view node, views passed)."""
-    chain = []
-    while is_call(node, VIEW_OPS):
-        chain.append(node)
-        node = node.args[0]
-    return node, chain
 
 
 def _undo_scatter_split(coll_input: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]] | None:
@@ -155,7 +143,7 @@ def _equal_slices(parts: list, world: int) -> tuple[fx.Node, int] | None:
 
 
 def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | None:
-    wait = _wait_of(coll)
+    wait = sole_wait(coll)
     if wait is None:
         return None
     group = group_name_of(coll.args[-1])
@@ -173,7 +161,7 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         if undone is not None:
             src, scatter_dim, split_nodes = undone
     view_shape = static_shape(src)
-    summed = _gemm_terms(src)
+    summed = gemm_terms(src)
     if summed is None:
         return None  # a collective not fed by a GEMM is not a site
     mms, views = summed
@@ -260,19 +248,6 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
     return cls(**kw)
 
 
-def _gemm_terms(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
-    """``view*(mm)`` or ``view*(add(view*(mm), view*(mm)), ...)`` -> (mm nodes, views/adds between);
-    None when anything else produces the tensor."""
-    base, views = _walk_back_views(node)
-    if is_call(base, MM_OPS):
-        return [base], views
-    if is_call(base, aten.add.Tensor) and len(base.args) == 2 and base.kwargs.get("alpha", 1) == 1:
-        left, right = (_gemm_terms(x) if isinstance(x, fx.Node) else None for x in base.args)
-        if left and right:
-            return left[0] + right[0], views + [base] + left[1] + right[1]
-    return None
-
-
 # Ops that act on each row independently (elementwise, or reducing the last dim only).
 _ROWWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
@@ -307,7 +282,7 @@ def _rowwise_path_to_allgather(start: fx.Node, group: str, rows: int) -> fx.Node
             if user in path:
                 continue
             if is_call(user, c10d.all_gather_into_tensor.default):
-                w = _wait_of(user)
+                w = sole_wait(user)
                 if ag_wait is not None or w is None or group_name_of(user.args[2]) != group:
                     return None
                 ag_wait = w
@@ -364,7 +339,7 @@ def _redo_gather_cat(wait: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.N
 
 
 def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
-    wait = _wait_of(ag)
+    wait = sole_wait(ag)
     if wait is None:
         return None
     world = ag.args[1]

@@ -118,6 +118,41 @@ def single_user(node: fx.Node) -> fx.Node | None:
     return us[0] if len(us) == 1 else None
 
 
+def sole_wait(collective: fx.Node) -> fx.Node | None:
+    """The collective's wait_tensor when that is its only user."""
+    u = single_user(collective)
+    return u if is_call(u, c10d.wait_tensor.default) else None
+
+
+def walk_back_views(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Follow view/reshape producers back; returns (first non-view node, views passed)."""
+    chain = []
+    while is_call(node, VIEW_OPS):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def gemm_terms(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """``view*(mm)`` or ``view*(add(view*(mm), view*(mm)), ...)`` -> (mm nodes, views/adds between);
+    None when anything else produces the tensor."""
+    base, views = walk_back_views(node)
+    if is_call(base, MM_OPS):
+        return [base], views
+    if is_call(base, aten.add.Tensor) and len(base.args) == 2 and base.kwargs.get("alpha", 1) == 1:
+        left, right = (gemm_terms(x) if isinstance(x, fx.Node) else None for x in base.args)
+        if left and right:
+            return left[0] + right[0], views + [base] + left[1] + right[1]
+    return None
+
+
+def after_inputs(graph: fx.Graph, inputs: list[fx.Node]) -> fx.Node:
+    """The node right after the last of ``inputs``: the earliest place a template can start
+    (weights are often permuted only after the gather or the first GEMM)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return max(inputs, key=lambda n: order[n]).next
+
+
 def getitems_of(split: fx.Node) -> list[fx.Node] | None:
     """The getitem users of a split, ordered by index, or None if anything else reads it."""
     items = {}

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .. import templates
 from .decide import Decision
-from .graph_utils import GraphEmitter, aten, erase_if_dead, static_shape
+from .graph_utils import GraphEmitter, after_inputs, aten, erase_if_dead, static_shape
 from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, MoeSectionMatch
 from .rewrite_moe_backward import rewrite_moe_backward
 
@@ -38,7 +38,7 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
             from .symbolic_rewrite import rewrite_bucketed
 
-            rewrite_bucketed(graph, d, timeout_ms)
+            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm)
             done += 1
             continue
         spec = templates.get_spec(d.template)
@@ -46,7 +46,7 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         if isinstance(d.match, AllGatherGemmMatch):
             _rewrite_allgather_gemm(graph, spec, d.match, plan)
         elif isinstance(d.match, MoeBackwardMatch):  # before its base class, MoeSectionMatch
-            rewrite_moe_backward(graph, d.match, plan, _after_inputs)
+            rewrite_moe_backward(graph, d.match, plan, after_inputs)
         elif isinstance(d.match, MoeSectionMatch):
             _rewrite_moe(graph, d.match, plan)
         else:
@@ -60,15 +60,8 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
     return done
 
 
-def _after_inputs(graph: fx.Graph, inputs: list[fx.Node]) -> fx.Node:
-    """The node right after the last of ``inputs``: the earliest place the template can start
-    (weights are often permuted only after the gather or the first GEMM)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return max(inputs, key=lambda n: order[n]).next
-
-
 def _rewrite_gemm_collective(graph: fx.Graph, spec, m: GemmThenCollective, plan) -> None:
-    emit = GraphEmitter(graph, before=_after_inputs(graph, m.operand_nodes()))
+    emit = GraphEmitter(graph, before=after_inputs(graph, m.operand_nodes()))
     rows = spec.emit_gemm_collective(emit, m, plan)
     result = emit(aten.view.default, rows, list(static_shape(m.wait_node)))
     m.wait_node.replace_all_uses_with(result)
@@ -92,7 +85,7 @@ def _fix_rows_after_allgather(graph: fx.Graph, m: GemmThenCollective, plan) -> N
 
 def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) -> None:
     inputs = [m.shard_node] + [c.b_node for c in m.consumers] + [c.bias_node for c in m.consumers if c.bias_node]
-    emit = GraphEmitter(graph, before=_after_inputs(graph, inputs))
+    emit = GraphEmitter(graph, before=after_inputs(graph, inputs))
     outs = spec.emit_allgather_gemm(emit, m, plan)
     gathered, ys = outs[0], outs[1:]
     for c, y in zip(m.consumers, ys):
@@ -119,7 +112,7 @@ def _rewrite_moe(graph: fx.Graph, m: MoeSectionMatch, plan) -> None:
 
     import operator
 
-    emit = GraphEmitter(graph, before=_after_inputs(graph, [m.buffer_node, *m.weight_nodes]))
+    emit = GraphEmitter(graph, before=after_inputs(graph, [m.buffer_node, *m.weight_nodes]))
     outs = emit(torch.ops.overlap_compile.moe_fused.default, m.buffer_node, *m.weight_nodes, m.group_name,
                 plan.to_json())
     m.combine_wait.replace_all_uses_with(emit(operator.getitem, outs, 0))

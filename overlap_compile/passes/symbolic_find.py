@@ -20,18 +20,19 @@ import torch.fx as fx
 
 from ..tiling import RowStripes
 from . import symbolic_sizes as ss
-from .find import _gemm_terms, _wait_of
 from .graph_utils import (
     MM_OPS,
     SUPPORTED_DTYPES,
     VIEW_OPS,
     aten,
     c10d,
+    gemm_terms,
     getitems_of,
     group_name_of,
     is_call,
     mm_operands,
     single_user,
+    sole_wait,
     val,
     world_size_of,
 )
@@ -133,7 +134,7 @@ def find_symbolic(coll: fx.Node, graph_name: str) -> Match | None:
 
 
 def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | None:
-    wait = _wait_of(coll)
+    wait = sole_wait(coll)
     if wait is None:
         return None
     group = group_name_of(coll.args[-1])
@@ -144,7 +145,7 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
         undone = _undo_scatter_split(src, world)
         if undone is not None:
             src, scatter_dim, split_nodes = undone
-    summed = _gemm_terms(src)
+    summed = gemm_terms(src)
     if summed is None:
         return None
     mms, views = summed
@@ -353,7 +354,7 @@ def _flatten_rows(gathered: fx.Node) -> tuple[fx.Node | None, list[fx.Node], lis
 
 
 def _allgather_gemm(ag: fx.Node, graph_name: str) -> Match | None:
-    wait = _wait_of(ag)
+    wait = sole_wait(ag)
     if wait is None:
         return None
     world = ag.args[1]

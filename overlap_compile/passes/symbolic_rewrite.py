@@ -7,7 +7,7 @@ GEMM -> collective::
  becomes
     bucketed_gemm_collective(a, b, bias, group, table) [-> view(wait's shape)] -> users
 
-All-gather -> GEMM sites go through rewrite._rewrite_allgather_gemm with an emitter for the
+All-gather -> GEMM sites go through rewrite._rewrite_allgather_gemm (handed down) with an emitter for the
 bucketed op. Symbolic view sizes are graph nodes (symbolic_sizes.size_arg): the shapes of the
 new nodes are the same expressions as those they replace, so nothing new is guarded.
 """
@@ -21,9 +21,8 @@ import torch.fx as fx
 from ..templates.base import gemm_operands
 from ..templates.bucketed import BucketTable, bucketed_allgather_gemm, bucketed_gemm_collective
 from . import symbolic_sizes as ss
-from .graph_utils import GraphEmitter, aten, erase_if_dead
+from .graph_utils import GraphEmitter, after_inputs, aten, erase_if_dead
 from .matches import AllGatherGemmMatch
-from .rewrite import _after_inputs, _rewrite_allgather_gemm
 
 
 def table_of(d, timeout_ms: int) -> BucketTable:
@@ -39,14 +38,16 @@ def table_of(d, timeout_ms: int) -> BucketTable:
                        timeout_ms=timeout_ms)
 
 
-def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int) -> None:
+def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm) -> None:
+    """``rewrite_allgather_gemm``: rewrite._rewrite_allgather_gemm, handed down (this module sits
+    below rewrite.py)."""
     table = table_of(d, timeout_ms)
     if isinstance(d.match, AllGatherGemmMatch):
         match = dataclasses.replace(d.match)  # its gathered_shape becomes view arguments (the emitter's)
-        _rewrite_allgather_gemm(graph, _AllGatherEmitter(), match, table)
+        rewrite_allgather_gemm(graph, _AllGatherEmitter(), match, table)
         return
     m = d.match
-    emit = GraphEmitter(graph, before=_after_inputs(graph, m.operand_nodes()))
+    emit = GraphEmitter(graph, before=after_inputs(graph, m.operand_nodes()))
     a, b = gemm_operands(emit, m)
     rows = emit(bucketed_gemm_collective, a, b, m.bias_node, m.group_name, table.to_json())
     result = rows
