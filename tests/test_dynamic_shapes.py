@@ -234,3 +234,65 @@ def test_compile_dynamic_dtensor_block():
                              ("backward", "allgather_gemm"), ("backward", "gemm_reducescatter")}, (mode, got["sites"])
             assert all(s[2] == "bucketed" for s in symbolic), (mode, got["sites"])
             assert got["compiles"] == (1 if mode == "mark_dynamic" else 2), (mode, got["compiles"])
+
+
+class GoldenSymbolicSite(__import__("expecttest").TestCase):
+    """The graph of one symbolic site after the rewrite (EXPECTTEST_ACCEPT=1 regenerates it): the
+    DTensor Shard(1) reduce-scatter becomes one bucketed op and a view whose symbolic size is the
+    graph's own node."""
+
+    def setUp(self):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        self.group = dist.group.WORLD.group_name
+
+    def tearDown(self):
+        dist.destroy_process_group()
+
+    def test_reducescatter_dim1_p2p_ring(self):
+        from overlap_compile import config
+        from overlap_compile.passes.pipeline import run_on_graph
+        from tests import symbolic_cases as sc
+
+        fn, shapes, dyn = sc.reducescatter_dim1(self.group, 2)
+        gm = sc.trace(fn, [torch.randn(s) for s in shapes(5)], dyn)
+        with config.patch(force_template="p2p_ring"):
+            record = run_on_graph(gm.graph, config.current())
+        self.assertEqual([b["template"] for b in record.sites[0].buckets], ["p2p_ring"] * len(record.sites[0].buckets))
+        self.assertExpectedInline(record.after.strip().replace(f"'{self.group}'", "'G'"), """\
+def forward(self, x_1, b_1):
+    mul = torch.ops.aten.mul.Tensor(x_1, 1)
+    mul_1 = torch.ops.aten.mul.Tensor(x_1, 2)
+    cat = torch.ops.aten.cat.default([mul, mul_1], 1);  mul = mul_1 = None
+    sym_size_int = torch.ops.aten.sym_size.int(x_1, 1);  x_1 = None
+    mul_2 = 2 * sym_size_int
+    mul_3 = mul_2 * 2;  mul_2 = None
+    view = torch.ops.aten.view.default(cat, [mul_3, 12]);  cat = mul_3 = None
+    bucketed_gemm_collective_default = torch.ops.overlap_compile.bucketed_gemm_collective.default(view, b_1, None, 'G', '{"buckets":[{"config":{"bidirectional":false,"slices":1,"transport":"nccl"},"max_m":null,"template":"p2p_ring"}],"chunk":null,"gathered":true,"has_bias":false,"k":12,"kind":"gemm_reducescatter","n":20,"ns":[],"outer":2,"reduce_op":"sum","timeout_ms":10000,"world":2}');  view = b_1 = None
+    mul_4 = sym_size_int * 2;  mul_4 = None
+    view_default = torch.ops.aten.view.default(bucketed_gemm_collective_default, [2, sym_size_int, 20]);  bucketed_gemm_collective_default = sym_size_int = None
+    add = torch.ops.aten.add.Tensor(view_default, 1);  view_default = None
+    return add""")
+
+
+def test_plan_of_a_symbolic_input_shows_buckets():
+    """oc.plan on the meta device with mark_dynamic: every site of both graphs is symbolic, decided
+    per bucket under the h200 profile (decode-sized M as written, long sequences rewritten), and
+    the Report's reason and ``buckets`` show each bucket's choice."""
+    import overlap_compile as oc
+    from overlap_compile.testing.fake_group import fake_process_group
+    from tests.test_plan import _TPMLP
+
+    with fake_process_group(4) as group:
+        mlp = _TPMLP(group, 4, 4096, 16384).to("meta", torch.bfloat16)
+        x = torch.empty(2048, 4096, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        report = oc.plan(mlp, x, backward=True, mode="reduce-overhead", profile="h200")
+    assert {s.graph.split("_")[0] for s in report.sites} == {"forward", "backward"}, report
+    for s in report.sites:
+        assert s.buckets and "symbolic M" in s.reason, s
+        assert s.buckets[0]["template"] == "baseline", s.buckets[0]  # M of a few rows: nothing to hide
+        assert s.predicted_ms.get("baseline") is not None, s
+    assert any(b["template"] != "baseline" for s in report.sites for b in s.buckets), report
+    assert any(s.rewritten for s in report.sites) and "bucketed" in str(report), report
