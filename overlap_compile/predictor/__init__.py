@@ -17,9 +17,10 @@ without peer access) get NCCL-transport candidates only.
 Modules: ``ranking`` (pricing and ordering a template's configs, ``Candidate``), ``models`` (what
 every latency model is built from, and the baseline's), ``profile`` (``HardwareProfile`` and its
 JSON format), ``profile_cache`` / ``decision_cache``, ``gemm_table``, ``curves``, ``seed`` (seeded
-GPU profiles), ``exhaustive`` (``search="exhaustive"``: measure instead of predict), ``timeline``
-(schedules drawn as PNG). Each template's own model is ``templates/<name>/model.py``, found
-through the template registry when ranking, never at import time.
+GPU profiles), ``exhaustive`` (``search="exhaustive"``: measure instead of predict), ``buckets``
+(row-count buckets of symbolic sites), ``timeline`` (schedules drawn as PNG). Each template's own
+model is ``templates/<name>/model.py``, found through the template registry when ranking, never
+at import time.
 """
 from __future__ import annotations
 
