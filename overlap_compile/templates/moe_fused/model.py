@@ -191,18 +191,12 @@ def moe_fused_copy_engine(site: Site, profile: HardwareProfile, ctx: Ctx, fused_
     second half; expert GEMMs run ``copy_engine_slowdown`` slower while a copy runs beside them.
     Last, the W-1 returned pieces copied into the output (read + write) after one handshake.
 
-    ``fused_ratio`` (``"experts": "fused"``, expert_kernel.py, its measured time over bmm's): one
-    persistent kernel in the same order (its tile table: the own tokens' first half, each peer
-    piece's tiles once it has landed, the own second half behind the last push), after the own
-    tokens' local copy; its per-expert chunks, which let tiles start earlier, are not credited. ``skip_padding``: the slots' sizes scanned first (at most one read of
-    the padding, ``1 - routed_fill`` of the buffer), then the kernel's GEMMs scaled by the
-    expected fill; it skips whole row blocks only, so this credits it with more than a
-    partly filled last block gives back (not offered among the candidates: force it).
-    ``tail_ms``, ``own_split=False`` (the backward, backward_p2p.py): the own slots whole and
-    first, then ``tail_ms`` of GEMMs that need every piece (the weight gradients) after the last,
-    beside its push. ``packed`` (``"experts": "packed"``, packed.py): every GEMM, the tail's too,
-    scaled by the expected fill, after a scan of the padding, then what the packed path adds
-    (packed_overhead_ms: its row moves and index maps)."""
+    ``fused_ratio`` (``"experts": "fused"``: the expert kernel's time over bmm's): one persistent
+    kernel in the same order, after the own tokens' local copy. ``skip_padding``: a scan of the
+    padding first, then the kernel's GEMMs scaled by the expected fill (an upper bound: it skips
+    whole row blocks only). ``tail_ms``, ``own_split=False`` (the backward): the own slots whole
+    and first, then ``tail_ms`` of weight-gradient GEMMs after the last piece. ``packed``: every
+    GEMM scaled by the expected fill after a scan of the padding, plus packed_overhead_ms."""
     W = max(1, site.world)
     piece_bytes = site.coll_bytes() / W
     xfer = comm_call_ms(site, profile, piece_bytes, ctx, collective="copy_engine", contended=False)
