@@ -3,6 +3,9 @@
 # one slow step cannot eat the others. Everything lands in $OUT/results.tar.gz (one file: the
 # device tool brings back at most 8), plus a short log on stdout.
 #   usage: STEPS=profile,predictor,tests,ops,host,moe,sweep,e2e bash benchmarks/run_multigpu.sh
+#   with torchtitan (e2e's titan_llama3_*): first, on a machine with a registry,
+#     pip download --no-deps --only-binary :all: --python-version 3.12 -d .wheelhouse <pyproject's [bench] list>
+#   and carry .wheelhouse along
 #   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS (or all), OPS_TEMPLATES (methods: templates, auto, async_tp),
 #          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS (the
 #          overlap variant again with defer_compute / measure_uncertain off), MOE_ARGS (e.g. --time-budget 300
@@ -19,6 +22,12 @@ step() { echo "== $1 ($(date +%T))"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$R/env.txt" | head -2
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$R/env.txt"
 PROFILE=${PROFILE:-auto}
+# the benchmarks' own dependencies (pyproject's [bench]: torchtitan and what its Llama 3 imports) from a
+# wheelhouse carried along: these machines reach no package registry
+if [ -d .wheelhouse ] && ls .wheelhouse/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index .wheelhouse/*.whl > "$R/bench_install.log" 2>&1 || tail -3 "$R/bench_install.log"
+  python3 -c 'import torchtitan.models.llama3' 2>&1 | tail -1 | sed 's/^/torchtitan: /'
+fi
 
 if has profile; then
   step "profile (world $W)"
