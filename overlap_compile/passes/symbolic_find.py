@@ -208,7 +208,7 @@ def _gemm_then_collective(coll: fx.Node, cls: type, graph_name: str) -> Match | 
 
 def _static_nk(n: Any, k: Any) -> list[str]:
     if not isinstance(n, int) or not isinstance(k, int):
-        return ["only the row count (M) may be symbolic: the GEMM's N or K is symbolic here"]
+        return ["symbolic shapes beyond the row count: the GEMM's N or K is symbolic here (only M may be)"]
     return []
 
 
