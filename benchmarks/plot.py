@@ -19,9 +19,10 @@ step time of inductor, async_tp, overlap and nocomm (the comm-free bound) per sh
 between the two labelled with the share of the gap to the bound it closes,
 (inductor - method) / (inductor - nocomm); ``--markdown`` prints the same as a table.
 
-Two benchmarks' own charts are drawn here too, called by them as they write their rows:
-``plot_occupancy`` (diagnostics/occupancy_sweep.py: speedup against the GEMM's programs) and
-``plot_error_cdf`` (predictor.py: the CDF of the prediction error).
+Three benchmarks' own charts are drawn here too, called by them as they write their rows:
+``plot_occupancy`` (diagnostics/occupancy_sweep.py: speedup against the GEMM's programs),
+``plot_error_cdf`` (predictor.py: the CDF of the prediction error) and ``plot_exposed_comm``
+(diagnostics/exposed_comm.py: a step's compute, hidden and exposed communication per variant).
 """
 from __future__ import annotations
 
@@ -356,6 +357,44 @@ def plot_error_cdf(rows: list[dict], path: str, title: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def plot_exposed_comm(rows: list[dict], path: str) -> str:
+    """diagnostics/exposed_comm.py's rows of one model and compile mode: per variant a stacked
+    bar of the step's compute, hidden communication and exposed communication split per site
+    (the most exposed sites by name, the others as one segment), ms per step. Raises ImportError
+    without matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [r for r in rows if r.get("site") == "(step)" and "exposed_ms" in r]
+    sites = [r for r in rows if r.get("site") != "(step)" and r.get("exposed_ms")]
+    worst = sorted({r["site"] for r in sites}, key=lambda s: -max(r["exposed_ms"] for r in sites if r["site"] == s))[:8]
+    fig = Figure(figsize=(max(5, 1.6 * len(steps) + 3), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    colors = {s: f"C{i + 2}" for i, s in enumerate(worst)}
+    labelled: set = set()
+    for x, r in enumerate(steps):
+        parts = [("compute", r["compute_ms"], "0.75"), ("hidden comm", r["hidden_ms"], "C0")]
+        mine = [s for s in sites if s["variant"] == r["variant"]]
+        parts += [(s["site"], s["exposed_ms"], colors[s["site"]]) for s in mine if s["site"] in colors]
+        parts.append(("other exposed", sum(s["exposed_ms"] for s in mine if s["site"] not in colors), "C1"))
+        bottom = 0.0
+        for name, ms, color in parts:
+            ax.bar(x, ms, 0.6, bottom=bottom, color=color, label=None if name in labelled else name)
+            labelled.add(name)
+            bottom += ms
+    ax.set_xticks(range(len(steps)), [r["variant"] for r in steps])
+    ax.set_ylabel("ms per step (exposed: per site, not under compute)")
+    first = (steps or rows)[0]
+    ax.set_title(f"{first.get('model')}, {first.get('compile_mode')} - {first.get('device', '')} "
+                 f"x{first.get('world_size', '')}", fontsize=9)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
 
 def markdown(rows: list[dict], metric: str = "ms") -> str:
     lines = []
