@@ -121,6 +121,7 @@ def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4, monkeypatch):
     (rs,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), prof)
     (note,) = [c.note for c in rs.candidates if c.template == "tile_fused"]
     assert "race loops" in note and rs.template != "tile_fused"  # spec.gpu_refusal's reason
+    monkeypatch.setattr(spec, "ALLGATHER_RACE_LOOP_PASSED", False)
     (ag,) = decide([_site("allgather_gemm", 8192, 3584, 4096, 4)], config.current(), prof)
     assert [c.predicted_ms is not None for c in ag.candidates if c.template == "tile_fused"] == [False]
     monkeypatch.setattr(spec, "ALLGATHER_RACE_LOOP_PASSED", True)
