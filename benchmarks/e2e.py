@@ -384,6 +384,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "none on a dry run; 0 = none)")
     ap.add_argument("--loss-rtol", type=float, default=None,
                     help="relative loss tolerance vs default (default: 1e-4 fp32 CPU, 2e-2 bf16 GPU)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each variant in processes of its own: a framework whose process-wide state carries from one "
+                    "compile to the next (seen with torchtitan: every other compile of its block in one process traced "
+                    "a backward that recomputes the forward) then compiles every variant as a fresh process does")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, tiny shapes, no async-TP")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
@@ -427,8 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     # output; without a budget, an hour
     timeout = a.time_budget + GRACE_S if a.time_budget else 3600
     try:
-        rows = run_distributed(worker, world_size=a.world, args=(vars(a),), backend="gloo" if a.dry_run else "nccl",
-                               timeout_s=timeout)[0]
+        rows = []
+        for variants in a.variants.split(",") if a.isolate else [a.variants]:
+            rows += run_distributed(worker, world_size=a.world, args=({**vars(a), "variants": variants},),
+                                    backend="gloo" if a.dry_run else "nccl", timeout_s=timeout)[0]
     except DistributedFailure as e:  # keep what was measured before the failure
         rows, cfg = read_partial(a.out, a.run_id)
         print(f"run stopped: {str(e).splitlines()[0][:300]}; {len(rows)} rows measured before", flush=True)

@@ -39,3 +39,22 @@ def test_dry_run_stand_in_and_unknown_shapes():
     assert _plan("llama70_dtensor", "tiny", dry=True) == [("llama70_dtensor", e2e.CPU_SHAPES["tiny-70b"]["name"])]
     with pytest.raises(SystemExit, match="70b"):
         e2e.plan("llama_dtensor", "70b", dry=True)
+
+
+def test_isolate_runs_each_variant_in_processes_of_its_own(monkeypatch):
+    """--isolate: one process group per variant, every variant's rows compared in one table."""
+    import overlap_compile.testing.multiprocess as mp
+
+    calls, finished = [], []
+
+    def fake_run(fn, world_size, args, backend, timeout_s):
+        calls.append(args[0]["variants"])
+        return [[{"benchmark": "e2e", "variant": args[0]["variants"]}]] * world_size
+
+    monkeypatch.setattr(mp, "run_distributed", fake_run)
+    monkeypatch.setattr(e2e, "finish", lambda rows, a: finished.append(rows) or 0)
+    e2e.main(["--dry-run", "--isolate", "--models", "megatron_fused_8b", "--variants", "default,overlap,nocomm"])
+    assert calls == ["default", "overlap", "nocomm"]
+    assert [r["variant"] for r in finished[0]] == ["default", "overlap", "nocomm"]
+    e2e.main(["--dry-run", "--models", "megatron_fused_8b", "--variants", "default,overlap"])
+    assert calls[-1] == "default,overlap"

@@ -26,9 +26,12 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 KEYS = ("mm", "attention", "all_gather", "reduce_scatter", "all_reduce")
 
 
+ALL_OPS = False  # --all-ops: every call_function target, not only KEYS
+
+
 def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
     counts = collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
-    return {k: v for k, v in sorted(counts.items()) if any(key in k for key in KEYS)}
+    return {k: v for k, v in sorted(counts.items()) if ALL_OPS or any(key in k for key in KEYS)}
 
 
 class CountingPass:
@@ -92,7 +95,10 @@ def main() -> None:
     ap.add_argument("--model", default="titan_llama3_8b")
     ap.add_argument("--variants", default="default,default+pass,nocomm,overlap")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--all-ops", action="store_true", help="count every op, not only GEMMs, attention, collectives")
     a = ap.parse_args()
+    global ALL_OPS
+    ALL_OPS = a.all_ops
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     for variant in a.variants.split(","):
