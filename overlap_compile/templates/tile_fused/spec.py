@@ -30,14 +30,14 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 COMM_CTA_CHOICES = (4, 8, 16)
-_UNPROVEN = ("tile_fused GEMM + {what} on GPUs gave wrong results on some calls; the "
-             "suspected cause is fixed but its 2-GPU race loops (tests/gpu/test_tile_fused.py) have not passed "
-             "since, so the site stays as written on GPUs (force_template included); the CPU reference still runs it")
-# kinds whose GPU kernels are not yet shown right on every call
+_UNPROVEN = ("tile_fused GEMM + {what}: its 2-GPU race loops (tests/gpu/test_tile_fused.py) pass, but no "
+             "benchmarks/ops.py rows show yet where it beats the other templates, so the site stays as written on "
+             "GPUs (force_template included); the CPU reference still runs it")
+# kinds shown right on every call but not yet measured against the other templates
 GPU_UNPROVEN = {"gemm_reducescatter": _UNPROVEN.format(what="reduce-scatter"),
                 "gemm_allreduce": _UNPROVEN.format(what="all-reduce")}
-# Set True once tests/gpu/test_tile_fused.py::test_race_loop_every_call_right[2-allgather_gemm]
-# passes on 2 GPUs: until then GPU profiles leave tile_fused all-gather sites as written.
+# True since tests/gpu/test_tile_fused.py::test_race_loop_every_call_right[2-allgather_gemm] passed
+# on 2 GPUs; False leaves tile_fused all-gather sites as written on GPU profiles.
 ALLGATHER_RACE_LOOP_PASSED = True
 ALLGATHER_REFUSAL = (
     "tile_fused all-gather + GEMM timed out in its 2-GPU race loop (the GEMM's wait on a peer's chunk read 0: "
