@@ -454,7 +454,8 @@ def torchrun_main(a: argparse.Namespace) -> int:
     # written before the teardown, which can hang after NCCL work captured in CUDA graphs
     # (pytorch/pytorch#115388; see testing/multiprocess.py)
     code = finish(rows, a) if int(os.environ["RANK"]) == 0 else 0
-    dist.destroy_process_group()
+    from overlap_compile.runtime import teardown
+    teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
     return code
 
 

@@ -108,7 +108,8 @@ def main() -> None:
             for i, g in enumerate(got["graphs"]):
                 print(f"    graph {i}: {g}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    from overlap_compile.runtime import teardown
+    teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
 
 
 if __name__ == "__main__":

@@ -668,7 +668,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = worker(vars(a))
         if dist.get_rank() == 0:  # before the teardown, which can hang after NCCL work in CUDA graphs
             finish(rows, a)
-        dist.destroy_process_group()
+        from overlap_compile.runtime import teardown
+        teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
         return rows
     if not a.dry_run:
         raise SystemExit("on GPUs run it under torchrun (module docstring); --dry-run spawns its own CPU ranks")

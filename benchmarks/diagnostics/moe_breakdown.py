@@ -140,7 +140,8 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
         print("wrote", path)
-    dist.destroy_process_group()
+    from overlap_compile.runtime import teardown
+    teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
 
 
 if __name__ == "__main__":

@@ -202,7 +202,8 @@ def main() -> int:
           f"op_graphs={dict(op_graphs.stats)} free SMs={K.AG_FREE_SMS}", flush=True)
     torch.cuda.synchronize()
     dist.barrier()
-    dist.destroy_process_group()
+    from overlap_compile.runtime import teardown
+    teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
     return 1 if failed else 0
 
 

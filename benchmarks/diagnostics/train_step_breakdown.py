@@ -141,7 +141,8 @@ def main() -> None:
     busy = sum(kernels.values())
     fill = moe_fill(built.model, built.x)
     if not rank0:
-        dist.destroy_process_group()
+        from overlap_compile.runtime import teardown
+        teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
         return
     world = dist.get_world_size()
     print(f"{a.model} {shape['name']} ({a.backend}, W={world}): step {step_ms:.2f} ms, rank 0's kernels {busy:.2f} ms")
@@ -164,7 +165,8 @@ def main() -> None:
         path = write_rows([row], a.out, "train_step_breakdown", row["device"], world,
                           suffix=f"-{a.model}-{a.backend}{'-forced' if a.force else ''}{'-' + a.tag if a.tag else ''}")
         print("wrote", path)
-    dist.destroy_process_group()
+    from overlap_compile.runtime import teardown
+    teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
 
 
 if __name__ == "__main__":

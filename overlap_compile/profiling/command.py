@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m overlap_compile profile: a profile describes a group of 2+ GPUs (collective and "
               "peer-to-peer curves); run it under torchrun with --nproc-per-node 2 or more", file=sys.stderr)
         if own_group:
-            dist.destroy_process_group()
+            from ..runtime import teardown
+            teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
         return 2
     worlds = world_sizes(world) or [world]
     from ..predictor.seed import GPU_KERNELS
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(p.curves['all_reduce'])}, launch {d['launch_ms']}, contention {d['contention']} "
               f"({time.time() - started:.0f}s)")
     if own_group:
-        dist.destroy_process_group()
+        from ..runtime import teardown
+        teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
     return 0
 
 
