@@ -7,12 +7,9 @@
     def f(): ...
     oc.config.current()                          # the Options in effect on this thread
 
-Every option has an environment override ``OVERLAP_COMPILE_<NAME>`` (read when no patch
-is active on the thread). Bad values raise ``ValueError`` naming the key and what is allowed.
-
-The Options object is immutable; the compiler pass takes a snapshot when the forward graph is
-compiled and keeps it, so the backward graph (compiled later, maybe on another thread) is
-governed by the same options.
+Every option has an environment override ``OVERLAP_COMPILE_<NAME>`` (read when no patch is active
+on the thread); bad values raise ``ValueError`` naming the key and what is allowed. The pass
+snapshots the Options when the forward compiles, so the backward runs under the same options.
 """
 from __future__ import annotations
 

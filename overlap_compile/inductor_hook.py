@@ -118,21 +118,14 @@ def make_pass(options: oc_config.Options | None = None, report: Report | None = 
 
 def inductor_patches(p: OverlapPass) -> dict[str, Any]:
     """The Inductor config a compile with pass ``p`` runs under: the pass itself; where the pass is
-    on, no shape padding; and where it may move compute under collectives
-    (passes/defer_compute.py), no peak-memory reordering of the scheduler's nodes, which would put
-    that compute back before the collectives (seen on the Llama block's backward: the
-    weight-gradient GEMMs returned ahead of the all-gather).
+    on, no shape padding; where it may move compute under collectives (passes/defer_compute.py),
+    no peak-memory reordering, which would put that compute back before the collectives; and
+    where MoE buffers are filled by moe_scatter, RecomputeZerosPass on the joint graph, so the
+    backward's buffer is provably zeros and moe_scatter takes it too.
 
-    Shape padding (Inductor's pad_mm) rewrites a GEMM with unaligned dimensions over padded
-    operands where a benchmark run on this rank, while compiling, finds that faster. The graph the
-    finder sees then depends on a timing, which can come out differently on each rank and in each
-    run; but every rank must find and decide the same sites. Seen on 2x H100: the MoE layer's
-    backward section (capacity 313 rows) was found in one run of the same test and refused in the
-    next, on both world sizes.
-
-    Where MoE buffers are filled by moe_scatter, the zeros an accumulating index_put starts from
-    are recomputed in the backward instead of saved (RecomputeZerosPass), so the backward's buffer
-    is provably zeros and moe_scatter takes it too."""
+    Shape padding (pad_mm) is off because it pads a GEMM where a benchmark on this rank finds that
+    faster: the graph the finder sees would depend on a timing that can differ per rank and run,
+    yet every rank must find and decide the same sites."""
     from torch._inductor import config as inductor_config
 
     patches: dict[str, Any] = {"post_grad_custom_post_pass": p}

@@ -6,14 +6,10 @@
         report = oc.plan(block, x, backward=True, mode="reduce-overhead", profile="h200")
     print(report)                                        # every site, decision and reason
 
-The model is traced by Dynamo and AOTAutograd as ``torch.compile`` does, with Inductor's
-decompositions and partitioner and its post-grad passes, the overlap pass among them (not its
-joint-graph pattern passes); Inductor's code generation is skipped, so model and inputs may live on the meta device
-and the process group may be a fake one: a model of any size and world size is planned on a CPU
-in seconds. The decisions are those a GPU compile with the same profile, world size and ``mode``
-would make, except that nothing is measured (``measure_uncertain`` has no GPU group to time, so
-sites inside the model's error band keep their predicted decision and say so). Keyword arguments
-are overlap_compile options for this call, as for ``explain``.
+The model is traced as ``torch.compile`` does (Dynamo, AOTAutograd, post-grad passes with the
+overlap pass) but code generation is skipped, so meta tensors and a fake group plan any size on a
+CPU. Decisions match a GPU compile with the same profile, world size and ``mode``, except nothing
+is measured (uncertain sites keep their prediction). Keyword arguments are options, as for ``explain``.
 """
 from __future__ import annotations
 

@@ -5,18 +5,13 @@ Per rank (W ranks, ``num_experts`` experts, ``E_local = num_experts / W`` on eac
     logits = x @ router.T ; top-k of softmax(logits) -> (expert, weight) per token and choice
     position of each choice inside its expert = cumsum over a one-hot, in token order; choices
         past the capacity C = ceil(tokens * top_k / num_experts * capacity_factor) are dropped
-        (GShard / Switch semantics: their weight is lost, the token keeps the others)
     dispatch buffer [num_experts, C, H] = scatter of the kept choices (empty slots stay zero)
-    all_to_all_single (equal splits): [W, E_local * C, H] -> each rank gets its experts' slots
-        from every source rank                                              -- dispatch
-    expert FFN on [E_local, W * C, H]: silu(x @ w1) * (x @ w3) @ w2 as bmm -- SwiGLU
-    all_to_all_single back                                                  -- combine
+    all_to_all_single: [W, E_local * C, H] -> this rank's experts' slots from every rank -- dispatch
+    expert FFN on [E_local, W * C, H]: silu(x @ w1) * (x @ w3) @ w2 as bmm               -- SwiGLU
+    all_to_all_single back                                                               -- combine
     y[token] = sum over its kept choices of weight * expert output
 
-Static shapes throughout (capacity padding), so torch.compile sees one graph. ``reference``
-computes the same layer on one process with every expert's weights (the oracle for tests);
-``layer.reference_forward(x, full_weights)`` is that for this rank's tokens (routing and capacity
-are per rank, so a rank's output depends only on its own tokens and all experts' weights).
+Static shapes throughout (capacity padding); ``reference`` / ``reference_forward`` are the oracles.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Give every collective left in the graph compute to hide behind: the work that does not lead to
-it is moved from before its start to between its start and its wait, and the wait to just
-before the first node that reads the result.
-
-A training step's backward is where this pays: the weight gradients (``dW = X^T @ dY``) lead to
-no collective, yet AOTAutograd places them before the reduce-scatter / all-gather of the data
-gradient beside them, so the collective runs exposed after them. Before (a Llama MLP's backward,
-``mm_9`` and ``mm_11`` the weight gradients of W1 and W3)::
+it moves from before its start to between its start and its wait, and the wait to just before the
+first node that reads the result. A backward's weight gradients (``dW = X^T @ dY``) feed no
+collective, yet AOTAutograd places them before the data gradient's reduce-scatter. Before (a Llama
+MLP's backward, ``mm_9`` and ``mm_11`` the weight gradients of W1 and W3)::
 
     mm_9 = mm(permute_15, view_16);  mm_10 = mm(view_28, permute_17)
     mm_11 = mm(permute_19, view_16); mm_12 = mm(view_31, permute_21)
@@ -22,10 +19,9 @@ After::
     w = wait_tensor(rs)
     ...first reader of w...
 
-Only pure ops move (no mutation, no seeded randomness, no other collective or wait), and only
-within the stretch since the previous collective's start, so every node still comes after its
-inputs and the results are the same; what moved is recorded per collective. Sites a template
-rewrote are ops of their own and are not touched here.
+Only pure ops move (no mutation, seeded randomness, collective or wait), and only within the
+stretch since the previous collective's start, so every node still follows its inputs. Sites a
+template rewrote are ops of their own and are not touched.
 """
 from __future__ import annotations
 

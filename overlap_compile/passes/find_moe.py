@@ -1,17 +1,14 @@
 """Find expert-parallel MoE sections: all_to_all -> expert GEMMs -> all_to_all.
 
-Forward graphs of a layer such as overlap_compile.demo.moe hold::
+Forward graphs of a layer such as overlap_compile.demo.moe hold (backward graphs the mirror)::
 
     a2a_d = all_to_all_single(dispatch_buffer) ; w_d = wait_tensor(a2a_d)
     h = view/permute(w_d) ; y = bmm(silu(bmm(h, w1)) * bmm(h, w3), w2)
     a2a_c = all_to_all_single(view/permute(y)) ; wait_tensor(a2a_c)
 
-and backward graphs the mirror image (the gradient of the combine is all-to-all'd back, goes
-through the bmm gradients, and the gradient of the dispatch is all-to-all'd again). The finder
-walks forward from a waited all_to_all through anything but a collective, and reports a section
-when it reaches a second all_to_all of the same group with at least two bmm on the way. A section
-of 6 bmm is taken for the backward form (find_moe_backward.py proves or refuses its roles); the
-others here. The probes both directions run are in moe_probes.py.
+The finder walks forward from a waited all_to_all through anything but a collective and reports a
+section at a second all_to_all of the same group with at least two bmm on the way. A section of 6
+bmm is the backward form (find_moe_backward.py proves or refuses its roles).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The backward of an expert-parallel SwiGLU section (a training step of demo.moe's layer), as
-Inductor's post-grad backward graph holds it (fp32; bf16 adds casts around the pointwise part)::
+"""The backward of an expert-parallel SwiGLU section, as Inductor's post-grad graph holds it
+(fp32; bf16 adds casts around the pointwise part)::
 
     a2a = all_to_all_single(grad_buf); w = wait_tensor(a2a)      # the combine's gradient, sent back
     g = reshape/permute/clone/reshape(w)                           # [E_local, W*C, H]
@@ -10,13 +10,10 @@ Inductor's post-grad backward graph holds it (fp32; bf16 adds casts around the p
     d_h = bmm(d_up, permute(w3)) + bmm(d_gate, permute(w1))
     a2a_r = all_to_all_single(reshape/permute/clone/reshape(d_h)); wait_tensor(a2a_r)
 
-Roles come from the structure (which bmm reads the gradient, which reads d_act's descendants on
-which side) and are proven where the structure could mislead: the pointwise part must be
-elementwise (pointwise ops, every tensor of one shape) and compute silu and its derivative
-(run on a probe: that also says which saved tensor is the gate and which output is d_gate),
-and the view chains must lay tokens out as the forward does (moe_probes.source_layout). The op
-(moe_fused_backward) reads every operand exactly as the bmm read them (the transposed saved
-tensors and weights included), so no layout of those is assumed.
+Roles come from the structure and are proven where it could mislead: the pointwise part must be
+elementwise and compute silu and its derivative (run on a probe, which also names the gate and
+d_gate), and the view chains must lay tokens out as the forward does. The op reads every operand
+as the bmm read them, so no layout of the saved tensors or weights is assumed.
 """
 from __future__ import annotations
 

@@ -1,33 +1,20 @@
 """host_pacing: in a host-launched graph, is a rewritten site's host time hidden or exposed?
 
-Without CUDA graphs the host issues a graph's kernels one after another while the GPU runs them.
-A template's op launched piece by piece costs host time per call (profile ``op_overhead_ms``;
-``benchmarks/host_profile.py`` shows where it goes). ``decide`` prices each site on its own from an
-idle host, so that time adds to the op's GPU time and the baseline wins. Inside a graph the host is
-usually ahead of the GPU by the GPU time of the work it has already queued, and then the same op
-costs nothing extra: forced rewrites of sites the per-site rule kept ran faster than the default.
+``decide`` prices a site from an idle host, so a template op's host time (profile
+``op_overhead_ms``) adds to its GPU time. Inside a graph the host usually runs ahead of the GPU by
+the work already queued, and then that host time is free. ``pace`` simulates the graph on two
+clocks, node by node, and the graph ends at max(host, gpu)::
 
-So for host-launched graphs, ``pace`` simulates the graph on two clocks, taking its nodes in
-order:
-
-    other node    host += launch_ms; gpu = max(gpu, host)
-                  (a kernel cannot start before it is issued; its own GPU time is unknown here
-                  and taken as 0, which can only shrink the host's lead: the simulation errs
-                  towards exposing host time)
-    site          lead = max(0, gpu - host)    the GPU work queued ahead of it
+    other node    host += launch_ms; gpu = max(gpu, host)   (its GPU time taken as 0: errs towards
+                                                             exposing host time)
+    site          lead = max(0, gpu - host)                 (the GPU work queued ahead of it)
                   gpu  = max(gpu, host) + t + max(0, h - lead);  host += h
-                  (t: predicted GPU time; h: host time, baseline launches or the op's overhead.
-                  With no lead, this is decide's own price t + h.)
+                  (t: predicted GPU time; h: host time; with no lead this is decide's t + h)
 
-and the graph ends at max(host, gpu). Then the sites kept as written are tried, largest GPU gain
-first. A site switches to a candidate when two things hold: the candidate's GPU time alone
-clears min_speedup x (1 + the profile's CUDA-graph model error), since the error of the GPU
-schedule is what is left once the host part is simulated; and the simulated graph ends earlier
-with it. Of the candidates that qualify, the one with which the graph ends first is taken: a
-slower op with less host time can win where the fastest cannot hide its own.
-
-Not applied under CUDA graphs (no host time to hide), with ``force_template``, with
-``search="exhaustive"`` (measured times mix host and GPU), or with ``host_pacing=False``.
+Kept sites are tried, largest GPU gain first; one switches to a candidate whose GPU time alone
+clears min_speedup x (1 + the CUDA-graph model error) and with which the simulated graph ends
+earlier; of those, the one ending the graph first is taken. Not applied under CUDA graphs, with
+``force_template``, ``search="exhaustive"``, or ``host_pacing=False``.
 """
 from __future__ import annotations
 
@@ -74,6 +61,7 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
                 steps.append(launch)
     chosen = {id(s): (s.baseline if not decisions[s.index].rewrites else _chosen(decisions[s.index]))
               for s in sites.values()}
+    # the CUDA-graph error: with the host part simulated, what is left is the GPU schedule's error
     needed = required_gain(options, profile, "cuda_graph")
     out = list(decisions)
     before, _ = _simulate(steps, chosen)

@@ -1,8 +1,6 @@
 """Fill each MoE section's dispatch buffer with templates/moe_fused/scatter.py instead of ATen's
 atomic index kernel: a store per row for slots with one writer, an atomic add only where a slot
-has several (exact; the module there says why).
-
-The dispatch buffer of an expert-parallel layer (demo.moe) in the post-grad forward graph, before::
+has several (exact; the module there says why). Before (demo.moe's post-grad forward)::
 
     full_default = full([rows, H], 0)
     index_put = index_put(full_default, [slot], src, True)          # accumulate
@@ -13,12 +11,9 @@ After::
     moe_scatter_rows = overlap_compile.moe_scatter_rows(slot, src, rows)
     all_to_all_single = all_to_all_single(moe_scatter_rows, ...)
 
-``index_add(full(0), 0, slot, src)`` (alpha 1) is taken the same way, and so is a training
-step's backward buffer, whose zeros passes/recompute_zeros.py recomputes so they are seen to be
-zeros. Only CUDA buffers (on CPUs ATen's kernel has no atomics to save) of sections the finder
-verified (find_moe: ``buffer_node``), with a 1-D index and 2-D rows of the buffer's dtype; never
-under ``torch.use_deterministic_algorithms`` (several writers sum in the order the atomics land).
-Whatever is left gets its reason.
+``index_add(full(0), 0, slot, src)`` and the backward's buffer (zeros via recompute_zeros.py) are
+taken too. Only CUDA buffers of verified sections (``buffer_node``), 1-D index, 2-D rows of the
+buffer's dtype; never under ``torch.use_deterministic_algorithms``. The rest gets its reason.
 """
 from __future__ import annotations
 

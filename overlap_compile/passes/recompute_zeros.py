@@ -1,24 +1,18 @@
 """A joint-graph pass: the zeros an accumulating index_put / index_add starts from are recomputed
-where they are read, never saved for backward.
-
-A training MoE layer (demo.moe) fills two buffers from zeros with an accumulating index_put: the
-forward's dispatch buffer, and the backward's gradient of the combine's gather. AOTAutograd's
-partitioner saves the forward's ``full([rows, H], 0)`` and hands it to the backward as an input
-(it does not recompute a tensor that the backward materialises), so the backward graph reads::
+where they are read, never saved for backward. AOTAutograd's partitioner saves the forward's
+``full([rows, H], 0)`` and hands it to the backward as an input, so moe_scatter cannot prove the
+backward's buffer starts from zeros. Before::
 
     def backward(..., full_default, ..., tangents_1):
         index_put_1 = index_put(full_default, [slot], grad_rows, True)   # full_default: a placeholder
 
-and passes/moe_scatter.py cannot prove that buffer starts from zeros. Marked ``MUST_RECOMPUTE``
-(the policy selective activation checkpointing uses), the zeros are made again in the backward::
+After (marked ``MUST_RECOMPUTE``, the selective activation checkpointing policy)::
 
     def backward(..., tangents_1):
         full_default = full([rows, H], 0)
         index_put_1 = index_put(full_default, [slot], grad_rows, True)
 
-which is what moe_scatter takes; the forward no longer keeps a buffer-sized tensor of zeros alive
-until the backward. Run as Inductor's ``joint_custom_post_pass`` where moe_scatter is on
-(inductor_hook.RecomputeZerosPass, after a pass the user had set there).
+Run as Inductor's ``joint_custom_post_pass`` where moe_scatter is on (inductor_hook.RecomputeZerosPass).
 """
 from __future__ import annotations
 

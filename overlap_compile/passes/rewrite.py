@@ -11,10 +11,7 @@ All-gather -> GEMM sites::
     shard -> all_gather -> wait [-> split/cat] -> view [M, K] -> mm_i(., b_i) -> users_i
  becomes
     <template op>(view(shard, [M/W, K]), [b_i], [bias_i], group, plan) -> (gathered, y_0, y_1, ...)
-    gathered -> the other users of the [M, K] matrix (e.g. saved for backward); y_i -> users_i
-    (none: the plan says so, ``gathered: false``, and the op may leave that output unwritten)
-
-Nodes of the old site are erased once nothing reads them.
+    gathered -> the other users of the [M, K] matrix (none: plan ``gathered: false``, unwritten)
 """
 from __future__ import annotations
 

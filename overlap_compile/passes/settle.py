@@ -1,20 +1,13 @@
 """settle: a site the predictor cannot call is timed on its group and decided by what it measures.
 
-``decide`` rewrites a site when its predicted gain clears min_speedup x (1 + the profile's model
-error). That margin keeps out rewrites the model is merely optimistic about, but also true wins.
-So a site whose decision lies within the model error (``uncertain``) is measured once, on its own
-group, while the graph compiles: the site as written and each template's best configuration in
-question, on random operands of the site's shapes (predictor/exhaustive.py), replayed from a CUDA
-graph where Inductor captures the graph, else host-launched and issued while the GPU is busy
-where host_pacing's clocks show enough GPU work queued ahead of the site to hide the op's host time
-(``_timing``): from an idle GPU the op's host time would count against it, which the graph does not
-see. Every rank measures the same sites in the same order and takes the slowest rank's time, so
-all ranks decide the same; the fastest rewrite clearing min_speedup is taken, and the Report
-shows predicted beside measured gain.
-
-Only GPU groups are measured (elsewhere the prediction stands, with the reason). Off with
-``measure_uncertain=False``, ``force_template``, or ``search`` other than "predict". Measurements
-are cached per (group, site, mode, profile).
+A site whose predicted gain lies within the model error (``uncertain``) is measured once, on its
+own group, while the graph compiles: the site as written and each template's best configuration,
+on random operands of its shapes (predictor/exhaustive.py), replayed from a CUDA graph where
+Inductor captures one, else host-launched behind queued GPU work where host_pacing shows enough
+lead to hide the op's host time (``_timing``). Every rank measures the same sites in order and
+takes the slowest rank's time, so all ranks decide the same; the fastest rewrite clearing
+min_speedup wins. Only GPU groups are measured; off with ``measure_uncertain=False``,
+``force_template`` or ``search`` other than "predict"; cached per (group, site, mode, profile).
 """
 from __future__ import annotations
 

@@ -1,26 +1,15 @@
 """Latency predictor: hardware profiles, the physics every latency model shares, and the per-site
 ranking. It prices; the pass (passes/decide.py) decides. It imports nothing from the pass.
 
-API used by passes.decide::
-
     load_profile(name_or_path) -> HardwareProfile        ("auto", a built-in name, or a JSON path)
     predict_baseline(match, profile) -> float | None     (ms of the site as written)
     rank_configs(spec, match, profile) -> list[Candidate] (best first)
 
-The prediction functions also take ``options=`` (an ``overlap_compile.Options``; default:
-``config.current()``): FlashOverlap's pruning bounds and the search mode. Answers are
-deterministic functions of (site signature, profile content, options, launch mode, group
-topology) and cached on that key (``decision_cache``; ``clear_cache()`` empties it), so recompiles
-repeat no search and every rank of a group ranks the same way. Groups that span nodes (or machines
-without peer access) get NCCL-transport candidates only.
-
-Modules: ``ranking`` (pricing and ordering a template's configs, ``Candidate``), ``models`` (what
-every latency model is built from, and the baseline's), ``profile`` (``HardwareProfile`` and its
-JSON format), ``profile_cache`` / ``decision_cache``, ``gemm_table``, ``curves``, ``seed`` (seeded
-GPU profiles), ``exhaustive`` (``search="exhaustive"``: measure instead of predict), ``buckets``
-(row-count buckets of symbolic sites), ``timeline`` (schedules drawn as PNG). Each template's own
-model is ``templates/<name>/model.py``, found through the template registry when ranking, never
-at import time.
+These also take ``options=`` (default ``config.current()``). Answers are deterministic in (site
+signature, profile, options, launch mode, group topology) and cached on that key
+(``decision_cache``, ``clear_cache()``), so every rank ranks the same. Groups spanning nodes get
+NCCL-transport candidates only. Each template's model is ``templates/<name>/model.py``, found
+through the registry when ranking.
 """
 from __future__ import annotations
 
