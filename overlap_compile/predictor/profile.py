@@ -36,12 +36,9 @@ A profile file is one JSON object::
       "topology": {"gpus_per_node": 4, "peer_access": true, "inter_node_gbps": 50.0, "inter_node_latency_ms": 0.02}
     }
 
-Byte convention of the curves (nccl-tests' "size"): all_reduce = the buffer; reduce_scatter =
-its input (all W stripes); all_gather = its output (all W shards); all_to_all = the buffer one
-rank sends (all W blocks); p2p / copy_engine = the bytes one rank sends to one peer.
-
-Loading validates everything and raises ``ProfileError`` naming the file, the field and the
-problem. A missing or malformed file is an error, never a silent default.
+Curve bytes as nccl-tests' "size": all_reduce = the buffer; reduce_scatter = its input; all_gather
+= its output; all_to_all = the buffer one rank sends; p2p / copy_engine = bytes to one peer. Loading
+validates everything and raises ``ProfileError`` (file, field, problem); never a silent default.
 """
 from __future__ import annotations
 

@@ -2,16 +2,10 @@
 
     python -m overlap_compile.predictor.seed        # rewrites predictor/profiles/{h200,h100,cpu-gloo}.json
 
-``h200``: 4x H200 (NVLink NV18 full mesh, torch 2.11, NCCL 2.28), numbers from ANCHORS.md and
-DESIGN.md ("GPU facts already measured here"); what was not measured is an estimate and says so
-in ``notes``. ``h100``: the same interconnect (NVLink 4), GEMMs 6% slower (H100's lower memory
-bandwidth and clocks under the same power; an estimate). Both are to be replaced by profiles that
-``python -m overlap_compile profile`` measures on those machines (world sizes 2 and 4).
-``cpu-gloo``: plausible numbers for CPU processes over gloo (tests, the CPU demo).
-
-The built-in ``h200.json`` is this seed *plus* measurements folded in by
-``benchmarks/fitting/calibrate_profile.py`` (see its ``notes``): re-seeding overwrites them, so
-re-run the calibration afterwards.
+``h200``: 4x H200 (NVLink NV18), from ANCHORS.md and DESIGN.md, estimates marked in ``notes``;
+``h100``: the same interconnect, GEMMs 6% slower (an estimate); ``cpu-gloo``: plausible numbers for
+CPU processes over gloo. The built-in ``h200.json`` is this seed *plus* measurements folded in by
+``benchmarks/fitting/calibrate_profile.py``: re-seeding overwrites them, so re-run the calibration.
 """
 from __future__ import annotations
 

@@ -2,17 +2,12 @@
 
     torchrun --nproc-per-node 4 -m overlap_compile profile --out h200.json --name h200
 
-Under torchrun on GPUs (NCCL), with a progress bar on rank 0, this module runs in order:
-gemms.py's GEMM table (cuBLAS for every GEMM of shapes.json's operator sets and their row splits
-M/2 ... M/16, and signal_reorder's Triton kernels); collectives.py's curves for every
-power-of-two world size 2 ... W at 64 KiB ... 512 MiB (per call of a CUDA graph of back-to-back
-calls, the max over ranks), the launch cost per call and the contention between a GEMM and a
-collective either way; op_overhead.py's host overhead of each template's op. build.py turns the
-measurements into the profile dict (``nccl_sms`` from NCCL_MAX_NCHANNELS or the defaults, which
-cannot be measured from outside NCCL) and rank 0 validates and writes it (``--out``).
-
-``--smoke`` runs the same code on an initialised process group of any backend with tiny sizes on
-CPU (the tests use it with the fake backend); nothing it measures means anything.
+Runs, in order: gemms.py's GEMM table (cuBLAS over shapes.json's operator sets and row splits, and
+signal_reorder's Triton kernels); collectives.py's curves for each power-of-two world size up to W
+(per call of a CUDA graph, max over ranks), launch cost and GEMM/collective contention;
+op_overhead.py's host overhead per template op. build.py makes the profile dict (``nccl_sms`` from
+NCCL_MAX_NCHANNELS or defaults) and rank 0 validates and writes it. ``--smoke``: the same code with
+tiny sizes on any backend (the tests use the fake one); its numbers mean nothing.
 """
 from __future__ import annotations
 

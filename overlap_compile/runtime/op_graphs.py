@@ -1,28 +1,13 @@
 """Host-launched template ops replayed from CUDA graphs, one graph per (call site, buffers).
 
-In torch.compile's default mode the host launches every kernel, and a template op queues many
-small pieces (stream forks and joins, events, flag writes, bounded wait kernels, GEMM slices):
-several times the host time of the site it replaces (benchmarks/host_profile.py shows where it
-goes). All of that stream work is capturable, so a call's work is captured once into a CUDA graph
-and later calls with the same buffers replay it: one graph launch instead of dozens of calls.
-
-What makes a replay the same call:
-
-* the plan (shapes, config, group) and, for every input, its address, shape, strides and dtype:
-  a graph reads its inputs where they were at capture;
-* the output buffers, which the op allocates from the ordinary caching allocator *before* the
-  lookup and the graph writes into: the output is a fresh tensor every call, owned by the caller
-  as usual (nothing static is handed out, nothing a caller still holds is overwritten), and in a
-  model's steady state the allocator hands out the same addresses step after step;
-* state that lives between calls (symmetric buffers, flags, error records) has fixed addresses
-  and returns to its initial values at the end of each call (each template's kernels module says
-  so), so a replay is a fresh call.
-
-A key seen for the first time runs the op as usual (one-off addresses rarely come back); the
-second time it is captured and replayed, and from then on replayed. The ops' temporaries live in
-one graph memory pool per device shared by all op graphs (their replays are stream-ordered).
-Inside another capture (``mode="reduce-overhead"``, ``torch.cuda.graph``) the op runs as written
-and the outer graph records it; a failed capture leaves the site to run as written, with a warning.
+A template op queues many small pieces (stream forks, events, flag writes, wait kernels, GEMM
+slices), all capturable, so a call is captured once and later calls with the same key replay it.
+The key: the plan and every input's address, shape, strides and dtype, plus the output buffers,
+which the op allocates from the caching allocator *before* the lookup (a fresh tensor per call,
+the same addresses in a steady state). State living between calls (symmetric buffers, flags)
+returns to its initial values each call, so a replay is a fresh call. A key runs as usual the
+first time, is captured the second, replayed after; temporaries share one graph pool per device.
+Inside another capture the op runs as written; a failed capture warns and runs it as written.
 """
 from __future__ import annotations
 

@@ -7,12 +7,9 @@ for, gives up after a time bound, records what it saw, and never hangs the strea
     failure(device) -> (tag, seen, target) | None      read the record without synchronising
     clear(device)                                       forget a record (after raising it)
 
-On a timeout, or an overshoot (a bug), ``wait_kernel`` writes (failed, tag, seen, target, ready)
-into a small pinned host buffer and lets the stream go on; the host raises at the next call or in
-a template's ``check_errors``. ``tag`` is the caller's code for which wait it was. A spin kernel
-rather than ``cuStreamWaitValue32`` because a stream wait cannot time out: a peer that never
-signals would hang the process with no message. It takes one thread of one SM and naps between
-polls. ``sys_scope``: the final acquire at system scope, for flags written by another GPU.
+On a timeout or overshoot, ``wait_kernel`` writes (failed, tag, seen, target, ready) to pinned host
+memory and lets the stream go on; the host raises at the next call or in ``check_errors``. Not
+``cuStreamWaitValue32``: it cannot time out, so a silent peer would hang the process.
 """
 from __future__ import annotations
 
@@ -154,6 +151,7 @@ def wait_value(flags: torch.Tensor, index: int, target: int, timeout_ms: int, ta
     use_timer = counters.is_cuda
     err = record_buffer(counters.device)
     args = (counters, index, int(target), err, int(timeout_ms) * 1_000_000, max_polls, int(tag))
+    # SYS: the final acquire at system scope, for flags another GPU writes
     consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope), num_warps=1)
     try:
         wait_kernel[(1,)](*args, **consts)

@@ -15,19 +15,11 @@ on the copy engine, or Triton kernels reading / writing peers' memory over NVLin
     write_value32(flags, index, value)   # flags[index] = value in stream order (flags: uint32, 1-D,
                                          # local or a peer view), fenced so earlier work lands first
 
-A buffer is allocated once per (group, key, shape, dtype, device) (``cache_key``) and reused by
-every call: allocation and rendezvous are collective (every rank must ask for the same buffers in
-the same order) and slow, and must not happen inside a CUDA-graph capture (refused with a clear
-error). Buffers and rendezvous handles live for the life of the process: a peer view outlives
-nothing it depends on (a peer copy fails with "invalid argument" once the local buffer behind
-the handle has been freed).
-
-On torch 2.11+ ``buffer_ptrs`` are the allocation bases: a tensor's address on rank q is
-``buffer_ptrs[q] + (t.data_ptr() - buffer_ptrs[rank])`` (DESIGN.md), and peer views take the same
-offset. Because several tensors may share one allocation (and with it one signal pad, which
-torch's own ``barrier`` also uses), templates that signal keep their flags in a buffer of their
-own (a small uint32 ``symm_buffer`` with ``zero=True``) rather than in the signal pads.
-Importing this module touches neither CUDA nor a process group.
+A buffer is allocated once per ``cache_key`` (group, key, shape, dtype, device) and kept for the
+life of the process: allocation is collective (same buffers, same order on every rank), slow, and
+refused inside a CUDA-graph capture. A tensor's address on rank q is ``buffer_ptrs[q] +
+(t.data_ptr() - buffer_ptrs[rank])``; tensors may share an allocation and its signal pad, so
+templates keep their flags in a ``symm_buffer`` of their own. Importing touches no CUDA or group.
 """
 from __future__ import annotations
 

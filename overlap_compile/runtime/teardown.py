@@ -6,12 +6,9 @@ routes, agreement records, per-plan warm-up marks, and the work still queued on 
     finish(timeout_s=10)    a rank's ending: barrier, release, destroy the default group, and
                             (rank 0, which hosts the store) wait until every rank destroyed its own
 
-torch (2.11, 2.13) has no callback on a process group's destruction, so ``install`` wraps
-``torch.distributed.destroy_process_group``; the first call of every rewritten op installs it
-(runtime.agreement). Releasing first waits for this process's device work, bounded by
-signal_timeout_ms plus a margin (every template wait is bounded by it too): buffers still in use
-by a kernel past that are kept alive, with a warning naming the group, never freed under it.
-Group-keyed caches must go with the group: names restart at "0" after re-initialisation.
+torch has no callback on a group's destruction, so ``install`` (called by the first rewritten op)
+wraps ``destroy_process_group``. Releasing waits for device work up to signal_timeout_ms plus a
+margin; buffers a kernel still uses past that are kept alive with a warning, never freed under it.
 """
 from __future__ import annotations
 
@@ -92,6 +89,7 @@ def _release_core(group_name: str | None, idle: bool) -> None:
     """The caches of this package's runtime and templates, by the module that owns each."""
     mods = sys.modules
 
+    # group-keyed caches must go with their group: names restart at "0" after re-initialisation
     def of_group(k: object, at: int) -> bool:
         return group_name is None or (isinstance(k, tuple) and len(k) > at and k[at] == group_name)
 

@@ -1,14 +1,9 @@
 """Registry of overlap templates: name -> the template's package, one folder per template.
 
-A template's package holds everything about it; the registry finds each part by the name:
-
 * ``spec.py``: ``SPEC``, what it supports, its configurations, the graph it emits (``get_spec``)
-* ``op.py``: its ops, ``torch.ops.overlap_compile.<name>_*``, registered on import (``get_spec``,
-  ``load_all_ops``)
-* ``model.py``: its latency model, ``MODEL(site, config, profile, ctx) -> Schedule or None``, built
-  from the predictor's shared pieces (predictor/models.py); optionally ``CONFIGS(site, profile,
-  ctx)`` (configurations the model searches itself) and ``PEER_ONLY`` (``get_model``, which the
-  predictor calls when it ranks)
+* ``op.py``: its ops, ``torch.ops.overlap_compile.<name>_*``, registered on import (``load_all_ops``)
+* ``model.py``: its latency model, ``MODEL(site, config, profile, ctx) -> Schedule or None``;
+  optionally ``CONFIGS(site, profile, ctx)`` and ``PEER_ONLY`` (``get_model``)
 * ``reference.py``: the decomposed algorithm on any device: the oracle
 * ``kernels*.py``: the GPU implementation
 

@@ -4,16 +4,11 @@ the decision made for M's bucket (predictor/buckets.py).
     overlap_compile::bucketed_gemm_collective(a, b, bias, group_name, table) -> [result rows, n]
     overlap_compile::bucketed_allgather_gemm(shard, bs, biases, group_name, table) -> [gathered, y_0, ...]
 
-``table`` (``BucketTable``, JSON) holds the site's static geometry and, per bucket, the template
-and configuration, or "baseline". In the op's real implementation the sizes are ints: it finds
-M's bucket, builds the site as a match of that M (tensors where the graph had nodes) and runs the
-template's own op through the template's emitter, eagerly, so every template and its glue (e.g.
-signal_reorder's un-tiling) run unchanged. A configuration that depends on M (signal_reorder's
-programs and wave groups) is refitted to the run's M (``fit_config``). Where the template cannot
-take this M (``supports`` or ``plan`` refuses: e.g. p2p_ring's all-reduce when M is not a
-multiple of W), or the bucket says "baseline", the op runs the site as written: the GEMM, then
-the collective (functional collectives, any backend). Choices are cached per (table, M). The
-fake impl returns the same symbolic sizes as the collective it replaces.
+``table`` (``BucketTable``, JSON) holds the site's static geometry and, per bucket, a template and
+configuration or "baseline". The op finds M's bucket, builds the site as a match of that M and runs
+the template's own op through its emitter, eagerly, refitting M-dependent configs (``fit_config``).
+Where the template refuses this M or the bucket says "baseline", it runs the GEMM, then the
+collective. Choices are cached per (table, M); the fake impl returns the collective's symbolic sizes.
 """
 from __future__ import annotations
 
