@@ -1,7 +1,5 @@
 """moe_fused_backward, step by step on any device: the gradient of the expert-parallel SwiGLU
-section (a training step's backward graph, passes/find_moe_backward.py) as a pipeline by source.
-
-The section as written::
+section (passes/find_moe_backward.py) as a pipeline by source. The section as written::
 
     got   = all_to_all(grad_buf)                      # [W, E_local, C, H]: every source's gradient slots
     g     = got as [E_local, W*C, H]
@@ -10,20 +8,14 @@ The section as written::
     dw1 = tokens_t @ d_gate;   dw3 = tokens_t @ d_up;   dw2 = act_t @ g
     d_buf = all_to_all(d_h as [W, E_local, C, H])     # back to the sources
 
-Every row of g (one slot of one source) goes through d_act, d_up, d_gate and d_h alone, so the
-forward's rounds carry it (reference.exchange_by_source): round r receives source (rank - r) % W's
-gradient slots, computes their d_h and sends it home at once; the own slots first, with no
-transfer::
+Each row of g goes through d_h alone, so the forward's rounds carry it: round r receives source
+(rank - r) % W's slots and sends their d_h home at once, the own slots first::
 
     (own)    | grad piece 1 | grad piece 2 ... | d_h 1 | d_h 2 ...
     d_h own  | d_h 1        | d_h 2 ...        | dw1, dw3, dw2 (all rows, once)
 
-The weight gradients sum over every row, so they wait for the last piece and are computed once
-over the full g, d_gate and d_up, as the section computes them (same GEMMs, same summation
-order): they run while the last d_h pieces travel. The operands are those the section's bmm
-read: ``tokens_t`` [E, H, W*C] and ``act_t`` [E, F, W*C] (the saved experts' input and product,
-transposed), ``gate``, ``up`` [E, W*C, F], ``w1t``, ``w3t`` [E, F, H] and ``w2t`` [E, H, F] (the
-weights transposed).
+The weight gradients sum over every row, so they run once over the full g, d_gate and d_up (same
+GEMMs and order as the section) while the last d_h pieces travel. Operands are what the bmm read.
 """
 from __future__ import annotations
 

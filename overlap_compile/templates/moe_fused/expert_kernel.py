@@ -4,34 +4,16 @@ their tokens land (FlashDMoE's fused expert computation, in stock Triton).
     act[s, e] = silu(x[s, e] @ w1[e]) * (x[s, e] @ w3[e])     phase 1: gate and up in one tile
     y[s, e]   = act[s, e] @ w2[e]                               phase 2
 
-for every source rank s and local expert e (x: ``[W, E, C, H]``, the dispatched slots by
-source). Tiles, by role:
-
-    phase 1 (s, e, mb, fb)  waits for arrival[s, e] (the copy engine landed s's tokens for e),
-                            computes rows mb of act[s, e], columns fb (both GEMMs, the SiLU and
-                            the product), stores them, adds 1 to act_done[s, e, mb]
+    phase 1 (s, e, mb, fb)  waits for arrival[s, e], computes act[s, e] rows mb, columns fb,
+                            adds 1 to act_done[s, e, mb]
     phase 2 (s, e, mb, hb)  waits until act_done[s, e, mb] counts every F block of those rows,
                             computes y rows mb, columns hb, adds 1 to y_done[s]
 
-Layers: ``_swiglu_experts_kernel`` (persistent: program p takes tiles p, p + P, ...) ->
-``launch`` (one launch over a tile table) -> ``swiglu_experts`` (allocates the counters, optionally
-marks every source as arrived, resets the counters after the kernel).
-
-The tile table (``tile_order``, a lookup table on the device: TileLink's dynamic tile map) lists
-the sources in arrival order (the first half of the own tokens, then the ring rounds of
-reference.round_peers) and puts unit i's phase-2 tiles after unit i+1's phase-1 tiles, so a
-phase-2 tile's rows have had time to be finished; the own second half comes last, whole, so it
-runs while the last peer's result travels home. Every tile waits only on tiles earlier in the table, and programs
-take their tiles in table order, so as long as all P programs are resident no wait can depend
-on a tile that is not running or done. Every wait is bounded (tile_fused.primitives.wait_ge):
-past its bound it records [failed, code, index, seen, target] in ``err`` and the kernel runs on;
-``check_errors`` raises. Counters are zeroed after every call (stream order, a memset: no host
-state, capturable).
-
-Row blocks go in groups (``group_m``) so that a weight column block is read once per group
-rather than once per row block. The dynamic schedule (a ticket counter hands out the next tile)
-is the default: under the static one, skipped tiles leave some programs ahead of others and a
-program's next tile waits behind its slow ones.
+for source rank s and local expert e (x: ``[W, E, C, H]``). The tile table (``tile_order``) lists
+sources in arrival order, unit i's phase-2 tiles after unit i+1's phase-1 tiles, the own second
+half last; every tile waits only on earlier tiles, so with all programs resident nothing deadlocks.
+Waits are bounded (records in ``err``, ``check_errors`` raises); counters are zeroed after each
+call. Layers: ``_swiglu_experts_kernel`` -> ``launch`` -> ``swiglu_experts``.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""moe_fused on NVIDIA GPUs with transport "p2p": the source-piece pipeline of reference.py with
-the pieces moved by the copy engine between symmetric buffers (no SMs taken from the expert
-GEMMs, which is why p2p_ring's copy-engine all-to-all beats NCCL's), the experts on cuBLAS bmm,
-readiness through runtime.peer_flags (stream memory operations, bounded one-thread waits).
-Config ``{"split": "source", "transport": "p2p"}``.
+"""moe_fused on NVIDIA GPUs with transport "p2p": reference.py's source-piece pipeline with the
+pieces moved by the copy engine between symmetric buffers (no SMs taken from the expert GEMMs),
+readiness through runtime.peer_flags. Config ``{"split": "source", "transport": "p2p"}``; experts
+on cuBLAS bmm, or ``"experts": "fused"`` (expert_kernel.py), whose ``"skip_padding"`` skips tiles
+past each source's routed rows (sizes sent with the slots, routed_sizes.py).
 
-Experts: cuBLAS bmm per piece (default, below), or with ``"experts": "fused"`` one persistent
-Triton kernel over every source (expert_kernel.py; _fused_experts). With ``plan.saves`` (a
-training section) both fill the intermediates backward reads (reference.Saved).
-``"skip_padding": true`` (fused experts only): each rank scans its slots for their routed rows
-(routed_sizes.py, on the device) and publishes them with the slots; the receiver lands a source's
-sizes before its arrival flags, and the kernel skips the tiles past them (their rows are zero,
-and so are their outputs). Every slot still travels (the copy engine takes host-known lengths);
-nothing waits on the host, so the call stays capturable.
-
-Rank r, world W, rows = E_local * C per slot; buf = [W, rows, H] (slot d: tokens for rank d's
-experts). Sources in round order src_k = (r - k) % W, k = 1..W-1 (reference.round_peers)::
+Rank r, world W, buf = [W, E_local * C, H]; sources in round order src_k = (r - k) % W::
 
     compute (call start, before any GEMM holds the SMs)
                   wait DISPATCH.BUSY[q] == 0 for every peer q (q done pulling my last slots)
@@ -30,9 +20,8 @@ experts). Sources in round order src_k = (r - k) % W, k = 1..W-1 (reference.roun
                   experts(own half 1) -> out[r]
                   for k: wait COMBINE.READY[src_k]; out[src_k] <- comb[src_k]; COMBINE.BUSY[me] = 0 on src_k
 
-Every cross-rank wait runs on the compute stream between GEMMs or before the first one, never
-on the copy stream while a GEMM holds every SM (a wait kernel needs an SM slot). Buffers are
-allocated once per (group, shape, dtype); the op is stream work only (capturable).
+Cross-rank waits run on the compute stream between GEMMs, never on the copy stream while a GEMM
+holds every SM (a wait kernel needs an SM slot). Stream work only: capturable.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""moe_fused on NVIDIA GPUs over NCCL (transport "nccl", the default; kernels.py is the copy-engine
-path): the piece pipeline of reference.py with the pieces' all-to-alls on a
-high-priority communication stream and the experts' cuBLAS bmm on the compute stream, ordered by
-events (no host synchronisation, CUDA-graph capturable).
+"""moe_fused on NVIDIA GPUs over NCCL (transport "nccl", the default): reference.py's piece
+pipeline with the pieces' all-to-alls on a high-priority communication stream, so they get SMs as
+soon as issued rather than behind the expert bmm, ordered by events (capturable).
 
     comm stream     dispatch piece 1 .. P-1 back to back (an event after each), then combine r
                     once the compute stream's event "experts r done" has fired
@@ -9,13 +8,8 @@ events (no host synchronisation, CUDA-graph capturable).
                     experts of piece r after its dispatch event
     join            the compute stream waits for the comm stream before the op returns
 
-Why a separate high-priority stream (the same one priority_stream uses): NCCL kernels queued
-behind expert bmm that fill every SM would start only as bmm blocks retire; on their own
-high-priority stream they get SMs as soon as they are issued, so piece r+1 travels while piece r
-is computed. Every rank issues the same collectives in the same order (round order), as NCCL
-requires. CUDA graphs: only stream/event work and NCCL calls with static split sizes (Python
-lists), which capture. It ran slower than the layer as written on GPUs, so GPU profiles do not
-offer it (spec.py: force_config only).
+Every rank issues the same collectives in round order. Slower than the layer as written on GPUs,
+so GPU profiles do not offer it (spec.py: force_config only).
 """
 from __future__ import annotations
 

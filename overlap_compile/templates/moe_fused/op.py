@@ -2,21 +2,11 @@
 ``[W * E_local * C, H]`` (what the section's combine all-to-all returned), then the intermediates
 ``plan.saves`` names (training graphs: what backward reads), each ``[E_local, W * C, H|F]``].
 
-Dispatch (``path``): a ``"payload": "routed"`` plan runs routed.py (only the routed rows travel
-and meet the experts) on any device, but under CUDA-graph capture (it reads sizes on the host);
-CUDA tensors with a ``"transport": "p2p"`` plan and symmetric memory run
-kernels.py (copy-engine pieces); other CUDA tensors on an NCCL group run kernels_nccl.py
-(pieces' all-to-alls on a high-priority stream); everything else runs reference.py, the same
-piece pipeline with asynchronous functional collectives.
-
-Host-launched copy-engine calls with bmm or packed experts can go through runtime.op_graphs
-(captured on the second call with the same buffers, then replayed), as p2p_ring's do, where
-``spec.host_replay`` is on (it is: tests/gpu/test_moe_op_graphs.py passed at W=2 and the
-host-launched layer measured 1.18x over the layer as written, against 1.03x launched piece by
-piece); the predictor then prices the op's host time as a replay. The packed experts' sizes
-and index maps are computed on the device inside the call, so a replay on new slots finds
-their new sizes (tests/gpu/test_moe_packed_gpu.py). The persistent expert kernel allocates its
-outputs and is not replayed."""
+Dispatch (``path``): ``"payload": "routed"`` runs routed.py (not under CUDA-graph capture); CUDA
+with ``"transport": "p2p"`` and symmetric memory runs kernels.py; other CUDA on NCCL runs
+kernels_nccl.py; everything else reference.py. Host-launched copy-engine calls with bmm or packed
+experts replay through runtime.op_graphs where ``spec.host_replay`` is on (packed sizes are
+computed on the device, so a replay finds new sizes); the persistent expert kernel is not replayed."""
 from __future__ import annotations
 
 import torch

@@ -1,10 +1,7 @@
 """moe_fused with ``"experts": "packed"``: the expert GEMMs over the routed rows only, with the
 rows' sizes found and kept on the device (no host round trip, so the call stays capturable).
-
-The slots are capacity-padded: expert e of a piece holds its routed rows first, then zeros. A
-bias-free SwiGLU maps a zero row to a zero row and a zero gradient row adds nothing, so the rows
-past each group's last non-zero row need no GEMM (routed.py's argument; here every slot still
-travels). Per piece of ``[E, C, *]`` slots::
+A bias-free SwiGLU maps the zero padding rows to zero, so they need no GEMM. Per piece of
+``[E, C, *]`` slots::
 
     n[e]        = 1 + the last non-zero row of expert e (routed_sizes.py, on the device)
     packed      = the routed rows expert after expert, in a buffer of the static size E * C
@@ -12,21 +9,12 @@ travels). Per piece of ``[E, C, *]`` slots::
     GEMMs       torch._grouped_mm with the group ends cumsum(n) on the device
     unpacked    every slot row gets its packed row, or zeros
 
-Forward (``experts``): the three GEMMs and silu_mul on the packed rows; the result and the
-intermediates a training graph saves unpacked into their slots. Backward
-(backward_reference.PackedPieces, one per call, with these helpers): per piece the gradient
-rows' sizes, d_act, the elementwise step and d_h on packed rows (their gate and up rows
-gathered from the saved layout); after the last piece the three weight
-gradients as grouped GEMMs that split K at each expert's rows, over every source's rows packed
-expert by expert (the saved tokens and act gathered; the pieces' packed gradients re-ordered).
-
-The grouped GEMMs skip the padding, but the row moves and index maps take part of that back
-(most of it where the GEMMs are small beside the moves); model.packed_overhead_ms prices them,
-and GPU profiles offer the path under CUDA graphs for bf16 sections (backward_spec.gpu_candidates).
+Backward (backward_reference.PackedPieces): per piece d_act, the elementwise step and d_h on
+packed rows; after the last piece the weight gradients as grouped GEMMs splitting K at each
+expert's rows. The row moves cost back part of the gain (model.packed_overhead_ms).
 
     kernels (_move_rows_kernel, _silu_mul_unpack_kernel, _piece_maps_kernel)
-        ->  launchers (move_rows, silu_mul_unpack, slot_maps)
-        ->  experts (forward), backward_reference.PackedPieces (backward)
+        ->  launchers (move_rows, silu_mul_unpack, slot_maps)  ->  experts, PackedPieces
 """
 from __future__ import annotations
 

@@ -6,30 +6,19 @@ The section as written (demo.moe)::
     y   = swiglu_experts(got as [E_local, W*C, H])
     out = all_to_all(y as [W, E_local, C, H])    # back to the sources
 
-Every slot (token position) goes through the experts alone, so the dispatched tokens can be cut
-into pieces; each piece's experts run as soon as it has landed and its combine leaves right after
-(FlashDMoE's "expert tiles start as tokens arrive, combine tiles leave as they finish", at piece
-granularity). Two ways to cut (the plan's config):
-
-``{"split": "source"}`` (default) -- one piece per source rank. Round r = 0..W-1: rank i sends
-    its slots for the experts of rank (i + r) % W and receives the slots of source (i - r) % W
-    (an all_to_all_single whose splits are zero but for that one peer, i.e. a pairwise exchange
-    every rank takes part in, in the same order); round 0 is the rank's own tokens and needs no
-    transfer, so its experts run while round 1 is in flight::
+Every slot goes through the experts alone, so each piece's experts run as soon as it lands and its
+combine leaves right after. ``{"split": "source"}`` (default): round r receives source (i - r) % W's
+slots (a pairwise all_to_all_single); round 0 is the own tokens, computed while round 1 travels::
 
         (local)    | dispatch 1 | dispatch 2 ... | combine 1 | combine 2 ...
         experts 0  | experts 1  | experts 2 ...       (combine r after experts r)
 
-    With ``"transport": "p2p"`` (kernels.py, copy engine) the own tokens are cut in two
-    (own_parts): the first half runs while the first dispatch piece travels, the second after
-    the last peer piece, while that piece's combine travels::
+    With ``"transport": "p2p"`` the own tokens are cut in two (own_parts)::
 
         experts own[0] | experts 1 | ... | experts W-1 | experts own[1]
 
-``{"pieces": p}`` -- the capacity axis C cut into p slices, each a full all-to-all.
-
-The collectives are the asynchronous functional ones on the site's group (gloo here, NCCL on GPUs
-when kernels.py is not usable). Padding slots travel as they do in the original.
+``{"pieces": p}``: the capacity axis C cut into p slices, each a full all-to-all. Collectives are
+the asynchronous functional ones on the site's group; padding slots travel as in the original.
 """
 from __future__ import annotations
 

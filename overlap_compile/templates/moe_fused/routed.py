@@ -1,41 +1,20 @@
 """moe_fused with ``"payload": "routed"``: only the routed tokens travel and go through the experts.
 
-The dispatch buffer is capacity-padded, ``[W, E_local, C, H]``: slot (d, e, p) holds a token for
-rank d's expert e or, past the tokens routed there, zeros. A bias-free SwiGLU expert maps a zero
-row to a zero row exactly (silu(0) = 0, 0 * w = 0), so the rows after the last non-zero row of
-each (destination, expert) need neither travel nor be computed: their outputs, and the
-intermediates a training graph saves, are zeros, written here. That holds for any buffer,
-whatever the router wrote: no assumption on how slots are filled. (demo.moe fills each expert's
-slots from row 0 up, so "rows up to the last non-zero one" are exactly the tokens routed there.)
+A bias-free SwiGLU maps a zero row to a zero row exactly, so the rows after the last non-zero row
+of each (destination, expert) slot group need neither travel nor compute; their outputs and saved
+intermediates are written as zeros. No assumption on how the router fills slots::
 
     sizes[d, e]    = 1 + the last non-zero row of slots[d, e] (0: none)        on the device
     arrivals[s, e] = source s's sizes for my expert e                          one all-to-all of W * E int32
-    one host synchronisation reads both (what every transfer's size needs), then the by-source
-    pipeline of reference.run_by_source, each piece in one of two layouts both its ends derive
-    from its sizes (trimmed_rows):
-      trimmed      [E, m, H], m = the piece's fullest expert's rows, when the rows fill most of
-                   it (uniform routing): cuBLAS bmm, the zero rows below m computed (exact zeros)
-      packed       rows [0, sizes[d, e]) of every expert e, one after the other (skewed routing):
-                   grouped GEMMs over the routed rows only (torch._grouped_mm where it runs, else
-                   one mm per expert)
-      combine      the results go home in the same layout; the receiver copies them into their
-                   slots, zeros in the rest
+    one host synchronisation reads both, then reference.run_by_source's pipeline, each piece:
+      trimmed      [E, m, H], m = the fullest expert's rows (uniform routing): cuBLAS bmm
+      packed       rows [0, sizes[d, e]) of every expert, one after the other (skewed routing):
+                   grouped GEMMs over the routed rows only
+      combine      results go home in the same layout; the receiver fills zeros in the rest
 
-The rounds (``exchange``) serve both directions of a training step: ``run`` here (the experts;
-its saved intermediates zero in every row no token reached) and backward_reference.run_routed
-(the SwiGLU gradient: a zero gradient row has a zero d_h and adds nothing to the weight
-gradients, so the gradient's own last non-zero rows decide what travels).
-
-Transfers (a link: ``rank_and_size``, ``exchange_sizes``, ``start`` / ``finish`` of a pairwise
-piece, ``close``): functional collectives (any device: gloo on CPU, ``FunctionalLink``) or, on
-CUDA with NCCL, the pieces on the high-priority communication stream ordered by events, as
-kernels_nccl.py does (``StreamLink``).
-
-What it costs against FlashDMoE's payload-efficient dispatch (sizes on the device, no host round
-trip): the host synchronisation drains the GPU queue once per call and cannot be captured in a
-CUDA graph, so under capture the op runs the capacity pipeline (op.py), whose outputs are the same
-(padding rows computed as zeros). Expert weights with inf/NaN: the section as written turns its
-padding rows into NaN (0 * inf), this path keeps them zero; the combine never reads padding rows.
+``exchange`` serves ``run`` and backward_reference.run_routed; links are ``FunctionalLink`` (any
+device) or ``StreamLink`` (CUDA/NCCL, high-priority stream). The host synchronisation cannot be
+captured, so under capture op.py runs the capacity pipeline instead (same outputs).
 """
 from __future__ import annotations
 
@@ -288,7 +267,9 @@ def exchange(buf: torch.Tensor, plan: MoePlan, group_name: str, piece: Callable,
     offsets = torch.cumsum(torch.stack([sizes, arrivals]), -1, dtype=torch.int32)  # for grouped GEMMs
     sent_rows, got_rows = torch.stack([sizes, arrivals]).cpu().tolist()  # the one synchronisation
     routing = Routing(got_rows, offsets, _IndexMaps(w, e, c, buf.device, sizes, arrivals, sent_rows, got_rows))
-    out = buf.new_zeros(w, e, c, h)  # zeros where no routed row lands (one memset, few host calls)
+    # zeros where no routed row lands (one memset, few host calls); with inf/NaN weights the section
+    # as written turns padding rows into NaN (0 * inf) and this keeps them zero (combine never reads them)
+    out = buf.new_zeros(w, e, c, h)
 
     def outgoing(d: int) -> torch.Tensor:
         """My slots for rank d's experts as they travel: [E * m, H] trimmed, [routed rows, H] packed."""

@@ -1,17 +1,11 @@
 """How many rows of each (destination, expert) slot group of a dispatch buffer must travel: 1 + the
-index of its last non-zero row (routed.py). Bias-free SwiGLU maps zero rows to zero rows, so
-the zero rows after it need neither a transfer nor a GEMM.
+index of its last non-zero row (routed.py); NaN counts as non-zero.
 
-``_last_row_kernel``: one program per (chunk of CHUNK_ROWS rows, group), the top chunks first in
-launch order; each scans its chunk from the top down, BLOCK_ROWS rows at a time, and stops at
-the first block holding a non-zero entry (atomic-maxing 1 + its last non-zero row into the
-group's size) or as soon as a routed row above its block was found by another program. So
-mostly the padding is read, by many SMs at once, a few dependent loads each (the padding is a
-fifth of the slots under uniform routing at capacity factor 1.25, most of them under skewed
-routing). One program per group scanning down is latency-bound (one dependent load after
-another); one program per small block reads everything (all resident before any could skip).
-``sizes`` launches it on CUDA and computes the same with torch ops elsewhere (CPU, no Triton).
-NaN is non-zero (such a row must travel).
+``_last_row_kernel``: one program per (chunk of CHUNK_ROWS rows, group), top chunks first; each
+scans its chunk top-down, BLOCK_ROWS at a time, and stops at the first block with a non-zero entry
+(atomic-max of 1 + its last non-zero row into the group's size) or once another program found a
+routed row above it. So mostly the padding is read, by many SMs at once, a few dependent loads
+each. ``sizes`` launches it on CUDA and uses torch ops elsewhere.
 """
 from __future__ import annotations
 

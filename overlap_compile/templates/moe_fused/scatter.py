@@ -1,30 +1,19 @@
 """The MoE dispatch buffer, filled without an atomic add per element where a slot has one writer.
 
-An expert-parallel layer builds its dispatch buffer as ``zeros(rows, H).index_add(0, slot, src)``
-(in the post-grad graph: ``index_put(full(0), [slot], src, accumulate=True)``): each routed choice
-adds its token's row into its (expert, position) slot. On GPUs that runs as ATen's index kernel,
-one atomic add per element, the layer's largest kernel after the expert GEMMs
-(benchmarks/diagnostics/moe_breakdown.py). Yet nearly every slot has exactly one writer (positions
-are unique per expert; only choices dropped past the capacity are clamped onto a kept slot, with
-zero rows).
-
-Here the same sum is made in three launches::
+``zeros(rows, H).index_add(0, slot, src)`` runs as ATen's index kernel, one atomic add per
+element, yet nearly every slot has exactly one writer. Here the same sum takes three launches::
 
     _count_kernel    counts[r] = number of choices whose index is r      (int32 atomics, one per choice)
     _clear_kernel    zero every row whose count is not 1                 (rows with one writer are not written twice)
     _scatter_kernel  a choice whose row has one writer stores its row;   (plain, vectorised stores)
                      the others add their nonzero elements atomically
 
-Exact: a row with one writer is 0 + src = src; a shared row is the atomic sum of its writers'
-nonzero elements (adding a zero changes nothing but the sign of a zero: -0.0 + 0.0 is +0.0 in
-ATen's sum and stays -0.0 here), in the nondeterministic order ATen's index_add also has (so a rewrite is refused while
-``torch.use_deterministic_algorithms`` is on: passes/rewrite.py). Negative indices count from the
-end (index_put's meaning); an index outside [-rows, rows) writes nothing (ATen would raise a
-device-side assert).
+Exact: one writer gives src; a shared row is the atomic sum of its writers' nonzero elements
+(except -0.0 + 0.0 stays -0.0), in nondeterministic order as in ATen. Negative indices count from
+the end; an index outside [-rows, rows) writes nothing (ATen would assert). Without Triton or on
+CPU tensors (unless TRITON_INTERPRET=1) the op runs the ATen sum.
 
     kernels -> launcher (scatter_add_rows) -> op (torch.ops.overlap_compile.moe_scatter_rows)
-
-Without Triton, or on CPU tensors (unless TRITON_INTERPRET=1), the op runs the ATen sum.
 """
 from __future__ import annotations
 

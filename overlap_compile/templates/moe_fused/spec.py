@@ -5,16 +5,11 @@ Before (an inference forward graph of demo.moe's layer)::
     a2a = all_to_all_single(buf, ...); w = wait_tensor(a2a); h = view/permute/clone/view(w)
     y = bmm(silu(bmm(h, w1)) * bmm(h, w3), w2); a2a_c = all_to_all_single(view/permute(y)); out = wait(a2a_c)
 
-After::
+After (in training graphs also returning what backward saves, ``MoePlan.saves``, getitem 1..)::
 
     out = overlap_compile.moe_fused(buf, w1, w3, w2, '0', '{plan}')
 
-Sections are found supported (passes.find_moe) when nothing inside them is read afterwards but,
-in a training graph, what backward saves (the experts' input, both up-projections, the
-activation product): the op then also returns those (``MoePlan.saves``, getitem 1..) and
-backward reads them from it.
-
-The backward section of a training step (passes.find_moe_backward proves its roles), before::
+The backward section (passes.find_moe_backward), before::
 
     a2a = all_to_all_single(grad_buf, ...); g = view/permute/clone/view(wait_tensor(a2a))
     dw2 = bmm(act_t, g); d_act = bmm(g, w2t)
@@ -22,23 +17,15 @@ The backward section of a training step (passes.find_moe_backward proves its rol
     dw3 = bmm(tokens_t, d_up); dw1 = bmm(tokens_t, d_gate); d_h = bmm(d_up, w3t) + bmm(d_gate, w1t)
     a2a_r = all_to_all_single(view/permute/clone/view(d_h), ...); d_buf = wait_tensor(a2a_r)
 
-after (tokens_t, act_t: the saved tensors as backward reads them, transposed; w1t, w3t, w2t: the
-weights' transposes; dw1, dw3, dw2 feed what the weight-gradient bmm fed)::
+After::
 
     outs = overlap_compile.moe_fused_backward(grad_buf, tokens_t, gate, up, act_t, w1t, w3t, w2t, '0', '{plan}')
     d_buf, dw1, dw3, dw2 = outs[0], outs[1], outs[2], outs[3]
 
-Configurations of the forward (reference.py): ``{"split": "source"}`` (one piece per source rank,
-own tokens first), optionally with ``"transport": "p2p"`` (pieces moved by copy engine, kernels.py)
-and ``"experts": "fused"`` (the persistent expert kernel, ``"skip_padding"``) or ``"packed"``
-(grouped GEMMs on the routed rows only, packed.py); ``{"pieces": p}`` (the capacity axis in p
-slices). The backward has one, ``{"split": "source"}`` (backward_spec.py: d_h of each piece sent
-home once computed, the weight gradients once after the last piece). Latency model: model.py.
-
-GPU profiles offer the paths that measured faster than the section as written: the copy engine
-with bmm experts, and with packed experts where the section is bf16 and launched from a CUDA graph
-(backward_spec.gpu_candidates weighs the padding skipped against the rows moved). The routed
-payload, the fused expert kernel and NCCL capacity pieces stay reachable through force_config.
+Forward configs: ``{"split": "source"}`` [+ ``"transport": "p2p"``, ``"experts": "fused"|"packed"``]
+or ``{"pieces": p}``; backward: ``{"split": "source"}`` (backward_spec.py). GPU profiles offer what
+measured faster (copy engine with bmm, or packed for bf16 under CUDA graphs); the rest stay
+reachable through force_config.
 """
 from __future__ import annotations
 

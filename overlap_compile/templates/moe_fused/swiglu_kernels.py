@@ -4,18 +4,12 @@
     backward  d_up = d_act * silu(gate)
               d_gate = silu_backward(d_act * up, gate)               (silu_mul_backward)
 
-Written as torch ops these were five passes forward (silu, then the product) and about thirteen
-backward (silu, two products, silu_backward, a copy into the full d_gate) over ``[E, rows, F]``
-tensors, where the section as written gets one fused Inductor kernel each way: on a Mixtral-like
-block that extra traffic (GBs per step) was most of what the copy-engine training step lost to
-the section as written. Here each operand is read once and each result written once, in fp32
-arithmetic.
+Each operand is read once and each result written once, in fp32 arithmetic (as torch ops these
+were several passes each way). Operands are ``[B, R, F]`` (2-D taken as B = 1) with unit column
+stride and any batch and row strides, so the saved layouts' column blocks are written in place.
+Without Triton, or on CPU tensors, the same formulas run as torch ops.
 
     kernels (_silu_mul_kernel, _silu_mul_backward_kernel)  ->  launchers (silu_mul, silu_mul_backward)
-
-Operands are ``[B, R, F]`` (2-D ``[R, F]`` taken as B = 1) with unit column stride and any batch
-and row strides, so the saved layouts' column blocks (Saved.of_source) are written in place.
-Without Triton, or on CPU tensors, the same formulas run as torch ops.
 """
 from __future__ import annotations
 
