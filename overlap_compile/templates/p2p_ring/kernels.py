@@ -1,14 +1,10 @@
 """p2p_ring on NVIDIA GPUs with transport "p2p": copy-engine peer copies between symmetric
-buffers (no SMs taken from the GEMM), cuBLAS for the GEMM pieces, cross-rank readiness through a
-READY / BUSY flag pair per peer and buffer (runtime.peer_flags: stream memory operations, bounded
-one-thread wait kernels, back at 0 after every call). A copy's flag writes follow it (BUSY, then
-READY): a BUSY write queued ahead of the copy would delay its start. Row stripes only
-(``outer == 1``), one direction; ``slices`` cut each reduce-scatter / all-to-all message into row
-slices computed and pushed on their own. The order of the pieces is the reference's
-(reference.rs_stripe / ag_source / a2a_pair).
+buffers (no SMs taken from the GEMM), cuBLAS GEMM pieces, readiness through a READY / BUSY flag
+pair per peer and buffer (runtime.peer_flags, back at 0 after every call). Row stripes only
+(``outer == 1``), one direction; ``slices`` cut RS / A2A messages into row slices. A copy's flag
+writes follow it: a BUSY write queued ahead would delay its start.
 
-All-gather -> GEMMs (push, straight from the shard: no staging copy, no meeting of the ranks
-before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, slot q for q's shard)::
+All-gather -> GEMMs (push straight from the shard into each peer's inbox [W, rows, K], slot q for q)::
 
     compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
     copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
@@ -17,8 +13,7 @@ before the first GEMM; each rank has an inbox [W, rows, K] in symmetric memory, 
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
                   gathered[rows of src]; once both are done, BUSY[me] = 0 on src
 
-The copies into ``gathered`` are left out where the graph reads only the GEMMs' outputs
-(``plan.gathered`` false); each shard travels in one copy (no ``slices``).
+The copies into ``gathered`` are left out where ``plan.gathered`` is false; no ``slices`` here.
 
 GEMM -> reduce-scatter (push partials to the owner, sum in fp32 as they arrive)::
 
@@ -42,9 +37,8 @@ GEMM -> all-to-all (push blocks to their destination)::
                   then for every src: wait READY[src]; out[rows of src] <- slot[src];
                   BUSY[me] = 0 on src
 
-Cross-rank waits run before the first GEMM (copy stream) or on the compute stream between
-GEMMs, never on the copy stream while a GEMM holds every SM: a waiting kernel needs an SM slot.
-The whole op is stream work, capturable in a CUDA graph; buffers are allocated once (runtime.symm).
+Cross-rank waits never run on the copy stream while a GEMM holds every SM (a waiting kernel needs
+an SM slot). The whole op is stream work, capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -244,18 +238,14 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     """The reduce-scatter over W row stripes of the output, then the all-gather (copy-engine
     pushes, no GEMM) of the reduced stripes: ``[m, n]`` on every rank (reference.allreduce_*).
 
-    With ``"chunks": c`` the rows are cut into c chunks (reference.allreduce_chunks), each with
-    its own W stripes, buffers and flags, in two phases (all waits for the peers' slots of every
-    chunk run before the first GEMM, _claim)::
+    With ``"chunks": c`` the rows are cut into c chunks, each with its own stripes, buffers and
+    flags (every wait for the peers' slots runs before the first GEMM, _claim)::
 
         phase 1  for chunk i: the peers' stripes' GEMMs, each partial pushed once computed
-        phase 2  for chunk i: my stripe's GEMM with the peers' partials of chunk i (landed during
-                 phase 1) added, straight into ``out``; its reduced rows pushed to every peer;
-                 then chunk i-1's reduced stripes from the peers waited for and copied out
+        phase 2  for chunk i: my stripe's GEMM plus the peers' partials of chunk i, into ``out``;
+                 its reduced rows pushed to every peer; chunk i-1's reduced stripes copied out
 
-    so the reduced stripes travel while later chunks' GEMMs run and only the last chunk's
-    trail the GEMMs. Pushing every partial first keeps the copy queue from tying a chunk's
-    partials to the previous chunk's sum (chunk by chunk ran slower than the unchunked op)."""
+    so only the last chunk's reduced stripes trail the GEMMs."""
     a = a.contiguous()
     out = a.new_empty(plan.m, plan.n) if out is None else out
     chunks = allreduce_chunks(plan)
@@ -274,6 +264,8 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     r = comm.rank_and_size(group_name)[0]
     dests = _scatter_dests(r, plan.world)
     stripes = [allreduce_stripes(sub) for _, _, sub in chunks]
+    # every chunk's partials pushed first: chunk by chunk, the copy queue tied a chunk's partials
+    # to the previous chunk's sum (it ran slower than the unchunked op)
     pushed = [_push_all(a[lo:hi], b, bias, group_name, st, "reducescatter" + key, "gemm_reducescatter", dests,
                         claimed=True)
               for (lo, hi, _), st, key in zip(chunks, stripes, keys)]

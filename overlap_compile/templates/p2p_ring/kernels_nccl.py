@@ -1,11 +1,7 @@
 """p2p_ring on NVIDIA GPUs with transport "nccl": the reference's ring, with cuBLAS pieces on the
-compute stream and each step's batched NCCL send/recv issued from a high-priority stream
-(priority_stream's comm stream), ordered by events. Runs transport "nccl", and transport "p2p"
-where the copy-engine path cannot (no peer access: several nodes, or GPUs that cannot map each
-other's memory).
-
-Covers slices = 1, one direction (the other configs run reference.py); any row stripes
-(``outer`` > 1 gathers / places stripes with tiling.RowStripes).
+compute stream and each step's batched NCCL send/recv on a high-priority stream, ordered by
+events. Also runs transport "p2p" where the copy-engine path cannot (no peer access). Covers
+slices = 1, one direction; any row stripes (``outer`` > 1 via tiling.RowStripes).
 
     reduce-scatter  step s = 0..W-1, d = rs_stripe(r, s):
                       compute: p_s = a[stripe d] @ b (+ bias)   (queued while step s-1 travels)
@@ -18,11 +14,8 @@ Covers slices = 1, one direction (the other configs run reference.py); any row s
     all-to-all      comm: one batch per exchange s (send to r-s, receive from r+s), as soon as
                     the block is computed; my own block last, received blocks placed in order
 
-The rounding differs from the reference's in one place: p_s is rounded to the dtype before the
-received sum is added (cuBLAS writes the dtype); the sum itself runs in fp32 and is rounded once.
-Everything is stream work (NCCL P2P on the comm stream, events, cuBLAS): capturable in a CUDA
-graph, no host synchronisation. Its NCCL kernels take SMs from the GEMM, so GPU profiles offer
-the copy-engine transport instead (spec.py).
+Rounding differs from the reference's in one place: p_s is rounded to the dtype (cuBLAS output)
+before the received sum is added. Capturable, no host synchronisation.
 """
 from __future__ import annotations
 

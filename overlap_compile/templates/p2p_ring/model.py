@@ -1,21 +1,16 @@
 """p2p_ring's latency model (CommFuse, arXiv 2604.24013). config: slices, bidirectional, transport
-("p2p" | "nccl"). The pieces it is built from are the predictor's: predictor/models.py.
+("p2p" | "nccl"), built from predictor/models.py.
 
-Reduce-scatter / all-to-all: the GEMM is cut into W row chunks (one per destination rank),
-each into ``slices`` pieces; the chunks for the W-1 peers are computed first, each piece sent
-(RS: with the partial sum received from the previous neighbour added) as soon as it is done,
-the chunk that stays local last, so no transfer trails the GEMM (RS adds the last received
-partial: one elementwise pass). All-gather: the local shard's GEMM runs while the shards
-travel the ring; the piece of step i waits for its shard. Transfers are serialised on the
-comm lane: ``t_x = max(t_p, t_x) + xfer`` (RS/A2A) or ``t_p = max(t_p, t_x) + piece`` (AG).
-``xfer`` is the ``copy_engine`` curve (transport "p2p": peer copies, no SMs; GEMM slowdown
-``gemm_slowdown_copy_engine``) or the ``p2p`` curve times ``comm_slowdown`` (transport "nccl":
-send/recv kernels; GEMM slowdown ``gemm_slowdown``) at the piece's bytes (halved when
-bidirectional: two rings in opposite directions on full-duplex links), plus the launch cost.
-A piece is slowed only while a transfer runs beside it (``slowed``); pieces are row slices
-of the GEMM at its rate per tile (``slice_ms``). Copy engine: the all-gather first waits for its
-peers' slots (``peer_sync_ms``), then pushes the shard from where it lies; the reduce-scatter ends with
-its fp32 sums (``rs_accumulate_bytes``), the all-to-all with placing the received blocks.
+RS / A2A: W row chunks (one per destination), each in ``slices`` pieces, the peers' first and the
+local one last, each piece sent once done. AG: the local shard's GEMM runs while shards travel;
+piece i waits for its shard. Transfers serialise on the comm lane::
+
+    t_x = max(t_p, t_x) + xfer   (RS/A2A)        t_p = max(t_p, t_x) + piece   (AG)
+
+``xfer``: the ``copy_engine`` curve ("p2p"; GEMM slowdown ``gemm_slowdown_copy_engine``) or the
+``p2p`` curve x ``comm_slowdown`` ("nccl"; ``gemm_slowdown``) at the piece's bytes (halved when
+bidirectional) plus launch. Pieces are slowed only beside a transfer (``slowed``). Copy engine
+adds ``peer_sync_ms`` (AG) and the fp32 sums ``rs_accumulate_bytes`` (RS).
 """
 from __future__ import annotations
 

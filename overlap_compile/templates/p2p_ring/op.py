@@ -1,17 +1,11 @@
 """torch.ops.overlap_compile.p2p_ring_gemm_collective(a, b, bias, group_name, plan) -> [result_rows, n]
 and torch.ops.overlap_compile.p2p_ring_allgather_gemm(shard, bs, biases, group_name, plan)
--> [gathered, y_0, y_1, ...].
+-> [gathered, y_0, y_1, ...]. The gemm-collective op returns the collective's result rows in its
+order (no glue beyond the base emitter's view).
 
-The gemm-collective op returns the collective's result rows directly (reduce-scatter: my reduced
-stripe; all-to-all: the received blocks in source order), so the graph needs no glue beyond the
-view that spec's base emitter already adds.
-
-Dispatch (``path``, worked out on a site's first call): CUDA tensors on an NCCL group run
-kernels.py when the plan's transport is "p2p" and the group can use symmetric memory (copy-engine
-peer copies; stream work only, so host-launched calls replay from a CUDA graph, runtime.op_graphs),
-else kernels_nccl.py (cuBLAS pieces + NCCL send/recv on a high-priority stream; slices=1, one
-direction); everything else (CPU / gloo, other configs) runs reference.py, the same decomposed
-algorithm.
+Dispatch (``path``, on a site's first call): CUDA on NCCL runs kernels.py when the transport is
+"p2p" and symmetric memory is usable (host-launched calls replay via runtime.op_graphs), else
+kernels_nccl.py; everything else (CPU / gloo, other configs) runs reference.py.
 """
 from __future__ import annotations
 

@@ -1,28 +1,21 @@
 """p2p_ring, step by step on any device (the oracle for a GPU implementation).
 
-CommFuse (arXiv 2604.24013) replaces a collective that follows (or precedes) a GEMM by W-1
-point-to-point steps around a ring of the W ranks, and cuts the GEMM into the pieces each step
-needs, so that the transfer of step s runs while step s+1 is computed:
+CommFuse (arXiv 2604.24013) replaces a collective beside a GEMM by W-1 point-to-point steps around
+a ring, cutting the GEMM so that step s's transfer runs while step s+1 is computed:
 
-    reduce-scatter  step s (0..W-1): compute my partial of stripe d = r - s - 1 (the one whose
-                    running sum my left neighbour sends me), add the received sum, pass it on to
-                    the right. At s = W-1 the stripe is my own (d = r): it stays here, so the last
-                    thing computed is the result itself: no communication tail.
-    all-gather      step 0 computes the rows of my own shard (nothing to wait for) while it travels
-                    right; step s computes the rows of shard r - s, which arrived from the left
-                    during step s-1 and is forwarded right in the meantime.
-    all-to-all      W-1 pairwise exchanges, farthest destination first (send to r - s, receive from
-                    r + s); the block that stays here is computed last.
-    all-reduce      the reduce-scatter above over W row stripes of the output (m a multiple of W),
-                    then the all-gather above of the reduced stripes, with no GEMM to hide it
-                    (that tail is what the predictor weighs against the collective).
+    reduce-scatter  step s (0..W-1): compute my partial of stripe d = r - s - 1, add the sum
+                    received from the left, pass it right. At s = W-1 the stripe is my own: the
+                    last thing computed is the result itself, no communication tail.
+    all-gather      step 0 computes my own shard's rows while it travels right; step s computes
+                    shard r - s, which arrived during step s-1 and is forwarded meanwhile.
+    all-to-all      W-1 pairwise exchanges, farthest first (send to r - s, receive from r + s);
+                    the block that stays here is computed last.
+    all-reduce      the reduce-scatter over W row stripes (m a multiple of W), then the
+                    all-gather of the reduced stripes, with no GEMM to hide it.
 
-Config: ``slices`` cuts every ring message into row slices, each sent once computed;
-``bidirectional`` runs two rings in opposite directions with half the data each, so both
-directions of every link are busy. Transport: ``batch_isend_irecv`` batches of (send to the next
-rank, receive from the previous) on the site's group (one NCCL group call: single sends around a
-ring would deadlock), a tag per message. Partial sums are formed in fp32 and rounded to the dtype
-once per hop, as the collective does when it reduces the rounded GEMM outputs.
+``slices``: ring messages cut into row slices; ``bidirectional``: two half-rings in opposite
+directions. Transport: ``batch_isend_irecv`` pairs (single sends around a ring would deadlock).
+Partial sums in fp32, rounded to the dtype once per hop.
 """
 from __future__ import annotations
 

@@ -11,10 +11,7 @@ After::
     out = aten.view(rows, [B, S/W, N])
 
 All-gather sites become ``p2p_ring_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
-returning the gathered matrix and every consumer's output. Both are the base class's emitters:
-the op already returns rows in the collective's order, so there is no reorder glue.
-
-The latency model (W-1 steps of max(compute slice, P2P chunk)) lives in overlap_compile.predictor.
+-> (gathered, y_0, ...). Both are the base class's emitters, with no reorder glue.
 """
 from __future__ import annotations
 
