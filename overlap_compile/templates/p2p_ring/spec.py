@@ -10,8 +10,7 @@ After::
     rows = overlap_compile.p2p_ring_gemm_collective(a, b, None, '0', '{plan}')   # [B*S/W, N]
     out = aten.view(rows, [B, S/W, N])
 
-All-gather sites become ``p2p_ring_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
--> (gathered, y_0, ...). Both are the base class's emitters, with no reorder glue.
+All-gather sites: ``p2p_ring_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``; no glue.
 """
 from __future__ import annotations
 

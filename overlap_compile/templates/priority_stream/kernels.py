@@ -1,27 +1,16 @@
 """priority_stream on NVIDIA GPUs: cuBLAS chunks on the compute stream, NCCL collectives on a
-high-priority communication stream, ordered by events (resource-aware overlap).
+high-priority communication stream, ordered by events (the algorithm is reference.py's):
 
-reference.py is the algorithm (chunk bounds, segments, the GEMM of a chunk); this module only
-decides where each piece runs:
+    compute stream   chunk c's GEMM (reference.compute_chunk: cuBLAS, or with a tile config the
+                     persistent Triton GEMM) into its contiguous slice of the send buffer
+    comm stream      waits for chunk c's event, then issues its collective (ProcessGroupNCCL
+                     with async_op=False enqueues on the *current* stream, torch >= 2.7)
+    join             the compute stream waits for the comm stream before the op returns
 
-    compute stream   chunk c's GEMM (reference.compute_chunk: mm/addmm or bmm/baddbmm, i.e.
-                     cuBLAS, or with a tile config the persistent Triton GEMM, ``tile_gemm``)
-                     into its contiguous slice of the send buffer
-    comm stream      waits for chunk c (an event recorded on the compute stream right after the
-                     GEMM), then issues chunk c's collective (ProcessGroupNCCL with
-                     async_op=False enqueues the NCCL kernel on the *current* stream, i.e. this
-                     one, torch >= 2.7)
-    join             the compute stream waits for the comm stream before the op returns, so the
-                     caller sees a ready result in stream order, with no host synchronisation
-
-All-gather runs the other way round: the comm stream issues every chunk's gather back to back and
-records an event after each; the compute stream waits for event c, then computes chunk c's
-GEMMs. The gathered rows are copied into place on the comm stream, off the GEMM's critical path.
-
-A high-priority stream, because the chunked GEMM fills every SM: a collective on a normal-priority
-stream gets its blocks scheduled only as GEMM blocks retire, and the overlap disappears. Its
-priority is ``comm_priority``. Everything is stream/event work and NCCL calls, so a call captures
-in a CUDA graph; importing this module touches no CUDA state (streams are made on first use).
+All-gather runs the other way round: the comm stream gathers every chunk back to back, an event
+after each, and copies the rows into place; the compute stream waits for event c, then computes.
+High priority (``comm_priority``) because the GEMM fills every SM: a normal-priority collective
+would get blocks only as GEMM blocks retire. Capturable; import touches no CUDA state.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """priority_stream, step by step on any device (the oracle for kernels.py).
 
-Resource-aware overlap: the GEMM is cut into ``chunks`` pieces along M. Each piece is an ordinary
-GEMM (cuBLAS on GPUs), and the collective of piece c is started as soon as piece c is computed,
-so it runs while piece c+1 is computed. No kernel changes: only the order of work and the
-streams it runs on (kernels.py puts the collectives on a high-priority stream).
-
-Which rows form a chunk (``Layout``):
+Resource-aware overlap: the GEMM is cut into ``chunks`` pieces along M and chunk c's collective
+starts as soon as chunk c is computed, so it runs while chunk c+1 is. Chunks (``Layout``):
 
     all-reduce       chunk c = a contiguous block of output rows [lo, hi); all_reduce of it.
     reduce-scatter   chunk c = local rows [lo, hi) of EVERY stripe (tiling.RowStripes), so the
@@ -13,17 +9,13 @@ Which rows form a chunk (``Layout``):
                      every rank and is contiguous. reduce_scatter of it yields rows [lo, hi) of my
                      reduced stripe; all_to_all yields, for every source j, rows [lo, hi) of the
                      block that source sends me (result rows j*R + [lo, hi), R = rows per stripe).
-    all-gather       chunk c = rows [lo, hi) of every rank's shard: all_gather gives ``[W, q, k]``
-                     (source j's rows [lo, hi), i.e. local rows [lo, hi) of stripe j); those rows
-                     are placed into the gathered matrix and multiplied as soon as they land.
+    all-gather       chunk c = rows [lo, hi) of every rank's shard: all_gather gives ``[W, q, k]``,
+                     placed into the gathered matrix and multiplied as soon as they land.
 
-A chunk's rows of one stripe may cross an outer block (``outer > 1``); they are then a few
-segments, each one strided ``[W, len, cols]`` view of the matrix (``stripe_block``) multiplied by
-one batched GEMM (``gemm_into``), so no rows are copied. ``R`` rows per stripe (all-reduce: m)
-split into ``min(chunks, R)`` chunks, the larger first, so the last chunk, whose collective
-nothing hides, is never the larger one; every rank computes the same split. Each chunk is the
-same GEMM with the bias added before any reduction, and the graph's own functional collectives,
-started asynchronously (runtime.comm): results equal eager up to the GEMM's summation order.
+With ``outer > 1`` a chunk's rows may be a few strided segments, each one batched GEMM
+(``gemm_into``), no rows copied. ``R`` rows split into ``min(chunks, R)`` chunks, the larger
+first, so the last chunk (nothing hides its collective) is never the larger one. Bias is added
+before any reduction: results equal eager up to the GEMM's summation order.
 """
 from __future__ import annotations
 

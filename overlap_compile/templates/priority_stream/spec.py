@@ -10,12 +10,7 @@ After::
     rows = overlap_compile.priority_stream_gemm_collective(a, b, None, '0', '{plan}')   # [B*S/W, N]
     out = aten.view(rows, [B, S/W, N])
 
-All-gather sites become ``priority_stream_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
-returning the gathered matrix and every consumer's output. The op returns rows in the
-collective's own order, so the base class's emitters are all it needs: no reorder glue.
-
-The latency model (chunks in a max-plus pipeline, collectives contending with the GEMM) lives in
-model.py, beside this file.
+All-gather sites: ``priority_stream_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``; no glue.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""signal_reorder's persistent Triton GEMM and its launchers (FlashOverlap, EuroSys '26): the
-kernel the op runs on the compute stream, alone (``gemm``) or with the signalling epilogue into a
-send buffer (``gemm_signal_into``). kernels.py runs it beside the waits and the collectives; the
-tile configurations and their tuning cache are in gemm_configs.py.
-
-Layers (kernel -> launcher)::
+"""signal_reorder's persistent Triton GEMM and its launchers (FlashOverlap, EuroSys '26), alone
+(``gemm``) or with the signalling epilogue into a send buffer (``gemm_signal_into``)::
 
     _gemm_kernel          persistent GEMM (TMA loads, software pipelining, grouped tile order);
                           epilogue = plain store into C, or (SIGNAL) store the tile at its send
@@ -11,18 +7,10 @@ Layers (kernel -> launcher)::
                           release atomic adding that program's tile count to the group counter
     gemm()                launcher: C = a @ b (+ bias), tile config per shape (cached, JSON)
     gemm_signal_into()    launcher: the GEMM + signalling epilogue into a send buffer, no waits
-                          (tests compare the layout to reference.py; the benchmark times it)
 
 Layout contract (reference.py is the oracle): exec id ``e`` runs on program ``e % programs`` in
-wave ``e // programs``; it is local tile ``e // stripes`` (grouped order, tiling.tile_coords) of
-stripe ``e % stripes``; its rows come from tiling.RowStripes.global_row; it is stored at
-``WaveSchedule.send_slot(e)`` with the edge padding zeroed.
-
-Signalling granularity. A group's collective can start only when its *last* tile lands, so a
-program counts its tiles of a group once, at its last tile of that group (after waiting for
-that tile's TMA store to complete, a CTA barrier and a release atomic). Counting every tile as
-it finishes would make every tile wait for its store to land (benchmarks/gemm.py --signal-at
-measures the signalling kernel against the plain one).
+wave ``e // programs``; it is local tile ``e // stripes`` (tiling.tile_coords) of stripe
+``e % stripes``, stored at ``WaveSchedule.send_slot(e)`` with the edge padding zeroed.
 """
 from __future__ import annotations
 

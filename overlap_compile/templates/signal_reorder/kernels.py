@@ -1,28 +1,16 @@
 """signal_reorder on NVIDIA GPUs: one persistent Triton GEMM that signals per wave group, and a
 high-priority communication stream that waits on those signals and runs the unchanged NCCL
-collective on each group's contiguous slice (FlashOverlap, EuroSys '26).
-
-Files: gemm_kernel.py holds the GEMM (``_gemm_kernel``, its launchers ``gemm`` and
-``gemm_signal_into``, the layout contract), gemm_configs.py its tile configurations and tuning
-cache; this module holds the op's run path and re-exports both, so ``kernels.<name>`` reaches
-every name of the three::
+collective on each group's contiguous slice (FlashOverlap, EuroSys '26). Re-exports
+gemm_kernel.py and gemm_configs.py, so ``kernels.<name>`` reaches every name of the three::
 
     _wait_kernel          one-thread bounded spin on a group counter (the watchdog), consumes it
     run()                 what op.py calls: GEMM on the compute stream, per group wait +
                           collective on the comm stream, join; returns reference.run's buffer
 
-Counters without a memset per call: each (device, plan) owns an int32 counter per wave group,
-zeroed once. The GEMM adds the group's tile count; the waiter of group ``g`` waits for it and then
-*consumes* it (writes 0) before the collective is issued. So every call leaves the counters at
-zero with no host-side value that changes between calls, and a CUDA-graph replay is exactly a
-fresh call (an epoch would need an extra kernel per replay; the waiter is already there).
-
-Waiters (``OVERLAP_COMPILE_SIGNAL_WAIT``, choose_wait_mode): ``spin`` (the default) is
-``_wait_kernel``, one thread bounded by ``plan.timeout_ms``: a timeout or overshoot is recorded in
-pinned host memory and raised as ``SignalTimeoutError`` at the next call or from
-``check_errors()``, never a silent hang; it needs an SM slot. ``stream`` is
-``cuStreamWaitValue32`` (no SM, cannot time out, only when asked for). The release is at GPU scope
-for the spin waiter and at system scope for the stream waiter.
+Each (device, plan) owns an int32 counter per wave group, zeroed once; the GEMM adds the tile
+count and the waiter consumes it (writes 0), so a CUDA-graph replay is a fresh call. Waiters
+(``OVERLAP_COMPILE_SIGNAL_WAIT``): ``spin`` (default), bounded by ``plan.timeout_ms``, raising
+``SignalTimeoutError``; ``stream``, ``cuStreamWaitValue32`` (no SM, no timeout, system scope).
 """
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
-"""signal_reorder's latency model (FlashOverlap, Hong et al., EuroSys '26 / arXiv 2504.19519, §4
-Algorithm 1), and the search of its candidate configurations. The pieces it is built from
-(``Site``, ``Schedule``, the GEMM and collective prices) are the predictor's: predictor/models.py.
+"""signal_reorder's latency model (FlashOverlap, arXiv 2504.19519, §4 Algorithm 1), and the
+search of its candidate configurations, built from predictor/models.py.
 
 One persistent GEMM of ``programs = (SMs - NCCL SMs) * blocks/SM`` programs (rounded down to a
-multiple of the stripe count: 1 for all-reduce, W for reduce-scatter / all-to-all) walks
-``tiles`` output tiles in ``T = ceil(tiles / programs)`` waves. Waves are cut into groups
-``G1..GP``; group i's collective starts when its last wave is done and the previous group's
-collective has finished::
+multiple of the stripe count) walks its tiles in ``T = ceil(tiles / programs)`` waves, cut into
+groups ``G1..GP``; group i's collective starts once its last wave and the previous collective end::
 
     t_p += |G_i| * t_wave                    # compute time when group i is complete
     t_m  = max(t_p, t_m) + comm(bytes(G_i))  # its collective, serialised on the comm stream
 
-and the prediction is the final ``t_m``. ``t_wave`` is the kernel's full-occupancy GEMM time
-over its full-occupancy wave count (the wave model), times ``gemm_slowdown_reserved``;
-``comm`` is the curve at the group's bytes (padded tiles, as sent) times ``comm_slowdown``
-(not for the last group, which runs alone) plus the launch cost (not for the first group).
-Candidates are partitions with ``|G1| <= wave_group_first_max`` and ``|GP| <= wave_group_last_max``;
-``best_wave_partitions`` finds the minimum over all of them exactly (dynamic programming
-over (groups, waves done): ``t_m`` is non-decreasing in the previous ``t_m``, so keeping the
-smallest one per state loses nothing; tests check it against enumeration).
-
-``signal_reorder_configs`` (``CONFIGS``) lists those candidates: per kernel config of the
-profile, the best partition per group count; the spec asks for them through
-``predictor.model_configs`` (cached with the decision).
+The prediction is the final ``t_m``; ``t_wave`` is scaled by ``gemm_slowdown_reserved``, ``comm``
+by ``comm_slowdown`` (not the last group) plus launch (not the first). ``best_wave_partitions``
+finds the best partition exactly; ``CONFIGS`` lists the best per group count.
 """
 from __future__ import annotations
 

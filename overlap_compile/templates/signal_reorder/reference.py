@@ -1,20 +1,15 @@
 """signal_reorder, step by step on any device (the oracle for the GPU kernel).
 
 FlashOverlap (EuroSys '26): one GEMM walks its output tiles in a fixed order shared by every
-rank (a persistent kernel: exec id e runs on program e % P in wave e // P). Waves are grouped;
-each tile is stored at its *send slot* (tiling.WaveSchedule.send_slot), which makes every wave
-group one contiguous slice laid out as the collective needs it. When a group's tiles are done
-(on the GPU: its counter reaches the group's tile count) the unchanged collective runs on that
-slice while the GEMM goes on with the next group. The receive buffer is un-reordered by
-tiling.untile, emitted as graph glue that Inductor fuses into the consumer.
+rank (exec id e runs on program e % P in wave e // P). Each tile is stored at its *send slot*
+(tiling.WaveSchedule.send_slot), making every wave group one contiguous slice laid out as the
+collective needs; when a group is done the unchanged collective runs on it while the GEMM goes
+on. tiling.untile un-reorders the receive buffer as graph glue.
 
     all-reduce       send = recv = [T, BM, BN], tile t at slot t; all_reduce per group slice
     reduce-scatter   exec e = (local tile e // W of stripe e % W); group slice = [W, n_g, BM, BN];
                      reduce_scatter per slice -> recv[l] = reduced local tile l of my stripe
     all-to-all       same send layout; all_to_all per slice -> recv[j, l] = tile l of source j
-
-Here the collectives are started asynchronously as each group completes, so even on CPU/gloo
-group g's communication runs while group g+1 is computed.
 """
 from __future__ import annotations
 
