@@ -1,25 +1,15 @@
 """Tile and stripe maps shared by the reference implementations, the graph glue and the kernels.
 
-Everything that says "which rows/tiles go where" lives here, written once:
-
-* ``RowStripes``: how the rows of a GEMM output (or of an all-gathered input) split among the W
-  ranks of a collective. A collective that scatters (or gathers) along dim ``d`` of a tensor
-  viewed as ``[D0, ..., D(n-1), N]`` gives rank ``k`` the rows whose coordinate ``d`` lies in
-  the k-th chunk of ``Dd``. With ``outer = D0*...*D(d-1)`` and
+* ``RowStripes``: how a GEMM output's rows split among the W ranks of a collective along dim ``d``
+  of ``[D0, ..., D(n-1), N]``. With ``outer = D0*...*D(d-1)`` and
   ``chunk = (Dd / W) * D(d+1)*...*D(n-1)``, local row ``r`` of stripe ``k`` is global row
   ``(r // chunk) * W * chunk + k * chunk + r % chunk``; stripe ``k`` of a row-major matrix is
   the strided view ``x.view(outer, W, chunk, cols)[:, k]``.
-
-* ``TileGrid``: a matrix of ``rows x cols`` cut into ``block_m x block_n`` tiles (edges padded),
-  numbered by the grouped ("swizzled") order a persistent GEMM walks: ``group_m`` tile rows
-  at a time, column-major inside a group. ``tile_coords`` maps a tile id to (tile row, tile
-  col) with nothing but ``//``, ``%``, ``*``, ``+`` and ``minimum``, so the same formula runs
-  on Python ints, torch tensors, sympy symbols and in Triton (``tl.minimum``).
-
-* ``untile``: the inverse of "store tile t at slot t": a tile buffer ``[T, BM, BN]`` back to the
-  ``[rows, cols]`` matrix, as views/permutes/cat/slice only, so Inductor fuses it into the
-  consumer kernel. It is written against an ``emit(op, *args)`` callback: eager code passes
-  ``call_op`` (runs the op), the graph rewrite passes an emitter that inserts FX nodes.
+* ``TileGrid``: ``block_m x block_n`` tiles (edges padded) in the grouped order a persistent GEMM
+  walks (``group_m`` tile rows at a time, column-major inside); ``tile_coords`` uses only ``//``,
+  ``%``, ``*``, ``+``, ``minimum``, so it runs on ints, tensors, sympy and in Triton.
+* ``untile``: a tile buffer ``[T, BM, BN]`` back to ``[rows, cols]`` as views/permutes/cat/slice
+  (fused by Inductor), written against ``emit(op, *args)``: ``call_op`` eagerly, FX nodes in a rewrite.
 """
 from __future__ import annotations
 
@@ -265,17 +255,10 @@ def subtile_fix(gathered: Any, rows: int, cols: int, block_m: int, world: int, e
 
 @dataclasses.dataclass(frozen=True)
 class RankOrderedTiles:
-    """tile_fused's static tile map (TileLink, MLSys '25: a tile id determines its data, its
-    peer and its channel by affine maps). A GEMM over ``world`` row stripes of ``tiles`` tiles
-    each is walked stripe by stripe, starting from stripe ``(rank + first) % world``:
-
-    * GEMM + reduce-scatter (``first = 1``): the peers' stripes first, in ring order, and my own
-      stripe last, so each partial stripe can travel to its owner while the next is computed and
-      the own stripe, needed by nobody else, ends the GEMM;
-    * all-gather + GEMM (``first = 0``): my own shard's rows first (no wait), then each peer's in
-      the order the copy engine fetches them.
-
-    Exec id ``e`` (the order a persistent GEMM walks, program p takes p, p + P, ...) maps to
+    """tile_fused's static tile map (TileLink, MLSys '25). A GEMM over ``world`` row stripes of
+    ``tiles`` tiles each is walked stripe by stripe from stripe ``(rank + first) % world``:
+    reduce-scatter (``first = 1``) the peers' stripes first and my own last; all-gather
+    (``first = 0``) my own shard first, then the peers' in copy-engine order. Exec id ``e``::
 
         step(e)    = e // tiles
         stripe(e)  = (rank + first + e // tiles) % world      (the rank that owns / sent the rows)
@@ -284,9 +267,7 @@ class RankOrderedTiles:
         channel(e) = e % channels                             (which communication CTA handles it)
         slot(d, t) = d * tiles + t                            (flag and tile-buffer index, stripe-major)
 
-    and back: ``exec_id(d, t) = ((d - rank - first) % world) * tiles + t``. Only ``//``, ``%``, ``*``
-    and ``+``: the same formulas run on ints, torch tensors, sympy symbols and in Triton (the
-    kernels' twins are checked against these in the tests).
+    and back: ``exec_id(d, t) = ((d - rank - first) % world) * tiles + t``; ``//``, ``%``, ``*``, ``+`` only.
     """
 
     world: int

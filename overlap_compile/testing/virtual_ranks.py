@@ -4,18 +4,11 @@ concurrency, on a machine with one GPU (tests only).
     with virtual_ranks(2, torch.device("cuda", 0)) as group:
         results = group.run(lambda rank: ...)      # one host thread per rank, each on its own streams
 
-Each virtual rank is a host thread. Symmetric buffers become W ordinary buffers on the GPU with one
-address table (what ``runtime.symm`` hands out: ``symm_buffer`` / ``tensor_and_ptrs``), so a
-rank's pushes, pulls and flag writes reach its "peers" exactly as they reach other GPUs' memory
-through the table on a real group. Every stream the templates keep one of per device (comm and
-copy streams, op_graphs' capture stream and pool) is kept per rank instead, as separate processes
-would, and so is moe_fused's expert-kernel counter set; the process group is a stand-in
-answering ``rank()`` / ``size()``; the cross-rank plan
-agreement and the first-call host barrier are skipped (there is no NCCL group to run them on).
-
-What this shows: flags pair the right data, no call reads a slot before it is complete or after
-a later call overwrote it, captured and replayed calls interleave correctly with a peer's calls.
-What it cannot show: ordering across an NVLink fabric (every "peer" here shares one L2).
+Symmetric buffers become W ordinary buffers with one address table, so a rank's pushes, pulls and
+flag writes reach its "peers" as on a real group. Per-device state (comm and copy streams,
+op_graphs' capture stream and pool, moe_fused's expert counters) is kept per rank; the group
+answers ``rank()`` / ``size()``; plan agreement and the first-call barrier are skipped. Shows
+flag/data pairing and call interleaving, replays included; not ordering across NVLink.
 """
 from __future__ import annotations
 

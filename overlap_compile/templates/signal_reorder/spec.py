@@ -8,10 +8,8 @@ Before (all-reduce site)::
 After::
 
     buf = overlap_compile.signal_reorder_gemm_collective(a, b, None, '0', '{plan}')   # [T, BM, BN]
-    ... view/permute/clone/cat/slice (tiling.untile) ...                             # [M, N]
-    out = aten.view(rows, [B, S, N])
-
-The glue is plain aten, so Inductor fuses the un-reorder into the consumer's kernel.
+    ... view/permute/clone/cat/slice (tiling.untile) ...      # [M, N]; plain aten: Inductor fuses it
+    out = aten.view(rows, [B, S, N])                          # into the consumer's kernel
 """
 from __future__ import annotations
 

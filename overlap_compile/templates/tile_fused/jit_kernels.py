@@ -1,7 +1,5 @@
-"""tile_fused's Triton kernels (TileLink, MLSys '25), on the signal primitives of primitives.py:
-the device code only. launch.py builds and launches them; kernels.py runs the ops with them.
-
-Kernels (one persistent GEMM for both directions, signal_reorder's tiling/config/TMA code)::
+"""tile_fused's Triton kernels (TileLink, MLSys '25) on primitives.py's signals: device code only;
+launch.py builds and launches them, kernels.py runs the ops with them::
 
     _tile_gemm_kernel  MODE_RS: exec id e -> stripe (r+1+e//T) % W, own stripe last (tiling.
                        RankOrderedTiles, first=1); tile stored at partial[slot(d, t)], then
@@ -18,8 +16,7 @@ Kernels (one persistent GEMM for both directions, signal_reorder's tiling/config
                        copied from the gather buffer to their rows of the output.
     _barrier_kernel    rank_notify every peer, rank_wait every peer (consuming): orders this call's
                        writes into peers' symmetric buffers after their previous call's reads.
-    _notify_kernel     rank_notify of a local flag behind a copy-engine copy (when the driver's
-                       cuStreamWriteValue32 is not available).
+    _notify_kernel     rank_notify of a local flag behind a copy-engine copy (no cuStreamWriteValue32).
 """
 from __future__ import annotations
 

@@ -1,31 +1,17 @@
 """tile_fused on NVIDIA GPUs: TileLink-style (MLSys '25) tile-fused GEMM + reduce-scatter and
-all-gather + GEMM over torch symmetric memory, in stock Triton (primitives.py).
+all-gather + GEMM over torch symmetric memory, in stock Triton (primitives.py). Runs the ops
+(``run``, ``run_allgather``) and re-exports jit_kernels.py and launch.py.
 
-Files: jit_kernels.py holds the @triton.jit kernels (what each does), launch.py their launchers,
-the error records, symmetric buffers and streams; this module runs the ops (``run``,
-``run_allgather``) and re-exports both, so ``kernels.<name>`` reaches every name of the three.
+    RS  comm stream (highest priority): barrier, push, reduce;  compute stream: GEMM;  join
+    AG  comm stream: barrier, my shard into my symmetric buffer, barrier (the compute stream waits
+        for these), then per peer r+1, r+2, ... a copy-engine pull into the gathered matrix +
+        rank notify;  compute stream: my shard into the gathered matrix, the fused GEMM of the
+        first consumer (per-tile waits, ``AG_FREE_SMS`` left free), the flag reset; other
+        consumers as plain GEMMs after the join
 
-Streams. RS: comm stream (highest priority) = barrier, push, reduce; compute stream = GEMM; join.
-AG: comm stream = barrier, copy my shard into my symmetric buffer, barrier (the compute stream
-waits for these: no kernel the GEMM depends on is queued behind it), then per peer (r+1, r+2, ...)
-a copy-engine pull of its shard into the gathered matrix + rank notify (a stream memory write);
-compute stream = copy of my shard into the gathered matrix, the fused GEMM of the first consumer
-(waits per tile, ``AG_FREE_SMS`` left free), then the flag reset; further consumers as plain GEMMs
-after the join.
-
-Signals return to zero after every call with no host value that changes between calls (the
-waits consume, the AG chunk flags are reset by a 4-byte-per-rank memset after the GEMM that
-read them), so a call is capturable in a CUDA graph and a replay is a fresh call. Every wait is
-bounded (plan.timeout_ms); a failed wait records [failed, code, index, seen, target] in a device
-buffer and makes every later wait return at once; ``check_errors`` raises TileWaitTimeout naming
-the template, the op, what was waited on, its index and the value seen. The op checks after each
-eager call, without synchronising: the record is copied to pinned memory behind the call and
-read at the next call (or by check_errors(), which synchronises).
-
-A plan's first call compiles and loads every kernel (Triton warm-up, ``_loaded``) and meets the
-peers at a host barrier before any bounded wait starts: a kernel compiled or loaded lazily
-(CUDA's lazy loading) while a peer already spins would keep that peer waiting past its bound,
-and flags a timed-out call leaves unconsumed would release later calls' waits early.
+Signals return to zero after every call (waits consume; AG chunk flags reset by a memset), so a
+call is capturable and a replay is a fresh call. Waits are bounded (plan.timeout_ms); a failed
+wait makes every later one return at once and ``check_errors`` raises TileWaitTimeout.
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
-"""tile_fused's latency model (TileLink, MLSys '25). config: block_m, block_n, group_m, comm_ctas.
-The pieces it is built from are the predictor's: predictor/models.py.
+"""tile_fused's latency model (TileLink, MLSys '25). config: block_m, block_n, group_m, comm_ctas;
+built from predictor/models.py.
 
-GEMM + reduce-scatter: one persistent GEMM on ``SMs - comm_ctas`` SMs walks the W row stripes,
-the peers' first (rank r+1, r+2, ...) and its own last; ``comm_ctas`` CTAs push every finished
-tile of stripe d straight into rank d's receive buffer (NVLink stores, no collective call) and
-then reduce the own stripe. Pieces: W stripe GEMMs of ``gemm(M/W) * SMs / (SMs - comm_ctas) *
-gemm_slowdown_reserved``; after each peer stripe its push, at ``min(copy_engine curve,
-comm_ctas * TF_PUSH_GBPS_PER_CTA)`` (stores from a few CTAs: the per-CTA rate is an assumed
-constant until measured), serialised on the comm lane; the tail is the reduce of the own
-stripe, (W + 1) stripe-sized passes over HBM at ``min(mem_gbps, comm_ctas *
-TF_REDUCE_GBPS_PER_CTA)`` -- it follows the own stripe's tiles as they finish, so only its
-last round (``comm_ctas`` of the stripe's tiles) trails the GEMM. Launch: the op adds 3 kernels (barrier,
-push, reduce) beside the GEMM: ``3 * launch(mode)``.
-All-gather + GEMM: the copy engine pulls the W-1 peer shards back to back (``copy_engine``
-curve per shard, no SMs, ``launch(mode)`` each) while the GEMM (full grid,
-``gemm_slowdown_reserved``) computes the own shard's rows first and each peer's rows once its
-rank_notify lands: ``pipeline(comm_first=True)`` over W stripe pieces. Multiple consumers: the
-first is fused; the others run after the gather as plain GEMMs.
+GEMM + reduce-scatter: W stripe GEMMs (peers' first, own last) of ``gemm(M/W) * SMs / (SMs -
+comm_ctas) * gemm_slowdown_reserved``; after each peer stripe its push at ``min(copy_engine curve,
+comm_ctas * TF_PUSH_GBPS_PER_CTA)`` (an assumed per-CTA rate), serialised on the comm lane; the
+tail is the last round of the own stripe's reduce, (W + 1) stripe-sized HBM passes at
+``min(mem_gbps, comm_ctas * TF_REDUCE_GBPS_PER_CTA)``; plus ``3 * launch(mode)``.
+All-gather + GEMM: ``pipeline(comm_first=True)`` over W stripe pieces, the copy engine pulling
+the W-1 peer shards back to back (``copy_engine`` curve, ``launch(mode)`` each) beside the full-grid
+GEMM (``gemm_slowdown_reserved``); consumers past the first run after the gather as plain GEMMs.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""TileLink's tile-centric primitives (Zheng et al., "TileLink", MLSys '25, section 3) in stock Triton.
-
-TileLink splits communication/computation overlap into signal primitives (who may touch a tile
-when) and data primitives (moving a tile or a rank's chunk). Here they are ``@triton.jit``
-helpers over plain pointers, so they work on any memory a kernel can address: local tensors and
-the peers' torch symmetric-memory buffers (pointers from ``runtime.symm``).
+"""TileLink's tile-centric primitives (Zheng et al., "TileLink", MLSys '25, section 3) in stock Triton:
+``@triton.jit`` helpers over plain pointers, so they work on local tensors and on peers' symmetric
+buffers alike (pointers from ``runtime.symm``).
 
 Signals (all int32 counters, one per tile / rank):
 
@@ -14,19 +11,12 @@ Signals (all int32 counters, one per tile / rank):
     rank_notify(flag, n) / rank_wait      the same at rank granularity (barriers, chunk arrivals)
     consume(flag, n)                      CTA barrier, then thread 0: flag -= n (the wait's target)
 
-Consuming (subtracting the target, not storing 0) returns every counter to zero after a call
-without a memset and without erasing a peer's early signal for the next call.
-
-Data: ``tile_push_data`` / ``tile_pull_data`` move a [BM, BN] tile to / from a peer in row chunks
-(few registers); ``rank_copy_data`` (host) moves a rank chunk by copy engine and signals it with a
-stream memory operation (no SM).
-
-Every wait is bounded (``timeout_ns`` off %globaltimer, or ``max_polls`` in the interpreter): a
-timed-out wait writes ``[failed, code, index, seen, target]`` to ``err`` and every later wait
-returns at once, so a failed call ends quickly; kernels.check_errors raises from the record.
-``USE_ASM`` picks inline PTX (a release add after ``bar.sync``, relaxed polls and one acquire: an
-acquire per poll would invalidate L1 under the GEMM sharing the SM) or ``tl.atomic_add`` with the
-same semantics, which runs under ``TRITON_INTERPRET=1`` and where Triton rejects the asm.
+Consuming (subtracting the target, not storing 0) returns counters to zero without a memset and
+without erasing a peer's early signal for the next call. Data: ``tile_push_data`` /
+``tile_pull_data`` move a [BM, BN] tile in row chunks; ``rank_copy_data`` (host) a rank chunk by
+copy engine. Waits are bounded (``timeout_ns`` or ``max_polls``): a timed-out wait writes
+``[failed, code, index, seen, target]`` to ``err`` and every later wait returns at once.
+``USE_ASM``: inline PTX (relaxed polls, one acquire) or ``tl.atomic_add`` (the interpreter).
 """
 from __future__ import annotations
 
@@ -115,6 +105,8 @@ if HAVE_TRITON:
         """Spin until ``*flag >= target`` (bounded); acquire. Returns 1, or 0 after recording a
         timeout in ``err_ptr`` (or at once if an earlier wait on this device already failed)."""
         ok = tl.load(err_ptr, volatile=True) == 0
+        # relaxed polls, one acquire after: an acquire per poll would invalidate L1 under the GEMM
+        # sharing the SM
         if USE_ASM:
             seen = _ld_relaxed(flag_ptr, SYS)
         else:

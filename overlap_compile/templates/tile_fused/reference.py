@@ -1,25 +1,17 @@
-"""tile_fused, step by step on any device: the CPU oracle of kernels.py (runs over gloo).
-
-The same tile schedule as the GPU kernels (tiling.RankOrderedTiles), with torch.distributed
-point-to-point messages standing in for the peer pushes and copy-engine pulls:
+"""tile_fused, step by step on any device: the CPU oracle of kernels.py (runs over gloo), with
+the GPU kernels' tile schedule (tiling.RankOrderedTiles) and point-to-point messages standing in
+for the peer pushes and copy-engine pulls:
 
     GEMM + reduce-scatter   rank r computes its partial GEMM tile by tile, stripe (r+1) % W first and
-                            its own stripe r last; every tile is rounded to the output dtype, as the
-                            GPU stores it in its partial buffer. A finished peer stripe d goes to rank d
-                            (on the GPU: comm CTAs push each tile to d's receive buffer as its
-                            producer_tile_notify lands). Rank r's result = its own partial stripe + the
-                            W-1 received ones, summed in fp32 and rounded once (the reduce CTAs).
-    all-gather + GEMM       rank r computes the tiles of its own shard first; the shards of ranks
-                            r+1, r+2, ... arrive in that order (on the GPU: copy-engine pulls, each
-                            followed by a rank_notify) and their tiles are computed as they land.
-    GEMM + all-reduce       the reduce-scatter above over W row stripes of the output (m a multiple
-                            of W), then every rank's reduced stripe to every other rank (on the GPU:
-                            the reduce CTAs push each reduced tile into every peer's gather buffer
-                            as they write it, and a gather kernel copies the peers' tiles out as
-                            their notifies land): the all-gather above with no GEMM.
+                            its own stripe r last, each tile rounded to the output dtype; a finished
+                            peer stripe d goes to rank d. Rank r's result = its own partial stripe +
+                            the W-1 received ones, summed in fp32 and rounded once.
+    all-gather + GEMM       own shard's tiles first; the shards of ranks r+1, r+2, ... arrive in
+                            that order and their tiles are computed as they land.
+    GEMM + all-reduce       the reduce-scatter above over W row stripes (m a multiple of W), then
+                            the all-gather above of the reduced stripes, with no GEMM.
 
-Returns what the op returns: the reduced stripe as ``[result_rows, n]`` rows (reduce-scatter),
-``[m, n]`` (all-reduce), and ``[gathered, y_0, y_1, ...]`` (all-gather).
+Returns what the op returns: ``[result_rows, n]``, ``[m, n]`` or ``[gathered, y_0, y_1, ...]``.
 """
 from __future__ import annotations
 

@@ -10,15 +10,10 @@ After::
     rows = overlap_compile.tile_fused_gemm_collective(a, b, None, '0', '{plan}')   # [B*S/W, N]
     out = aten.view(rows, [B, S/W, N])
 
-All-reduce sites become ``tile_fused_gemm_collective`` too, returning ``[M, N]``: the
-reduce-scatter over W row stripes (M a multiple of W), the reduce CTAs pushing each reduced tile
-to every peer. All-gather sites become ``tile_fused_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``
-returning the gathered matrix and every consumer's output. Both ops return rows in the
-collective's order, so the base class's emitters need no reorder glue.
-
-Config: ``block_m``/``block_n``/``group_m`` (the GEMM tile, which is also the unit of every
-signal and push), ``comm_ctas`` (reduce-scatter: CTAs that push and reduce tiles; the GEMM gets
-the other SMs). The latency model is model.py, beside this file.
+All-reduce sites: the same op, ``[M, N]`` (M a multiple of W); all-gather sites:
+``tile_fused_allgather_gemm(view(shard, [M/W, K]), [b_i], [bias_i], ...)``; no glue. Config:
+``block_m``/``block_n``/``group_m`` (the GEMM tile, also the unit of signals and pushes) and
+``comm_ctas`` (CTAs that push and reduce; the GEMM gets the other SMs).
 """
 from __future__ import annotations
 
