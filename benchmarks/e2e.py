@@ -15,6 +15,10 @@ Per model (benchmarks/models) x shape x compile mode x activation checkpointing 
   the first includes compilation (``compile_s`` = first step - steady step); then the median step
   over ``--iters`` steps after 2 warm-up steps (CUDA events, ranks synchronised, slowest rank).
 * ``prefill``: forward under no_grad (its own compile, ``prefill_compile_s``), median time.
+* ``--seqs L1,L2,...``: prefill at each length instead (training only if --phases asks), per
+  ``--dynamic`` setting: compiled once with the sequence dim dynamic, or once per length; rows carry
+  ``dynamic``, ``seq``, ``correct`` (output vs eager's) and ``compiles``; the verdict adds per length
+  the static and dynamic speedups and the dynamic-shape rules (benchmarks/e2e_dynamic.py).
 * the overlap variant's Report: every site with its kind, template and reason; ``pass_s`` = the
   pass's own share of the compile (compile time without the pass ~ compile_s - pass_s; the
   default variant's compile_s is the same model compiled without it).
@@ -250,7 +254,11 @@ def worker(args_dict: dict) -> list[dict]:
         emit(rows[-1])
     for model_name, shape in plan(a.models, a.shapes, dry):
         for compile_mode in a.modes.split(","):
-            for ckpt in [c == "on" for c in a.ckpt.split(",")]:
+            seqs = getattr(a, "seqs", None) and "prefill" in a.phases.split(",")
+            # with --seqs, the usual configurations run only for training, and first, as training
+            # always does: on CPU (torch 2.13) a no_grad compile of the DTensor block, then its
+            # inductor training compile, made the overlap training compile fail in the partitioner
+            for ckpt in [c == "on" for c in a.ckpt.split(",")] if not seqs or "train" in a.phases.split(",") else []:
                 rounds: dict[str, list[dict]] = {}
                 for r in range(a.repeat):  # the variants in turn, a.repeat times: drift falls on all alike
                     for variant in variants:
@@ -264,8 +272,53 @@ def worker(args_dict: dict) -> list[dict]:
                     for variant in variants:
                         rows.append(merge_rounds(rounds[variant]))
                         emit(rows[-1])
+            if seqs:
+                for got in run_seqs(a, model_name, shape, compile_mode, variants, base, budget, device, dtype):
+                    rows.append(got)
+                    emit(got)
     return rows
 
+
+def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[str], base: dict, budget,
+             device: str, dtype) -> list[dict]:
+    """Prefill at each of ``--seqs`` (benchmarks/e2e_dynamic.py): per ``--dynamic`` setting and
+    variant one configuration (one compile, or one per length), a row per length whose shape names
+    the length and the setting, so compare() sets each against torch.compile's compiled the same way.
+    Dense blocks only (the sequence-parallel forms); ``--repeat`` does not apply."""
+    from benchmarks import e2e_dynamic
+    from benchmarks.models import FAMILY
+
+    out = []
+    for dynamic in {"on": [True], "off": [False], "both": [True, False]}[a.dynamic]:
+        for variant in variants:
+            cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, False, a.force), "dynamic": dynamic}
+            skip = ("dynamic prefill: dense blocks only" if FAMILY[model_name] != "llama"
+                    else "async-TP: not measured at several lengths" if variant == "async_tp" else budget.should_skip())
+            if skip:
+                out.append({**cfg, "skipped": skip})
+                continue
+            t0 = time.monotonic()
+            torch._dynamo.reset()
+            try:
+                from overlap_compile.explain import no_compile_caches
+
+                with no_compile_caches():
+                    got = e2e_dynamic.run_lengths(model_name, shape, variant, compile_mode, dynamic, a.seqs, a.iters,
+                                                  a.force, device, dtype, a.loss_rtol)
+            except Exception as e:  # building the model or its eager references failed
+                got = [{"error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
+                        "trace": traceback.format_exc()[-3000:]}]
+            finally:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            rows = [{**cfg, **r, **({"ms": r["prefill_ms"]} if "prefill_ms" in r else {}),
+                     **({"shape": e2e_dynamic.shape_label(shape["name"], r["seq"], dynamic),
+                         "sizes": {**shape, "seq": r["seq"]}} if "seq" in r else {})} for r in got]
+            agree(rows, device)
+            budget.took(time.monotonic() - t0)
+            out += rows
+    return out
 
 
 def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, base: dict, budget,
@@ -298,7 +351,9 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
         # caches off: every variant compiles from scratch, so compile times compare
         kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
         with no_compile_caches(), kernels:
-            got = run_config(model_name, shape, variant, compile_mode, ckpt, a.phases.split(","), a.steps,
+            # with --seqs, prefill is run_seqs' (at each length): here training only
+            phases = [p for p in a.phases.split(",") if not (getattr(a, "seqs", None) and p == "prefill")]
+            got = run_config(model_name, shape, variant, compile_mode, ckpt, phases, a.steps,
                              a.iters, a.force, device, dtype)
         rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
         want = cache_checked is not None and (a.check_cache == "all" or (a.check_cache == "first"
@@ -356,12 +411,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "llama70_dtensor runs the 70b shape only: see the module docstring)")
     ap.add_argument("--shapes", default=None, help="GPU: comma list of 8b, 70b, 8b-16k, moe, 8b-small, moe-small, or "
                     "'all' (default 8b,moe); dry run: tiny, tiny-70b, tiny-long, tiny-moe")
-    ap.add_argument("--variants", default="default,overlap,async_tp,nocomm",
+    ap.add_argument("--variants", default=None,
                     help="comma list of default, overlap, async_tp (CUDA only), nocomm (the comm-free bound), "
-                    "nocomm_nopad (MoE: also no capacity padding in the expert GEMMs)")
+                    "nocomm_nopad (MoE: also no capacity padding in the expert GEMMs); default "
+                    "default,overlap,async_tp,nocomm, with --seqs default,overlap")
     ap.add_argument("--modes", default="default", help="compile modes: comma list of default, reduce-overhead")
     ap.add_argument("--ckpt", default="off", help="activation checkpointing: comma list of off, on")
-    ap.add_argument("--phases", default="train,prefill", help="comma list of train, prefill")
+    ap.add_argument("--phases", default=None, help="comma list of train, prefill (default train,prefill; with "
+                    "--seqs prefill)")
+    ap.add_argument("--seqs", default=None,
+                    help="prefill at each of these sequence lengths (comma list; benchmarks/e2e_dynamic.py): the model "
+                    "built for the longest, dense blocks only; a length the world size does not divide into >= 2 "
+                    "rows per rank is a skipped row")
+    ap.add_argument("--dynamic", default="both", choices=("on", "off", "both"),
+                    help="with --seqs: compile once with the sequence dim dynamic (on), once per length (off), or both")
     ap.add_argument("--steps", type=int, default=3, help="training steps whose losses are compared (>= 1)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations (median)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -383,7 +446,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"seconds; configurations that would not fit are skipped (default {DEFAULT_BUDGET_S} on GPUs, "
                          "none on a dry run; 0 = none)")
     ap.add_argument("--loss-rtol", type=float, default=None,
-                    help="relative loss tolerance vs default (default: 1e-4 fp32 CPU, 2e-2 bf16 GPU)")
+                    help="relative loss tolerance vs default, and of --seqs' outputs vs eager (max |diff| / "
+                         "max |eager|) (default: 1e-4 fp32 CPU, 2e-2 bf16 GPU)")
     ap.add_argument("--isolate", action="store_true",
                     help="each variant in processes of its own: a framework whose process-wide state carries from one "
                     "compile to the next (seen with torchtitan: every other compile of its block in one process traced "
@@ -392,6 +456,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or not torch.cuda.is_available()
+    try:
+        a.seqs = list(dict.fromkeys(int(v) for v in a.seqs.split(","))) if a.seqs else None  # in order, once each
+    except ValueError:
+        raise SystemExit(f"--seqs: {a.seqs!r} is not a comma list of integers")
+    if a.seqs and min(a.seqs) < 1:
+        raise SystemExit(f"--seqs: lengths must be >= 1, got {a.seqs}")
+    a.phases = a.phases or ("prefill" if a.seqs else "train,prefill")
+    a.variants = a.variants or ("default,overlap" if a.seqs else "default,overlap,async_tp,nocomm")
     for opt, vals, allowed in (("--modes", a.modes, ("default", "reduce-overhead")), ("--ckpt", a.ckpt, ("off", "on")),
                                ("--phases", a.phases, PHASES), ("--variants", a.variants, VARIANTS)):
         for v in vals.split(","):
@@ -461,9 +533,17 @@ def torchrun_main(a: argparse.Namespace) -> int:
 
 def finish(rows: list[dict], a: argparse.Namespace) -> int:
     rows = compare(rows, a.loss_rtol)
+    dynamic_notes = []
+    if getattr(a, "seqs", None):  # before write(): the rules' verdicts go onto the dynamic rows
+        from benchmarks.e2e_dynamic import summary
+
+        rules_held, dynamic_notes = summary(rows)
+        held = "all held" if rules_held else "NOT ALL HELD"
+        dynamic_notes.append(f"dynamic-shape rules: {held} (not in the exit status)")
     stem = write(rows, a.out)
     print(open(stem + ".md").read())
     ok, notes = verdict(rows, a.loss_rtol)
+    notes += dynamic_notes
     print("\n".join(notes))
     print("wrote", stem + ".json")
     print("e2e: OK" if ok else "e2e: CHECK FAILED")

@@ -31,6 +31,9 @@ def one_line(r: dict) -> str:
     extra += f"  collectives replaced {sum(r['nocomm_replaced'].values())}" if "nocomm_replaced" in r else ""
     calls = r.get("op_graph_calls") or {}
     extra += f"  op replays {calls.get('replayed', 0)}/{sum(calls.values())}" if sum(calls.values()) else ""
+    if "seq" in r:
+        extra += (f"  seq {r['seq']} {'dynamic' if r['dynamic'] else 'static'}, compiles {r.get('compiles')}, "
+                  f"max rel {r.get('max_rel', float('nan')):.1e}")
     modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
     loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
     return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "
@@ -111,6 +114,13 @@ def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
     notes.append(f"losses: {len(compared) - len(bad)}/{len(compared)} variants match the default's (rtol {rtol})")
     notes += [f"  MISMATCH {r['model']} {r['shape']} {r['compile_mode']} {r['variant']}: max rel diff "
               f"{r['loss_max_rel_diff']:.2e}" for r in bad]
+    outputs = [r for r in rows if "seq" in r and r.get("correct") is not None]  # --seqs: each length vs eager
+    wrong = [r for r in outputs if not r["correct"]]
+    ok &= not wrong
+    if outputs:
+        notes.append(f"prefill outputs at each length: {len(outputs) - len(wrong)}/{len(outputs)} equal eager's")
+        notes += [f"  MISMATCH {r['model']} {r['shape']} {r['compile_mode']} {r['variant']}: max rel "
+                  f"{r['max_rel']:.2e} (rtol {r['out_rtol']})" for r in wrong]
     errors = [r for r in rows if "error" in r and "check" not in r]
     skipped = [r for r in rows if "skipped" in r]
     modes = [r for r in rows if r.get("failure_modes")]

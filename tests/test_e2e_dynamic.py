@@ -1,0 +1,93 @@
+"""e2e.py's dynamic-shape prefill on CPU over gloo (world 2), the dry run's command
+(``--dry-run --dynamic both --seqs ... --models megatron_fused_8b --phases prefill``): per length a
+dynamic and a static row for torch.compile and the overlap backend (signal_reorder forced), every
+output equal to eager's, the dynamic compile made once (no graph compiled after the first length),
+one static compile per length, a length the world size does not shard skipped with its reason, and
+the report's per-length speedups, gain share and rules on the dynamic rows."""
+import pytest
+
+from benchmarks import e2e, e2e_dynamic
+from overlap_compile.testing.multiprocess import run_distributed
+
+SEQS = (16, 24, 5, 40)  # 5: not a multiple of the world size
+
+
+@pytest.fixture(scope="module")
+def rows():
+    a = e2e.parse(["--dry-run", "--dynamic", "both", "--seqs", ",".join(map(str, SEQS)), "--models",
+                   "megatron_fused_8b", "--phases", "prefill", "--iters", "1", "--no-check-models"])
+    a.out = None  # no partial-results file from tests
+    got = run_distributed(e2e.worker, world_size=2, args=(vars(a),), timeout_s=600)[0]
+    return e2e.compare(got, a.loss_rtol)
+
+
+def _row(rows, variant, dynamic, seq):
+    found = [r for r in rows if (r.get("variant"), r.get("dynamic"), r.get("seq")) == (variant, dynamic, seq)]
+    assert len(found) == 1, (variant, dynamic, seq, [e2e.one_line(r) for r in rows])
+    return found[0]
+
+
+def test_flags_default_to_prefill_and_the_two_compilers():
+    a = e2e.parse(["--dry-run", "--seqs", "16,24,16"])
+    assert (a.phases, a.variants, a.dynamic, a.seqs) == ("prefill", "default,overlap", "both", [16, 24])
+
+
+def test_every_length_dynamic_and_static_equal_to_eager(rows):
+    assert not [r for r in rows if "error" in r], [e2e.one_line(r) for r in rows if "error" in r]
+    for variant in ("default", "overlap"):
+        for dynamic in (True, False):
+            for seq in (16, 24, 40):
+                r = _row(rows, variant, dynamic, seq)
+                assert r["correct"] is True and r["max_rel"] <= 1e-4, e2e.one_line(r)
+                assert r["shape"] == e2e_dynamic.shape_label("tiny (CPU)", seq, dynamic) and r["sizes"]["seq"] == seq
+                assert r["prefill_ms"] > 0 and r["ms"] == r["prefill_ms"] and r["recompiles_timed"] == 0
+            skipped = _row(rows, variant, dynamic, 5)
+            assert "not a multiple of the world size 2" in skipped["skipped"]
+
+
+def test_dynamic_compiles_once_static_once_per_length(rows):
+    for variant in ("default", "overlap"):
+        assert [_row(rows, variant, True, s)["compiles"] for s in (16, 24, 40)] == [1, 0, 0], variant
+        assert [_row(rows, variant, False, s)["compiles"] for s in (16, 24, 40)] == [1, 1, 1], variant
+
+
+def test_overlap_sites_symbolic_with_buckets_only_when_dynamic(rows):
+    dyn = _row(rows, "overlap", True, 16)
+    symbolic = [s for s in dyn["sites"] if s["buckets"]]
+    assert symbolic and all(s["template"] in ("bucketed", "baseline") for s in symbolic), dyn["sites"]
+    assert any(s["template"] == "bucketed" for s in symbolic)
+    assert all(b["template"] for s in symbolic for b in s["buckets"])
+    # what ran at each length: the forced template, at M = world x batch x rows per rank
+    assert [_row(rows, "overlap", True, s)["bucket_choices"] for s in (16, 24, 40)] == [
+        [[2 * s, "signal_reorder"]] for s in (16, 24, 40)]
+    static = _row(rows, "overlap", False, 24)
+    assert static["sites"] and not any(s["buckets"] for s in static["sites"])
+
+
+def test_report_speedups_gain_share_and_rules(rows):
+    ok, lines = e2e_dynamic.summary(rows)
+    text = "\n".join(lines)
+    assert "megatron_fused_8b default overlap" in text and "graphs compiled after the first length: 0" in text
+    for seq in (16, 24, 40):
+        r = _row(rows, "overlap", True, seq)
+        assert r["prefill_speedup"] > 0 and r["static_speedup"] > 0
+        assert r["rule"].startswith(">= 0.99x")  # all decode-sized here
+        assert r["rule_ok"] == (r["prefill_speedup"] >= e2e_dynamic.DECODE_FLOOR)
+        if abs(r["static_speedup"] - 1) > 1e-9:
+            assert r["gain_share"] == pytest.approx((r["prefill_speedup"] - 1) / (r["static_speedup"] - 1))
+    assert ok == all(_row(rows, "overlap", True, s)["rule_ok"] for s in (16, 24, 40))
+    okv, notes = e2e.verdict(rows, 1e-4)
+    assert okv and "prefill outputs at each length: 12/12 equal eager's" in notes
+
+
+def test_rule_for_prefill_lengths_is_the_gain_share():
+    base = {"model": "m", "compile_mode": "default", "ckpt": False}
+    rows = [{**base, "variant": v, "dynamic": d, "seq": 1024, "prefill_ms": 1.0} for v in ("default", "overlap")
+            for d in (True, False)]
+    dyn, static = rows[2], rows[3]  # overlap's
+    dyn["prefill_speedup"], static["prefill_speedup"] = 1.095, 1.10
+    ok, _ = e2e_dynamic.summary(rows)
+    assert ok and dyn["rule_ok"] and dyn["gain_share"] == pytest.approx(0.95) and dyn["rule"].startswith("gain >= 90%")
+    dyn["prefill_speedup"] = 1.085  # 85% of the static gain
+    ok, lines = e2e_dynamic.summary(rows)
+    assert not ok and not dyn["rule_ok"] and any("FAIL" in line for line in lines)
