@@ -62,6 +62,10 @@ def test_overlap_sites_symbolic_with_buckets_only_when_dynamic(rows):
         [[2 * s, "signal_reorder"]] for s in (16, 24, 40)]
     static = _row(rows, "overlap", False, 24)
     assert static["sites"] and not any(s["buckets"] for s in static["sites"])
+    # the same sites either way: `s, b, _ = gathered.shape` reads the all-gather's symbolic size,
+    # which must not hide the QKV all-gather (passes/graph_utils.size_reads_after_waits)
+    kinds = sorted(s["kind"] for s in static["sites"])
+    assert sorted(s["kind"] for s in dyn["sites"]) == kinds and kinds.count("allgather_gemm") == 2, dyn["sites"]
 
 
 def test_report_speedups_gain_share_and_rules(rows):

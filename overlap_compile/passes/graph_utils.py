@@ -203,3 +203,29 @@ def erase_if_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
     for node in sorted(set(nodes), key=lambda n: -order.get(n, -1)):
         if node.graph is graph and not node.users:
             graph.erase_node(node)
+
+
+COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default,
+               c10d.all_to_all_single.default)
+
+
+def size_reads_after_waits(graph: fx.Graph) -> int:
+    """Point ``aten.sym_size`` reads of a collective's output at its wait instead (the same shape),
+    so that the wait is the collective's only user, as the finder asks; returns how many moved.
+
+    A symbolic graph traces ``s, b, _ = gathered.shape`` as ``sym_size(all_gather, 0)``. A read moves
+    only when everything that uses it comes after the wait; static graphs have no such reads."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved = 0
+    for coll in [n for n in graph.nodes if is_call(n, COLLECTIVES)]:
+        waits = [u for u in coll.users if is_call(u, c10d.wait_tensor.default)]
+        sizes = [u for u in coll.users if is_call(u, aten.sym_size.int)]
+        if len(waits) != 1 or not sizes or len(waits) + len(sizes) != len(coll.users):
+            continue
+        wait = waits[0]
+        for read in sizes:
+            if all(order[u] > order[wait] for u in read.users):
+                wait.append(read)  # the read now runs right after the wait
+                read.replace_input_with(coll, wait)
+                moved += 1
+    return moved

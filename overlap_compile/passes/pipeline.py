@@ -13,6 +13,7 @@ from ..report import GraphRecord, SiteReport
 from .decide import Decision, decide
 from .defer_compute import defer_independent_compute
 from .find import find
+from .graph_utils import size_reads_after_waits
 from .matches import dtype_name
 from .moe_scatter import scatter_moe_buffers
 from .rewrite import rewrite
@@ -35,6 +36,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     name = graph_name or graph_role(graph)
     before = readable(graph)
     try:
+        size_reads_after_waits(graph)  # same values, read from the wait: symbolic sites need it sole
         matches = find(graph, name)
     except Exception as e:  # analysis only, nothing touched yet: the graph is kept exactly as it was
         error = (f"overlap_compile: finding sites in the {name} graph failed ({type(e).__name__}: {e}); "
