@@ -1,7 +1,8 @@
 """A Llama block with grouped-query attention parallelized by a DTensor plan, the way
 ``torch.distributed.tensor.parallel`` users write it: separate wq / wk / wv (ColwiseParallel), wo
 and w2 (RowwiseParallel to a sequence shard), SequenceParallel norms, activations ``[batch, seq,
-hidden]`` sharded on dim 1 between the halves of the block.
+hidden]`` sharded on dim 1 between the halves of the block (the demo block's plan and SwiGLU,
+``overlap_compile.demo.models``, with grouped-query attention and RoPE of its own).
 
 The modules compute on local shards (``-1`` heads in the views), so the same code runs at any
 world size that divides the query and key/value heads; RoPE is applied to q and k before
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from overlap_compile.demo.models import FeedForward, parallelize_tp_sp
 
 from .common import Built, local
 from .rope import apply_rope, rope_tables
@@ -40,17 +43,6 @@ class GQAttention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden, intermediate, bias=False)
-        self.w3 = nn.Linear(hidden, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class GQABlock(nn.Module):
     def __init__(self, sizes: dict) -> None:
         super().__init__()
@@ -58,34 +50,16 @@ class GQABlock(nn.Module):
         self.attention_norm = nn.RMSNorm(hidden, eps=1e-5)
         self.attention = GQAttention(hidden, sizes["heads"], sizes.get("kv_heads", sizes["heads"]), sizes["seq"])
         self.ffn_norm = nn.RMSNorm(hidden, eps=1e-5)
-        self.feed_forward = SwiGLU(hidden, sizes["intermediate"])
+        self.feed_forward = FeedForward(hidden, sizes["intermediate"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def tp_sp_plan() -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel)
-
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
-
-
 def build_dtensor_gqa(sizes: dict, device: str, dtype, seed: int = 0) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import parallelize_module
 
     world = dist.get_world_size()
     kv = sizes.get("kv_heads", sizes["heads"])
@@ -95,7 +69,7 @@ def build_dtensor_gqa(sizes: dict, device: str, dtype, seed: int = 0) -> Built:
     torch.manual_seed(seed)
     block = GQABlock(sizes).to(device=device, dtype=dtype)
     mesh = init_device_mesh(device.split(":")[0], (world,))
-    block = parallelize_module(block, mesh, tp_sp_plan())
+    block = parallelize_tp_sp(block, mesh)  # the demo block's plan: same module names
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"], generator=g).to(device=device, dtype=dtype)
     return Built(block, distribute_tensor(x, mesh, [Shard(1)]), local, sizes["batch"] * sizes["seq"])
