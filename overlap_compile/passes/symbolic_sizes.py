@@ -49,10 +49,21 @@ def symbols_of(x: Any) -> set:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Whether two sizes are provably equal, by their expressions (no guard)."""
+    """Whether two sizes are provably equal, by their expressions (no guard). Two ints are
+    compared as ints: the static finder reads its sizes through this too."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
     import sympy
 
     return sympy.simplify(expr(a) - expr(b)) == 0
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Whether two shapes are provably equal, size by size; an unknown shape (None) matches only
+    another unknown one, as tuple equality has it."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def shape_env_of(*sizes: Any) -> Any:
