@@ -1,6 +1,6 @@
 """Ranks that disagree about a rewritten site (other shapes, one rank compiled without the backend)
 get a clear error naming the site and the group, on every rank that reached it, within
-signal_timeout_ms: the plans are compared through the store, never through a collective that a
+signal_timeout_ms (or the allowance for ranks still compiling, ARRIVAL_TIMEOUT_S): the plans are compared through the store, never through a collective that a
 missing rank could leave unpaired (CPU, gloo, the reference path)."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def disagree(case: str) -> dict:
     import torch.distributed as dist
 
     from overlap_compile import config, templates
+    from overlap_compile.runtime import agreement
     from overlap_compile.runtime.agreement import DecisionMismatchError
     from overlap_compile.testing.patterns import site_plan
 
@@ -25,7 +26,11 @@ def disagree(case: str) -> dict:
     m = 8 * world * (2 if case == "shapes" and rank == 1 else 1)  # rank 1 has other shapes
     plan = site_plan("gemm_reducescatter", "p2p_ring", m, 16, 8, world)
     a, b = torch.randn(m, 8), torch.randn(8, 16)
+    # the bound is signal_timeout_ms alone (no rank here is still compiling), but for a late rank
+    agreement.ARRIVAL_TIMEOUT_S = 30.0 if case == "late" else 0.0
     start = time.monotonic()
+    if case == "late" and rank == 1:  # still compiling when rank 0 reaches the site
+        time.sleep(3.0)
     if case == "missing" and rank == 1:  # compiled without the backend: never reaches the op
         return {"rank": rank, "error": None, "s": 0.0}
     try:
@@ -49,4 +54,11 @@ def test_disagreeing_ranks_get_a_clear_error(case):
         assert "rank 0: p2p_ring gemm_reducescatter 16x16x8" in results[0]["error"], results[0]["error"]
         assert "rank 1: p2p_ring gemm_reducescatter 32x16x8" in results[0]["error"], results[0]["error"]
     else:
-        assert "rank(s) [1] did not reach it within signal_timeout_ms (1500 ms)" in results[0]["error"]
+        assert "rank(s) [1] did not reach it within 1500 ms" in results[0]["error"]
+
+
+def test_a_rank_still_compiling_past_signal_timeout_is_waited_for():
+    """Ranks finish compiling at different times: one 3 s late (signal_timeout_ms 1500) is no error."""
+    results = run_distributed(disagree, world_size=2, args=("late",), timeout_s=120)
+    assert [r["error"] for r in results] == [None, None], results
+    assert results[0]["s"] >= 2.5, results

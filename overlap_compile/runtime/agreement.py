@@ -3,7 +3,7 @@
 Decisions are deterministic functions of (site signature, profile), but a rank can still differ
 (different profile file, different option, other shapes, or no overlap backend at all). Before
 the first run of each rewritten op, the ranks exchange a hash of the op's plan through the
-group's store, bounded by signal_timeout_ms; a mismatch or a missing rank raises a clear error
+group's store, bounded (ARRIVAL_TIMEOUT_S); a mismatch or a missing rank raises a clear error
 naming the site and the group instead of hanging later.
 """
 from __future__ import annotations
@@ -22,6 +22,11 @@ _lock = threading.Lock()
 _arrivals: collections.Counter = collections.Counter()  # tag -> times this process asked (keys stay fresh)
 _sequence: collections.Counter = collections.Counter()  # group -> plan checks so far (the store keys' number)
 PRESENCE_TIMEOUT_S = 120.0
+# A rewritten op's first call comes right after each rank's own compile, and ranks finish compiling
+# at different times (2 CPU processes on 2 shared cores: more than 10 s apart, so a bound of
+# signal_timeout_ms failed correct runs of the demo). The wait for a rank not there yet allows for
+# that skew; a mismatch among the ranks that came is reported at once.
+ARRIVAL_TIMEOUT_S = 300.0
 
 
 class DecisionMismatchError(RuntimeError):
@@ -47,7 +52,8 @@ def check_plan_agreement(group_name: str, plan_json: str, template: str, timeout
 
     Each rank posts its plan's digest and the site in words to the group's store under the
     number of this check in the group (every rank reaches its checks in the same order) and
-    waits, bounded by ``timeout_ms`` (signal_timeout_ms), for the others'. A rank that never
+    waits, bounded by ``timeout_ms`` (signal_timeout_ms) or ARRIVAL_TIMEOUT_S, whichever is longer,
+    for the others'. A rank that never
     comes (compiled without the backend, or a different graph) or one with another plan
     (other shapes, options or profile) raises DecisionMismatchError on every rank that came,
     naming the site and the group. Through the store, not a collective: a missing rank's
@@ -96,13 +102,15 @@ def _store_check(store, group_name: str, site: str, digest: str, rank: int, worl
         base = f"overlap_compile/agree/{group_name}/{_sequence[group_name]}"
     store.set(f"{base}/{rank}", json.dumps({"digest": digest, "site": site}))
     keys = [f"{base}/{r}" for r in range(world)]
-    deadline = time.monotonic() + timeout_ms / 1000
+    bound_ms = max(timeout_ms, ARRIVAL_TIMEOUT_S * 1000)
+    deadline = time.monotonic() + bound_ms / 1000
     while not store.check(keys):
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise DecisionMismatchError(
                 f"overlap_compile: site {site} of group {group_name!r}: rank(s) {missing} did not reach it within "
-                f"signal_timeout_ms ({timeout_ms} ms) while rank {rank} did. A rank compiled without the overlap "
+                f"{bound_ms:.0f} ms (signal_timeout_ms, or {ARRIVAL_TIMEOUT_S:.0f} s for a rank still compiling, "
+                f"whichever is longer) while rank {rank} did. A rank compiled without the overlap "
                 f"backend, compiled another graph, or failed before this site; every rank must run the same "
                 f"compiled model with the same options.")
         time.sleep(0.002)
