@@ -29,6 +29,21 @@ def trace(fn, inputs, dynamic_dims):
     return make_fx(fn, tracing_mode="fake")(*fakes)
 
 
+def rewritten(fn, example, dynamic_dims, template: str):
+    """``fn`` traced with its symbolic dims and rewritten by the pass with ``template`` forced:
+    (the graph module, the pass's record of it), the op's per-M choices cleared for a fresh count."""
+    from overlap_compile import config
+    from overlap_compile.passes.pipeline import run_on_graph
+    from overlap_compile.templates.bucketed import clear_choices
+
+    gm = trace(fn, example, dynamic_dims)
+    with config.patch(force_template=template):
+        record = run_on_graph(gm.graph, config.current())
+    gm.recompile()
+    clear_choices()
+    return gm, record
+
+
 def allreduce_2d(g, w, n=20, k=12, bias=True):
     """mm(+bias) -> all_reduce -> relu; M = a's rows (any M)."""
     def fn(a, b, c):

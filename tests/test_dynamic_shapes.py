@@ -43,9 +43,7 @@ def test_choose_picks_the_bucket_of_m():
 
 def _graph_cases(templates_: list[str]) -> list[dict]:
     """Run on every rank: each symbolic case x template, traced at s=5, run at LENGTHS."""
-    from overlap_compile import config
-    from overlap_compile.passes.pipeline import run_on_graph
-    from overlap_compile.templates.bucketed import choices_made, clear_choices
+    from overlap_compile.templates.bucketed import choices_made
     from tests import symbolic_cases as sc
 
     group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
@@ -54,12 +52,8 @@ def _graph_cases(templates_: list[str]) -> list[dict]:
         fn, shapes, dyn = case(group, world)
         example = [torch.randn(s) for s in shapes(5)]
         for template in templates_:
-            gm = sc.trace(fn, example, dyn)
-            with config.patch(force_template=template):
-                record = run_on_graph(gm.graph, config.current())
-            gm.recompile()
+            gm, record = sc.rewritten(fn, example, dyn, template)
             site = record.sites[0]
-            clear_choices()
             errs = []
             for s in LENGTHS:
                 torch.manual_seed(100 * rank + s)

@@ -205,6 +205,7 @@ def erase_if_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
             graph.erase_node(node)
 
 
+# the functional collectives a site can be built around
 COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default,
                c10d.all_to_all_single.default)
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 from ..tiling import RowStripes
 from . import symbolic_sizes as ss
 from .graph_utils import (
+    COLLECTIVES,
     c10d,
     gemm_terms,
     group_name_of,
@@ -49,10 +50,6 @@ from .site_forms import (
     summed_terms,
     undo_scatter_split,
 )
-
-COLLECTIVES = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
-               c10d.all_gather_into_tensor.default)
-
 
 @dataclasses.dataclass(frozen=True)
 class SymbolicRows:

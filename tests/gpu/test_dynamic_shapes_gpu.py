@@ -39,9 +39,7 @@ def graph_case_checks(template: str, dtype: str = "bfloat16") -> list[str]:
     """Every symbolic case with ``template`` forced, run at LENGTHS on this rank's device."""
     import torch.distributed as dist
 
-    from overlap_compile import config
-    from overlap_compile.passes.pipeline import run_on_graph
-    from overlap_compile.templates.bucketed import choices_made, clear_choices
+    from overlap_compile.templates.bucketed import choices_made
     from tests import symbolic_cases as sc
 
     group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
@@ -50,12 +48,8 @@ def graph_case_checks(template: str, dtype: str = "bfloat16") -> list[str]:
     for name, case in sc.CASES.items():
         fn, shapes, dyn = case(group, world, **SIZES.get(name, {"n": 392, "k": 264}))
         example = [torch.randn(s, device=dev, dtype=dt) for s in shapes(5)]
-        gm = sc.trace(fn, example, dyn)
-        with config.patch(force_template=template):
-            record = run_on_graph(gm.graph, config.current())
-        gm.recompile()
+        gm, record = sc.rewritten(fn, example, dyn, template)
         site = record.sites[0]
-        clear_choices()
         for s in LENGTHS:
             g = torch.Generator(device=dev).manual_seed(100 * rank + s)
             inputs = [torch.randn(sh, device=dev, dtype=dt, generator=g) / 8 for sh in shapes(s)]

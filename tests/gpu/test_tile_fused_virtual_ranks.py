@@ -24,6 +24,13 @@ pytestmark = [
 VARIANTS = 3  # input sets cycled call after call
 
 
+
+def _tally(errs: torch.Tensor, calls: int, dtype: torch.dtype) -> dict:
+    """Calls made, calls wrong (relative error over the dtype's tolerance, or NaN), the worst error."""
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    return {"calls": calls, "wrong": int(((errs > tol) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+
+
 def race(kind: str, m: int, n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
     from overlap_compile.templates.plans import GemmCollectivePlan
     from overlap_compile.templates.tile_fused import kernels as K
@@ -56,8 +63,7 @@ def race(kind: str, m: int, n: int, k: int, world: int, calls: int, dtype: torch
 
         errs = torch.stack(group.run(calls_of))
         K.check_errors(dev)
-    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
-    return {"calls": calls, "wrong": int(((errs > tol) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+    return _tally(errs, calls, dtype)
 
 
 @pytest.mark.parametrize("kind,m,n,k", [("gemm_reducescatter", 2 * 1000, 1000, 520),
@@ -110,8 +116,7 @@ def race_allgather(m: int, n: int, k: int, world: int, calls: int, dtype: torch.
 
         errs = torch.stack(group.run(calls_of))
         K.check_errors(dev)
-    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
-    return {"calls": calls, "wrong": int(((errs > tol) | errs.isnan()).sum()), "max_rel": float(errs.max())}
+    return _tally(errs, calls, dtype)
 
 
 @pytest.mark.parametrize("m,n,k", [(2 * 1000, 1000, 520), (4096, 4096, 1024)])
