@@ -303,7 +303,8 @@ def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[
                 from overlap_compile.explain import no_compile_caches
 
                 with no_compile_caches():
-                    got = e2e_dynamic.run_lengths(model_name, shape, variant, compile_mode, dynamic, a.seqs, a.iters,
+                    got = e2e_dynamic.run_lengths(model_name, shape, variant, compile_mode, dynamic,
+                                                  a.seqs if dynamic else [s for s in a.seqs if s in a.static_seqs], a.iters,
                                                   a.force, device, dtype, a.loss_rtol)
             except Exception as e:  # building the model or its eager references failed
                 got = [{"error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
@@ -423,6 +424,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prefill at each of these sequence lengths (comma list; benchmarks/e2e_dynamic.py): the model "
                     "built for the longest, dense blocks only; a length the world size does not divide into >= 2 "
                     "rows per rank is a skipped row")
+    ap.add_argument("--static-seqs", default=None,
+                    help="with --seqs: the lengths the static compiles run at (default: every --seqs length); the "
+                    "decode-sized rule compares the dynamic compiles only, so these may leave decode lengths out")
     ap.add_argument("--dynamic", default="both", choices=("on", "off", "both"),
                     help="with --seqs: compile once with the sequence dim dynamic (on), once per length (off), or both")
     ap.add_argument("--steps", type=int, default=3, help="training steps whose losses are compared (>= 1)")
@@ -462,6 +466,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--seqs: {a.seqs!r} is not a comma list of integers")
     if a.seqs and min(a.seqs) < 1:
         raise SystemExit(f"--seqs: lengths must be >= 1, got {a.seqs}")
+    try:
+        a.static_seqs = [int(v) for v in a.static_seqs.split(",")] if a.static_seqs else a.seqs
+    except ValueError:
+        raise SystemExit(f"--static-seqs: {a.static_seqs!r} is not a comma list of integers")
+    if a.static_seqs and not set(a.static_seqs) <= set(a.seqs or ()):
+        raise SystemExit(f"--static-seqs: {sorted(set(a.static_seqs) - set(a.seqs or ()))} not among --seqs")
     a.phases = a.phases or ("prefill" if a.seqs else "train,prefill")
     a.variants = a.variants or ("default,overlap" if a.seqs else "default,overlap,async_tp,nocomm")
     for opt, vals, allowed in (("--modes", a.modes, ("default", "reduce-overhead")), ("--ckpt", a.ckpt, ("off", "on")),

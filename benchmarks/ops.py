@@ -102,11 +102,22 @@ def _method_context(name: str, group: str):
 @contextlib.contextmanager
 def _only_configs(template: str, only: str):
     """``only`` = "key=value": the template's configs restricted to those with config[key] == value
-    (e.g. "p2p_ring@transport=p2p": the copy-engine transport, whatever the predictor prefers)."""
+    (e.g. "p2p_ring@transport=p2p": the copy-engine transport, whatever the predictor prefers).
+    ``only`` = "unproven": the template measured on site kinds its GPU refusal still holds back
+    (e.g. "tile_fused@unproven": its reduce-scatter and all-reduce, to learn whether to offer them)."""
     if not only or template == "auto":
         yield
         return
     from overlap_compile import predictor
+
+    if only == "unproven":
+        spec = templates.get_spec(template)
+        spec.gpu_refusal = lambda match: None
+        try:
+            yield
+        finally:
+            del spec.gpu_refusal
+        return
 
     key, _, value = only.partition("=")
     spec = templates.get_spec(template)

@@ -4,13 +4,14 @@ predictor's choice, host-launched and under CUDA graphs, each compared with eage
     python benchmarks/soak.py --minutes 10 --world 2 --out $OUT
     python benchmarks/soak.py --dry-run --minutes 0.1      # CPU, gloo, the reference implementations
 
-Each round draws one site for every rank alike (a shared seed): a kind, M (small, 16-1024 as in
-decoding, or large; odd, not a multiple of any tile, and for all-reduce not of W either), N, K,
-a dtype (bf16 / fp16 / fp32), a template ("auto" = the predictor's choice, or one forced where it
-takes the kind) and a launch mode. On GPUs the site is compiled with the overlap backend
-(``mode="reduce-overhead"`` for "cuda_graph") and run ``--calls`` times with new inputs; the dry
-run rewrites the traced site with the pass (benchmarks/ops.py's ``rewritten``) and runs the
-reference ops. Counted per (template, kind, dtype, mode): calls, wrong results, wait timeouts,
+Each round takes the next case (template, kind, dtype, launch mode; every case once per pass, in a
+shuffled order: "auto" is the predictor's choice) and draws one site for every rank alike (a shared
+seed): M small (16-1024, as in decoding) or large, odd, a multiple of no tile (and for all-reduce
+not of W either), N, K. On GPUs the site is compiled with the overlap backend
+(``mode="reduce-overhead"`` for "cuda_graph") and called for ``--slice`` seconds on 4 input sets in
+turn, each output compared with eager's on the device (no host sync per call); then the compiled
+code and the ops' buffers are released, as a recompile would. The dry run rewrites the traced site
+with the pass and runs the reference ops. Counted per (template, kind, dtype, mode): calls, wrong results, wait timeouts,
 hangs (a watchdog: no call finished for signal_timeout_ms + 30 s; the run then stops), recompiles,
 peak memory. "auto" rows count what the predictor chose; forced rows only sites the template
 rewrote on the profile in effect (a GPU profile refuses what it does not offer). Rows
@@ -42,23 +43,27 @@ KINDS = ("gemm_allreduce", "gemm_reducescatter", "allgather_gemm", "gemm_alltoal
 DTYPES = ("bfloat16", "float16", "float32")
 TOL = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
 HANG_MARGIN_S = 30.0
+RACE_SETS = 4  # input sets per site, used in turn: consecutive calls never see the same inputs
+MAX_CALLS = 50_000  # per site
 
 
-def draw_site(rng: random.Random, world: int, small_dims: bool) -> dict:
-    """One random site: kind, M (small or large, odd), N, K (multiples of 8: TMA rows of 16 bytes)."""
-    kind = rng.choice(KINDS)
+def draw_site(rng: random.Random, world: int, small_dims: bool, kind: str | None = None,
+              dtype: str | None = None) -> dict:
+    """One random site (``kind`` / ``dtype`` drawn unless given): M small (16-1024, as in decoding)
+    or large, odd, a multiple of no tile; N, K multiples of 8 (TMA rows of 16 bytes)."""
+    kind = kind or rng.choice(KINDS)
     if small_dims:
         m, n, k = rng.randint(3, 70), 8 * rng.randint(1, 12), 8 * rng.randint(1, 12)
     else:
         m = rng.randint(16, 1024) if rng.random() < 0.5 else rng.randint(1025, 8192)
-        n, k = 8 * rng.randint(16, 1024), 8 * rng.randint(16, 1024)
+        n, k = 8 * rng.randint(16, 768), 8 * rng.randint(16, 768)
     m |= 1  # odd: a multiple of no tile
     if kind == "allgather_gemm":
         rows = max(1, m // world) | 1  # the shard's rows; M = W * rows
         m = rows * world
     elif kind in ("gemm_reducescatter", "gemm_alltoall"):
         m = world * (max(1, m // world) | 1)  # the collective splits dim 0 in W: W times an odd count
-    return {"kind": kind, "m": m, "n": n, "k": k, "dtype": rng.choice(DTYPES)}
+    return {"kind": kind, "m": m, "n": n, "k": k, "dtype": dtype or rng.choice(DTYPES)}
 
 
 def templates_for(kind: str) -> list[str]:
@@ -68,9 +73,15 @@ def templates_for(kind: str) -> list[str]:
                        if t not in ("baseline",) and kind in templates.get_spec(t).kinds]
 
 
+def cases(modes: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
+    """Every (template, kind, dtype, mode) the soak visits, each in turn, so that every row gets sites."""
+    return [(t, kind, dtype, mode) for kind in KINDS for t in templates_for(kind) for dtype in DTYPES
+            for mode in modes]
+
+
 class Watchdog:
-    """Notes each finished call; if none finishes for ``limit_s``, records a hang for what is
-    running, saves the counts and ends the process (exit code 4): a hang is counted, not waited out."""
+    """Notes each finished chunk of calls; if none finishes for ``limit_s``, records a hang for what
+    is running, saves the counts and ends the process (exit code 4): a hang is counted, not waited out."""
 
     def __init__(self, limit_s: float, on_hang) -> None:
         self.limit_s, self.on_hang = limit_s, on_hang
@@ -103,17 +114,18 @@ def _peak_gib(dev: torch.device) -> float:
 
 
 def _site_fn(site: dict, template: str, mode: str, group: str, world: int, dry_run: bool, a, b, counters: dict):
-    """(fn(a, b), rewritten by ``template``?) for this site; fn runs the compiled / rewritten site."""
+    """(fn(a, b), rewritten by ``template``?, chosen template) for this site; fn runs the compiled
+    (GPU) or pass-rewritten (dry run) site."""
     from overlap_compile import config
     from overlap_compile.testing.patterns import gemm_then_collective
 
+    forced = {} if template == "auto" else {"force_template": template}
     if dry_run:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         from overlap_compile.passes.pipeline import run_on_graph
 
         gm = make_fx(gemm_then_collective(site["kind"], group, world), tracing_mode="fake")(a, b)
-        forced = {} if template == "auto" else {"force_template": template}
         with config.patch(**forced):
             record = run_on_graph(gm.graph, config.current())
         gm.recompile()
@@ -124,7 +136,6 @@ def _site_fn(site: dict, template: str, mode: str, group: str, world: int, dry_r
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
 
-    torch._dynamo.reset()
     report = oc.Report()
 
     def backend(gm, example_inputs):
@@ -132,18 +143,57 @@ def _site_fn(site: dict, template: str, mode: str, group: str, world: int, dry_r
         return functools.partial(overlap_backend, report=report,
                                  mode="reduce-overhead" if mode == "cuda_graph" else None)(gm, example_inputs)
 
-    forced = {} if template == "auto" else {"force_template": template}
     with config.patch(**forced):
         fn = torch.compile(gemm_then_collective(site["kind"], group, world), backend=backend, dynamic=False)
         fn(a, b)  # compiled here, under the options
     sites = report.sites
-    chosen = sites[0].template if sites else "baseline"
+    chosen = sites[0].template if sites and sites[0].rewritten else "baseline"
     ok = bool(sites) and sites[0].rewritten and (template == "auto" or chosen == template)
     return fn, ok, chosen
 
 
-def soak_worker(minutes: float, calls: int, dry_run: bool, seed: int, state_dir: str) -> dict:
+def _agreed(dev: torch.device, *values: int) -> list[int]:
+    """Rank 0's ``values`` on every rank (a broadcast, which also keeps the ranks in step)."""
+    t = torch.tensor(values, device=dev, dtype=torch.int64)
+    dist.broadcast(t, 0)
+    return [int(v) for v in t.tolist()]
+
+
+def run_site(fn, eager, sets: list, tol: float, slice_s: float, min_calls: int, max_calls: int, dev, beat,
+             step_begin=lambda: None) -> tuple:
+    """Calls ``fn`` on the input sets in turn (consecutive calls never see the same inputs) for
+    about ``slice_s`` seconds (rank 0's clock; at least ``min_calls``), each output compared with
+    eager's for its set on the device, with no host sync per call. Returns (calls, wrong, max rel err)."""
+    refs = [eager(a, b) for a, b in sets]
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    worst = torch.zeros((), dtype=torch.float32, device=dev)
+    calls, chunk, t0 = 0, 8, time.monotonic()
+    while True:
+        for i in range(chunk):
+            a, b = sets[(calls + i) % len(sets)]
+            want = refs[(calls + i) % len(sets)]
+            step_begin()  # reduce-overhead: a new step, the last call's output is no longer read
+            got = fn(a, b)
+            err = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)
+            bad = ~(err <= tol)  # NaN counts as wrong
+            wrong += bad
+            worst = torch.maximum(worst, torch.where(bad & err.isnan(), float("inf"), err))
+            del got
+        calls += chunk
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        beat()
+        spent = time.monotonic() - t0
+        more = calls < min_calls or (spent < slice_s and calls < max_calls)
+        grow = chunk * 2 if spent / calls * chunk * 2 < 0.5 else chunk  # chunks of up to ~0.5 s
+        go, chunk = _agreed(dev, int(more), min(grow, max(8, max_calls - calls)))
+        if not go:
+            return calls, int(wrong), float(worst)
+
+
+def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, seed: int, state_dir: str) -> dict:
     from overlap_compile import config, templates
+    from overlap_compile.runtime import teardown
     from overlap_compile.testing.patterns import gemm_then_collective
 
     templates.load_all_ops()
@@ -168,28 +218,28 @@ def soak_worker(minutes: float, calls: int, dry_run: bool, seed: int, state_dir:
         key = f"{template}|{kind}|{dtype}|{mode}"
         if key not in rows:
             rows[key] = {"template": template, "kind": kind, "dtype": dtype, "mode": mode, "calls": 0, "wrong": 0,
-                         "timeouts": 0, "hangs": 0, "recompiles": 0, "errors": 0, "sites": 0, "chosen": {},
-                         "peak_mem_gib": 0.0}
+                         "timeouts": 0, "hangs": 0, "recompiles": 0, "errors": 0, "sites": 0, "sites_run": 0,
+                         "chosen": {}, "max_rel_err": 0.0, "peak_mem_gib": 0.0}
         return rows[key]
 
     dog = Watchdog(config.current().signal_timeout_ms / 1000 + HANG_MARGIN_S, on_hang)
     deadline = time.monotonic() + minutes * 60
-    modes = ("eager",) if dry_run else ("eager", "cuda_graph")
+    todo = cases(("eager",) if dry_run else ("eager", "cuda_graph"))
     step = 0
     while True:
         # every rank stops after the same round: rank 0's clock decides
-        flag = torch.tensor([1 if (time.monotonic() < deadline or step == 0) else 0], device=dev)
-        dist.broadcast(flag, 0)
-        if not int(flag):
+        (go,) = _agreed(dev, 1 if (time.monotonic() < deadline or step == 0) else 0)
+        if not go:
             break
-        site = draw_site(rng, world, small_dims=dry_run)
-        template = rng.choice(templates_for(site["kind"]))
-        mode = rng.choice(modes)
-        dtype = getattr(torch, site["dtype"])
-        r = row(template, site["kind"], site["dtype"], mode)
-        dog.beat((template, site["kind"], site["dtype"], mode))
+        if step % len(todo) == 0:
+            rng.shuffle(todo)  # every case once per pass, in a new order each pass
+        template, kind, dtype_name, mode = todo[step % len(todo)]
+        site = draw_site(rng, world, small_dims=dry_run, kind=kind, dtype=dtype_name)
+        dtype = getattr(torch, dtype_name)
+        r = row(template, kind, dtype_name, mode)
+        dog.beat((template, kind, dtype_name, mode))
         g = torch.Generator(device=dev).manual_seed(seed * 1000 + step * 10 + rank)
-        rows_in = site["m"] // world if site["kind"] == "allgather_gemm" else site["m"]
+        rows_in = site["m"] // world if kind == "allgather_gemm" else site["m"]
 
         def fresh():
             return (torch.randn(rows_in, site["k"], device=dev, dtype=dtype, generator=g) / 4,
@@ -197,27 +247,37 @@ def soak_worker(minutes: float, calls: int, dry_run: bool, seed: int, state_dir:
 
         counters = {"compiles": 0}
         step += 1
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        fn = None
         try:
-            a, b = fresh()
-            fn, took, chosen = _site_fn(site, template, mode, group, world, dry_run, a, b, counters)
+            sets = [fresh() for _ in range(RACE_SETS)]
+            fn, took, chosen = _site_fn(site, template, mode, group, world, dry_run, *sets[0], counters)
             r["sites"] += 1
             r["chosen"][chosen] = r["chosen"].get(chosen, 0) + 1
-            if not took and template != "auto":
-                continue  # the template does not take this site here: nothing of it to count
-            eager = gemm_then_collective(site["kind"], group, world)
-            for _ in range(calls):
-                a, b = fresh()
-                got, want = fn(a, b), eager(a, b)
-                err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
-                r["calls"] += 1
-                r["wrong"] += int(not err <= TOL[site["dtype"]])
-                dog.beat()
+            if took or template == "auto":  # a forced template that does not take the site: nothing to count
+                calls, wrong, worst = run_site(fn, gemm_then_collective(kind, group, world), sets, TOL[dtype_name],
+                                               0.0 if dry_run else slice_s, min_calls, MAX_CALLS, dev, dog.beat,
+                                               torch.compiler.cudagraph_mark_step_begin if mode == "cuda_graph"
+                                               else (lambda: None))
+                r["sites_run"] += 1
+                r["calls"] += calls
+                r["wrong"] += wrong
+                r["max_rel_err"] = max(r["max_rel_err"], worst)
             r["recompiles"] += max(0, counters["compiles"] - 1)
         except Exception as e:  # a failed call is counted; the ranks stay in step (same draws)
             name = type(e).__name__
             r["timeouts" if "Timeout" in name else "errors"] += 1
-            r.setdefault("last_error", f"{name}: {str(e)[:300]}")
+            r.setdefault("last_error", f"{site}: {name}: {str(e)[:300]}")
         r["peak_mem_gib"] = max(r["peak_mem_gib"], _peak_gib(dev))
+        # the next site starts afresh, as after a recompile: the compiled code, its CUDA graphs and
+        # the ops' buffers of the group go (all ranks idle first: no peer still writes into them)
+        del fn
+        if not dry_run:
+            torch._dynamo.reset()
+            torch.cuda.synchronize(dev)
+            dist.barrier()
+            teardown.release(group)
         save()
     dog.stop()
     save()
@@ -248,7 +308,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--world", type=int, default=None, help="processes (default: the GPUs, 2 for --dry-run)")
-    ap.add_argument("--calls", type=int, default=4, help="calls per site, each with new inputs")
+    ap.add_argument("--slice", type=float, default=2.0, help="seconds of calls per site (rank 0's clock)")
+    ap.add_argument("--calls", type=int, default=64, help="at least this many calls per site")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, the reference implementations")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -264,7 +325,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hung = None
     with tempfile.TemporaryDirectory(prefix="soak-") as state:
         try:
-            run_distributed(soak_worker, world_size=world, args=(args.minutes, args.calls, args.dry_run, args.seed, state),
+            run_distributed(soak_worker, world_size=world, args=(args.minutes, args.slice, args.calls, args.dry_run, args.seed, state),
                             backend="gloo" if args.dry_run else "nccl", timeout_s=args.minutes * 60 + 900, env=env)
         except DistributedFailure as e:  # a rank the watchdog ended: its counts are saved
             hung = str(e).splitlines()[0]

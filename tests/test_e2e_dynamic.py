@@ -30,6 +30,10 @@ def _row(rows, variant, dynamic, seq):
 def test_flags_default_to_prefill_and_the_two_compilers():
     a = e2e.parse(["--dry-run", "--seqs", "16,24,16"])
     assert (a.phases, a.variants, a.dynamic, a.seqs) == ("prefill", "default,overlap", "both", [16, 24])
+    assert a.static_seqs == [16, 24]  # the static compiles run at every length unless told
+    assert e2e.parse(["--dry-run", "--seqs", "16,24,40", "--static-seqs", "24,40"]).static_seqs == [24, 40]
+    with pytest.raises(SystemExit, match=r"--static-seqs: \[8\] not among --seqs"):
+        e2e.parse(["--dry-run", "--seqs", "16,24", "--static-seqs", "8,24"])
 
 
 def test_every_length_dynamic_and_static_equal_to_eager(rows):

@@ -14,10 +14,12 @@ sys.path.insert(0, ROOT)
 def test_dry_run_rows(tmp_path):
     from benchmarks import soak
 
-    rows = soak.main(["--dry-run", "--minutes", "0.02", "--calls", "2", "--out", str(tmp_path)])
+    rows = soak.main(["--dry-run", "--minutes", "0.02", "--calls", "3", "--out", str(tmp_path)])
     (path,) = list(tmp_path.iterdir())
     assert json.loads(path.read_text()) == rows
     assert rows and sum(r["calls"] for r in rows) > 0
+    # each case in turn: the first rounds visit distinct (template, kind, dtype) cases
+    assert len(rows) == len({(r["template"], r["kind"], r["dtype"]) for r in rows}) >= 2
     for r in rows:
         assert r["benchmark"] == "soak" and r["world_size"] == 2 and r["minutes"] == 0.02 and r["mode"] == "eager"
         assert r["wrong"] == r["timeouts"] == r["hangs"] == r["errors"] == 0, r
@@ -38,3 +40,26 @@ def test_drawn_sites_fit_their_collective():
                 assert s["m"] % 2 == 1
             else:
                 assert s["m"] % world == 0 and (s["m"] // world) % 2 == 1
+
+
+def test_run_site_counts_wrong_and_nan_calls(tmp_path):
+    """A call whose output is off (or NaN) on some input sets is counted wrong, each time it runs."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.soak import run_site
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sets = [(torch.randn(5, 3), torch.randn(3, 4)) for _ in range(4)]
+        eager = lambda a, b: a @ b  # noqa: E731
+        calls, wrong, worst = run_site(eager, eager, sets, 1e-2, 0.0, 16, 16, torch.device("cpu"), lambda: None)
+        assert (calls, wrong) == (16, 0) and worst < 1e-6
+        off = lambda a, b: (a @ b) * (1.5 if a is sets[1][0] else 1.0)  # noqa: E731
+        calls, wrong, worst = run_site(off, eager, sets, 1e-2, 0.0, 16, 16, torch.device("cpu"), lambda: None)
+        assert (calls, wrong) == (16, 4) and 0.4 < worst < 0.6
+        nan = lambda a, b: (a @ b) * (float("nan") if a is sets[2][0] else 1.0)  # noqa: E731
+        calls, wrong, worst = run_site(nan, eager, sets, 1e-2, 0.0, 8, 8, torch.device("cpu"), lambda: None)
+        assert (calls, wrong) == (8, 2) and worst == float("inf")
+    finally:
+        dist.destroy_process_group()
