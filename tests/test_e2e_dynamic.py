@@ -99,3 +99,20 @@ def test_rule_for_prefill_lengths_is_the_gain_share():
     dyn["prefill_speedup"] = 1.085  # 85% of the static gain
     ok, lines = e2e_dynamic.summary(rows)
     assert not ok and not dyn["rule_ok"] and any("FAIL" in line for line in lines)
+
+
+@pytest.mark.parametrize("template", ["p2p_ring", "tile_fused"])
+def test_allgather_sites_rewritten_at_every_length(template):
+    """Templates that take the all-gather sites too: the shard's flattening view is sized from the
+    graph's inputs, not from a size read off the gathered tensor the rewrite replaces (that made a
+    cycle, and Inductor's topological sort failed on every dynamic compile)."""
+    a = e2e.parse(["--dry-run", "--dynamic", "on", "--seqs", "16,24", "--models", "megatron_fused_8b",
+                   "--phases", "prefill", "--iters", "1", "--no-check-models", "--force", template])
+    a.out = None
+    got = e2e.compare(run_distributed(e2e.worker, world_size=2, args=(vars(a),), timeout_s=600)[0], a.loss_rtol)
+    assert not [r for r in got if "error" in r], [e2e.one_line(r) for r in got if "error" in r]
+    for seq in (16, 24):
+        r = _row(got, "overlap", True, seq)
+        assert r["correct"] is True, e2e.one_line(r)
+    sites = _row(got, "overlap", True, 16)["sites"]
+    assert sum(s["kind"] == "allgather_gemm" and s["template"] == "bucketed" for s in sites) == 2, sites

@@ -114,9 +114,29 @@ def _earlier(before: Any):
 def _node_holding(before: Any, e: Any) -> Any:
     for node in _earlier(before):
         v = node.meta.get("val")
-        if is_sym(v) and v.node.expr == e:
+        if is_sym(v) and v.node.expr == e and _of_inputs(node):
             return node
     return None
+
+
+def _of_inputs(node: Any) -> bool:
+    """Whether a size node is computed from the graph's inputs alone (a SymInt input, a size of an
+    input tensor, arithmetic on those). Only such a node may size a rewritten site: a size read
+    off a tensor the graph computes (the all-gather's output, say) can come to depend on the very
+    op it would size once the rewrite replaces that tensor, and the graph would hold a cycle."""
+    if not hasattr(node, "op"):
+        return True  # an int or a sympy constant
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.aten.sym_size.int:
+        return node.args[0].op == "placeholder"
+    import operator
+
+    if node.target not in (operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg):
+        return False
+    return all(_of_inputs(a) for a in node.args)
 
 
 def _tensor_dim_holding(before: Any, e: Any) -> tuple[Any, int] | None:
