@@ -4,10 +4,10 @@ predictor's choice, host-launched and under CUDA graphs, each compared with eage
     python benchmarks/soak.py --minutes 10 --world 2 --out $OUT
     python benchmarks/soak.py --dry-run --minutes 0.1      # CPU, gloo, the reference implementations
 
-Each round takes the next case (template, kind, dtype, launch mode; every case once per pass, in a
-shuffled order: "auto" is the predictor's choice) and draws one site for every rank alike (a shared
-seed): M small (16-1024, as in decoding) or large, odd, a multiple of no tile (and for all-reduce
-not of W either), N, K. On GPUs the site is compiled with the overlap backend
+Each round takes the next case (template, kind, dtype, launch mode: templates in turn, "auto" being
+the predictor's choice, and each template's cases once per pass in a shuffled order; ``Cases``)
+and draws one site for every rank alike (a shared seed): M small (16-1024, as in decoding) or large,
+a multiple of no tile (odd, or W times an odd count where the collective splits rows in W), N, K. On GPUs the site is compiled with the overlap backend
 (``mode="reduce-overhead"`` for "cuda_graph") and called for ``--slice`` seconds on 4 input sets in
 turn, each output compared with eager's on the device (no host sync per call); then the compiled
 code and the ops' buffers are released, as a recompile would. The dry run rewrites the traced site
@@ -61,8 +61,10 @@ def draw_site(rng: random.Random, world: int, small_dims: bool, kind: str | None
     if kind == "allgather_gemm":
         rows = max(1, m // world) | 1  # the shard's rows; M = W * rows
         m = rows * world
-    elif kind in ("gemm_reducescatter", "gemm_alltoall"):
-        m = world * (max(1, m // world) | 1)  # the collective splits dim 0 in W: W times an odd count
+    elif kind in ("gemm_reducescatter", "gemm_alltoall") or rng.random() < 0.5:
+        # the collective splits dim 0 in W (all-reduce: half the time, for templates that cut the
+        # output in W row stripes): W times an odd count
+        m = world * (max(1, m // world) | 1)
     return {"kind": kind, "m": m, "n": n, "k": k, "dtype": dtype or rng.choice(DTYPES)}
 
 
@@ -73,10 +75,37 @@ def templates_for(kind: str) -> list[str]:
                        if t not in ("baseline",) and kind in templates.get_spec(t).kinds]
 
 
-def cases(modes: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
-    """Every (template, kind, dtype, mode) the soak visits, each in turn, so that every row gets sites."""
-    return [(t, kind, dtype, mode) for kind in KINDS for t in templates_for(kind) for dtype in DTYPES
-            for mode in modes]
+class Cases:
+    """The (template, kind, dtype, mode) cases in turn: templates round-robin (each gets as many
+    sites), and within a template its (kind, dtype, mode) cases, every one once per pass in a
+    shuffled order. A kind a forced template has not taken ``GIVE_UP`` sites in a row (its profile
+    does not offer it there) leaves that template's turn; "auto" keeps every kind."""
+
+    GIVE_UP = 4
+
+    def __init__(self, rng: random.Random, modes: tuple[str, ...]) -> None:
+        self.rng = rng
+        self.todo = {t: [(k, d, m) for k in KINDS if t in templates_for(k) for d in DTYPES for m in modes]
+                     for t in dict.fromkeys(t for k in KINDS for t in templates_for(k))}
+        self.turn = {t: [] for t in self.todo}
+        self.missed: dict[tuple[str, str], int] = {}
+        self.step = 0
+
+    def next(self) -> tuple[str, str, str, str]:
+        live = [t for t in self.todo if self.todo[t]]
+        template = live[self.step % len(live)]
+        self.step += 1
+        if not self.turn[template]:
+            self.turn[template] = list(self.todo[template])
+            self.rng.shuffle(self.turn[template])
+        return (template, *self.turn[template].pop())
+
+    def took(self, template: str, kind: str, took: bool) -> None:
+        key = (template, kind)
+        self.missed[key] = 0 if took or template == "auto" else self.missed.get(key, 0) + 1
+        if self.missed[key] >= self.GIVE_UP:
+            self.todo[template] = [c for c in self.todo[template] if c[0] != kind]
+            self.turn[template] = [c for c in self.turn[template] if c[0] != kind]
 
 
 class Watchdog:
@@ -224,16 +253,14 @@ def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, s
 
     dog = Watchdog(config.current().signal_timeout_ms / 1000 + HANG_MARGIN_S, on_hang)
     deadline = time.monotonic() + minutes * 60
-    todo = cases(("eager",) if dry_run else ("eager", "cuda_graph"))
+    todo = Cases(rng, ("eager",) if dry_run else ("eager", "cuda_graph"))
     step = 0
     while True:
         # every rank stops after the same round: rank 0's clock decides
         (go,) = _agreed(dev, 1 if (time.monotonic() < deadline or step == 0) else 0)
         if not go:
             break
-        if step % len(todo) == 0:
-            rng.shuffle(todo)  # every case once per pass, in a new order each pass
-        template, kind, dtype_name, mode = todo[step % len(todo)]
+        template, kind, dtype_name, mode = todo.next()
         site = draw_site(rng, world, small_dims=dry_run, kind=kind, dtype=dtype_name)
         dtype = getattr(torch, dtype_name)
         r = row(template, kind, dtype_name, mode)
@@ -255,6 +282,7 @@ def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, s
             fn, took, chosen = _site_fn(site, template, mode, group, world, dry_run, *sets[0], counters)
             r["sites"] += 1
             r["chosen"][chosen] = r["chosen"].get(chosen, 0) + 1
+            todo.took(template, kind, took)
             if took or template == "auto":  # a forced template that does not take the site: nothing to count
                 calls, wrong, worst = run_site(fn, gemm_then_collective(kind, group, world), sets, TOL[dtype_name],
                                                0.0 if dry_run else slice_s, min_calls, MAX_CALLS, dev, dog.beat,

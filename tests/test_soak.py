@@ -37,7 +37,7 @@ def test_drawn_sites_fit_their_collective():
             s = draw_site(rng, world, small_dims=rng.random() < 0.5)
             assert s["n"] % 8 == 0 and s["k"] % 8 == 0 and s["m"] > 0
             if s["kind"] == "gemm_allreduce":
-                assert s["m"] % 2 == 1
+                assert s["m"] % 2 == 1 or (s["m"] % world == 0 and (s["m"] // world) % 2 == 1)
             else:
                 assert s["m"] % world == 0 and (s["m"] // world) % 2 == 1
 
@@ -63,3 +63,28 @@ def test_run_site_counts_wrong_and_nan_calls(tmp_path):
         assert (calls, wrong) == (8, 2) and worst == float("inf")
     finally:
         dist.destroy_process_group()
+
+
+def test_cases_give_templates_turns_and_drop_kinds_not_offered():
+    """Templates round-robin; every (kind, dtype, mode) of a template once per pass; a kind a
+    forced template never takes leaves its turn after Cases.GIVE_UP sites, "auto" keeps all."""
+    from benchmarks.soak import DTYPES, Cases, templates_for
+
+    c = Cases(random.Random(0), ("eager", "cuda_graph"))
+    names = list(c.todo)
+    assert "auto" in names and len(names) >= 3
+    first = [c.next() for _ in range(len(names))]
+    assert [t for t, *_ in first] == names
+    t = names[1]
+    n = len(c.todo[t])
+    assert n == 2 * len(DTYPES) * sum(t in templates_for(k) for k in ("gemm_allreduce", "gemm_reducescatter",
+                                                                       "allgather_gemm", "gemm_alltoall"))
+    seen = [first[1][1:]] + [c.next()[1:] for _ in range(len(names) * (n - 1))][1::len(names)]
+    assert sorted(seen) == sorted(c.todo[t])  # one pass: each case once
+    kind = c.todo[t][0][0]
+    for _ in range(Cases.GIVE_UP):
+        c.took(t, kind, False)
+    assert all(k != kind for k, _, _ in c.todo[t]) and all(k != kind for k, _, _ in c.turn[t])
+    for _ in range(Cases.GIVE_UP):
+        c.took("auto", kind, False)
+    assert any(k == kind for k, _, _ in c.todo["auto"])
