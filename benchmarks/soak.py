@@ -83,10 +83,14 @@ class Cases:
 
     GIVE_UP = 4
 
-    def __init__(self, rng: random.Random, modes: tuple[str, ...]) -> None:
+    def __init__(self, rng: random.Random, modes: tuple[str, ...], only: list[str] | None = None) -> None:
         self.rng = rng
+        names = [t for t in dict.fromkeys(t for k in KINDS for t in templates_for(k)) if not only or t in only]
+        if not names:
+            raise ValueError(f"--templates {only}: none of them is a template of {KINDS} (known: "
+                             f"{', '.join(dict.fromkeys(t for k in KINDS for t in templates_for(k)))})")
         self.todo = {t: [(k, d, m) for k in KINDS if t in templates_for(k) for d in DTYPES for m in modes]
-                     for t in dict.fromkeys(t for k in KINDS for t in templates_for(k))}
+                     for t in names}
         self.turn = {t: [] for t in self.todo}
         self.missed: dict[tuple[str, str], int] = {}
         self.step = 0
@@ -220,7 +224,8 @@ def run_site(fn, eager, sets: list, tol: float, slice_s: float, min_calls: int, 
             return calls, int(wrong), float(worst)
 
 
-def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, seed: int, state_dir: str) -> dict:
+def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, seed: int, state_dir: str,
+                only: list[str] | None = None) -> dict:
     from overlap_compile import config, templates
     from overlap_compile.runtime import teardown
     from overlap_compile.testing.patterns import gemm_then_collective
@@ -253,7 +258,7 @@ def soak_worker(minutes: float, slice_s: float, min_calls: int, dry_run: bool, s
 
     dog = Watchdog(config.current().signal_timeout_ms / 1000 + HANG_MARGIN_S, on_hang)
     deadline = time.monotonic() + minutes * 60
-    todo = Cases(rng, ("eager",) if dry_run else ("eager", "cuda_graph"))
+    todo = Cases(rng, ("eager",) if dry_run else ("eager", "cuda_graph"), only)
     step = 0
     while True:
         # every rank stops after the same round: rank 0's clock decides
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--slice", type=float, default=2.0, help="seconds of calls per site (rank 0's clock)")
     ap.add_argument("--calls", type=int, default=64, help="at least this many calls per site")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--templates", default="", help="comma list: only these (auto = the predictor's choice); default all")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, the reference implementations")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -353,7 +359,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hung = None
     with tempfile.TemporaryDirectory(prefix="soak-") as state:
         try:
-            run_distributed(soak_worker, world_size=world, args=(args.minutes, args.slice, args.calls, args.dry_run, args.seed, state),
+            run_distributed(soak_worker, world_size=world, args=(args.minutes, args.slice, args.calls, args.dry_run, args.seed, state,
+                                                       [t for t in args.templates.split(",") if t] or None),
                             backend="gloo" if args.dry_run else "nccl", timeout_s=args.minutes * 60 + 900, env=env)
         except DistributedFailure as e:  # a rank the watchdog ended: its counts are saved
             hung = str(e).splitlines()[0]
