@@ -153,8 +153,12 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:  # required by older torch, deprecated (a no-op) by newer
+        import warnings
+
         try:
-            enable(group_name)
+            with warnings.catch_warnings():  # newer torch's deprecation notice, on every new buffer
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(group_name)
         except Exception:
             pass
     from .comm import resolve_group
