@@ -337,6 +337,27 @@ def merge(state_dir: str, world: int) -> list[dict]:
     return [merged[k] for k in sorted(merged)]
 
 
+def summary(paths: list[str]) -> dict[str, dict]:
+    """Soak files' rows summed per device and template: calls, failures (wrong + timeouts + hangs +
+    errors), cases run and the fewest calls of a case that ran, for the README's figures."""
+    out: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)
+        for r in rows:
+            key = (r["template"], r["kind"], r["dtype"], r["mode"])
+            d = out.setdefault(r["device"], {}).setdefault(r["template"], {"calls": 0, "failures": 0, "cases": {}})
+            d["calls"] += r["calls"]
+            d["failures"] += r["wrong"] + r["timeouts"] + r["hangs"] + r["errors"]
+            if r["calls"]:
+                d["cases"][key] = d["cases"].get(key, 0) + r["calls"]
+    for templates_ in out.values():
+        for d in templates_.values():
+            calls = d.pop("cases")
+            d["cases_run"], d["fewest_calls_of_a_case"] = len(calls), min(calls.values(), default=0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -347,7 +368,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--templates", default="", help="comma list: only these (auto = the predictor's choice); default all")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, the reference implementations")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--summarize", nargs="+", metavar="FILE", help="print soak files' totals per device and "
+                    "template instead of running")
     args = ap.parse_args(argv)
+    if args.summarize:
+        totals = summary(args.summarize)
+        for device, per in totals.items():
+            for t, d in sorted(per.items()):
+                print(f"{device}: {t:>16} {d['calls']:8d} calls, {d['failures']} failed, {d['cases_run']} cases run, "
+                      f"fewest calls of a case {d['fewest_calls_of_a_case']}")
+        return []
     from overlap_compile.testing.multiprocess import DistributedFailure, run_distributed
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -88,3 +88,21 @@ def test_cases_give_templates_turns_and_drop_kinds_not_offered():
     for _ in range(Cases.GIVE_UP):
         c.took("auto", kind, False)
     assert any(k == kind for k, _, _ in c.todo["auto"])
+
+
+def test_summary_sums_per_device_and_template(tmp_path):
+    from benchmarks.soak import summary
+
+    def row(device, template, kind, calls, wrong=0):
+        return {"device": device, "template": template, "kind": kind, "dtype": "bfloat16", "mode": "eager",
+                "calls": calls, "wrong": wrong, "timeouts": 0, "hangs": 0, "errors": 0}
+
+    (tmp_path / "a.json").write_text(json.dumps([row("G", "p2p_ring", "allgather_gemm", 700),
+                                                 row("G", "auto", "gemm_allreduce", 5, wrong=1)]))
+    (tmp_path / "b.json").write_text(json.dumps([row("G", "p2p_ring", "allgather_gemm", 600),
+                                                 row("G", "p2p_ring", "gemm_alltoall", 2000),
+                                                 row("H", "p2p_ring", "gemm_alltoall", 0)]))
+    got = summary([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert got["G"]["p2p_ring"] == {"calls": 3300, "failures": 0, "cases_run": 2, "fewest_calls_of_a_case": 1300}
+    assert got["G"]["auto"]["failures"] == 1
+    assert got["H"]["p2p_ring"] == {"calls": 0, "failures": 0, "cases_run": 0, "fewest_calls_of_a_case": 0}
