@@ -33,6 +33,10 @@ class DecisionMismatchError(RuntimeError):
     pass
 
 
+class PeerFailedError(DecisionMismatchError):
+    """A rank of the group raised at a rewritten site before its plan check, so it will not come."""
+
+
 def describe_site(plan_json: str, template: str) -> str:
     """A site in words from its plan: template, kind and shapes (what differs when ranks disagree)."""
     try:
@@ -105,6 +109,11 @@ def _store_check(store, group_name: str, site: str, digest: str, rank: int, worl
     bound_ms = max(timeout_ms, ARRIVAL_TIMEOUT_S * 1000)
     deadline = time.monotonic() + bound_ms / 1000
     while not store.check(keys):
+        if store.check([f"{base}/failed"]):  # a rank raised here instead of coming: say so now
+            failed = json.loads(store.get(f"{base}/failed"))
+            raise PeerFailedError(
+                f"overlap_compile: site {site} of group {group_name!r}: rank {failed['rank']} raised there instead of "
+                f"running it ({failed['error']}); rank {rank} stops here rather than wait for it.")
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise DecisionMismatchError(
@@ -121,6 +130,31 @@ def _store_check(store, group_name: str, site: str, digest: str, rank: int, worl
             f"overlap_compile: ranks of group {group_name!r} rewrote site {site} differently ({by_rank}). "
             f"The shapes, overlap_compile options and profile must be the same on every rank. "
             f"Plan of rank {rank}: {plan_json}")
+
+
+def report_failure(group_name: str, plan_json: str, template: str, error: BaseException) -> None:
+    """This rank raised at a rewritten site before its plan check (bad inputs, a plan it cannot
+    run): post the error where the other ranks' check of the same site waits, so that they raise
+    PeerFailedError at once, naming the site, the group and this rank, instead of waiting for it
+    until ARRIVAL_TIMEOUT_S. The check's number is used up as if this rank had checked, so the
+    group's later checks stay numbered alike on every rank. Best effort: without a store, nothing."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        from .comm import rank_and_size
+
+        rank, world = rank_and_size(group_name)
+        if world <= 1:
+            return
+        with _lock:
+            _sequence[group_name] += 1
+            base = f"overlap_compile/agree/{group_name}/{_sequence[group_name]}"
+        text = f"{type(error).__name__}: {error}"[:500]
+        store.set(f"{base}/failed", json.dumps({"rank": rank, "site": describe_site(plan_json, template),
+                                                 "error": text}))
+    except Exception:  # the rank's own error is what it raises; this is only a courtesy to the others
+        pass
 
 
 def _gather_check(group_name: str, plan_json: str, template: str, digest: str, rank: int, world: int) -> None:

@@ -173,14 +173,23 @@ def kernels_or_reference(package: str, reference: Any, errors_check: str | None 
 
 
 def _route(template: str, op: str, group_name: str, device: torch.device, plan_json: str, parse: Callable,
-           route: Callable | None, reference: Impl) -> tuple[Route, Any]:
+           route: Callable | None, reference: Impl, check_inputs: Callable[[Any], None]) -> tuple[Route, Any]:
+    """The site's route and plan; on its first call the inputs are checked against the plan and
+    the ranks' plans compared (runtime.agreement). A rank whose inputs or plan fail there posts
+    its error first, so the other ranks raise at once instead of waiting for it."""
     key = (template, op, group_name, device, plan_json)
     hit = _routes.get(key)
     if hit is not None:
+        check_inputs(hit[1])
         return hit
-    plan = parse(plan_json)
-    from ..runtime.agreement import check_plan_agreement
+    from ..runtime.agreement import check_plan_agreement, report_failure
 
+    try:
+        plan = parse(plan_json)
+        check_inputs(plan)
+    except Exception as e:
+        report_failure(group_name, plan_json, template, e)
+        raise
     check_plan_agreement(group_name, plan_json, template)
     chosen = route(group_name, device, plan) if (route is not None and device.type == "cuda") else Route(reference)
     if chosen.graphable:
@@ -207,8 +216,7 @@ def define_gemm_collective_op(template: str, out_shape: Callable[[GemmCollective
 
     def op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, plan: str) -> torch.Tensor:
         how, p = _route(template, "gemm_collective", group_name, a.device, plan, GemmCollectivePlan.from_json, route,
-                        reference)
-        _check_gemm_inputs(template, p, a, b, bias)
+                        reference, lambda p: _check_gemm_inputs(template, p, a, b, bias))
         if not how.graphable:
             return how.impl(a, b, bias, group_name, p)
         from ..runtime import op_graphs
@@ -234,8 +242,7 @@ def define_allgather_gemm_op(template: str, reference: Impl, route: Callable | N
     def op(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torch.Tensor | None], group_name: str,
            plan: str) -> list[torch.Tensor]:
         how, p = _route(template, "allgather_gemm", group_name, shard.device, plan, AllGatherGemmPlan.from_json,
-                        route, reference)
-        _check_allgather_inputs(template, p, shard, bs, biases)
+                        route, reference, lambda p: _check_allgather_inputs(template, p, shard, bs, biases))
         if not how.graphable:
             return how.impl(shard, bs, biases, group_name, p)
         from ..runtime import op_graphs
