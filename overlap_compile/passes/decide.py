@@ -27,12 +27,18 @@ def decide(matches: list[Match], options: Options, profile: Any = None, graph: A
     """One Decision per match. Each site on its own first (``_decide_one``); then, for a
     host-launched ``graph``, the sites whose op host time would hide behind the GPU work queued
     before them (passes/host_pacing.py); then the sites kept as written whose predicted gain is
-    within the model's error of the bar, by measuring them on their group (passes/settle.py)."""
+    within the model's error of the bar, by measuring them on their group (passes/settle.py).
+    Sites of a symbolic M get both per bucket, at the bucket's M (symbolic_decide.second_look)."""
     under = _deferred_gemms(matches, graph) if options.moves_compute and profile is not None else {}
     decisions = [_decide_one(m, options, profile, under.get(id(m), [])) for m in matches]
     if graph is not None and profile is not None:
         decisions = host_pacing.pace(graph, decisions, options, profile)
     decisions = settle.settle(decisions, options, profile)
+    if any(getattr(m, "rows", None) is not None for m in matches):
+        from .symbolic_decide import second_look
+
+        decisions = second_look(decisions, graph, options, profile, _decide_one, host_pacing.pace,
+                                settle.settle)
     if options.search == "measure" and profile is not None:
         for d in decisions:
             d.measured = _measure(d, options, profile)

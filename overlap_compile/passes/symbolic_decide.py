@@ -1,19 +1,21 @@
 """The decision of a site whose row count M is symbolic: one choice per M bucket.
 
 The buckets (predictor/buckets.py) come from M's size hint and the compile's bounds. For each,
-the site is priced as a static site at the bucket's representative M by the same per-site
-decision as any static site (decide._decide_one: every template and configuration, the baseline,
-min_speedup, force_template), and the bucket takes that decision's template and configuration,
-or "baseline". Neighbouring buckets with the same choice are merged into one table entry. The
-site is rewritten (template ``BUCKETED``: the op of templates/bucketed.py, which picks the entry
-of the run's M) when any bucket rewrites; otherwise it stays as written. The decision carries no
-candidates of its own, so the host-launch pacing and the measuring of uncertain sites (static
-sites only) pass it by; ``priced`` holds the candidates of the bucket holding the size hint,
-for the Report's predicted column, and ``buckets`` one row per bucket.
+the site is priced as a static site at the bucket's representative M (a whole number of GEMM
+tiles per ring piece where the bucket holds one) by the same per-site decision as any static
+site (decide._decide_one). ``second_look`` then gives each bucket what decide gives a static
+graph after that: per bucket, every site of the graph is made static at its M there (sites of
+another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
+and, for the symbolic sites, the measuring of uncertain sites, so a bucket chooses what a static
+compile at its representative M would. Neighbouring buckets with the same choice are merged
+into one table entry; the site is rewritten (template ``BUCKETED``: templates/bucketed.py's op)
+when any bucket rewrites. ``priced`` holds the candidates of the bucket holding the size hint,
+for the Report, and ``buckets`` one row per bucket.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 from ..config import Options
@@ -32,6 +34,8 @@ class BucketedDecision(Decision):
     # what the op's table holds: [{"max_m", "template", "config"}], merged
     table: list = dataclasses.field(default_factory=list)
     priced: list = dataclasses.field(default_factory=list)
+    # (Bucket, the static Decision at its representative M) per bucket, for decide's second look
+    per_bucket: list = dataclasses.field(default_factory=list, repr=False)
 
 
 def at_rows(match: Match, m: int) -> Match:
@@ -45,12 +49,28 @@ def at_rows(match: Match, m: int) -> Match:
     return dataclasses.replace(match, **kw)
 
 
+def _align(match: Match) -> int:
+    """Rows the prices repeat over: a whole cuBLAS tile in each of the W pieces a template cuts
+    (p2p_ring's chunks, the reduce-scatter's stripes) and in the whole GEMM."""
+    from ..predictor.models import CUBLAS_TILE
+
+    step = unit_rows(match.rows, match.world_size)
+    tile = CUBLAS_TILE[0] * max(1, match.world_size)
+    return step * tile // math.gcd(step, tile)
+
+
 def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Callable) -> Decision:
     rows = match.rows
-    rows_step = unit_rows(rows, match.world_size)
+    per_bucket = [(b, decide_one(at_rows(match, b.at), options, profile, []))
+                  for b in make_buckets(rows.hint, rows.lo, rows.hi, unit_rows(rows, match.world_size), _align(match))]
+    return _from_buckets(match, per_bucket)
+
+
+def _from_buckets(match: Match, per_bucket: list) -> BucketedDecision:
+    """The BucketedDecision of (Bucket, static Decision at its representative M) pairs."""
+    rows = match.rows
     priced, rows_out, table = [], [], []
-    for b in make_buckets(rows.hint, rows.lo, rows.hi, rows_step):
-        d = decide_one(at_rows(match, b.at), options, profile, [])
+    for b, d in per_bucket:
         base = d.candidates[0].predicted_ms if d.candidates else None
         chosen = next((c.predicted_ms for c in d.candidates if c.template == d.template and c.config == d.config), base)
         rows_out.append({"lo": b.lo, "hi": b.hi, "at": b.at, "template": d.template, "config": d.config,
@@ -68,7 +88,54 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
     if not rewrites:
         reason += "; no bucket gains: kept as written"
     return BucketedDecision(match, BUCKETED if rewrites else BASELINE, None, reason, [], buckets=rows_out,
-                            table=table, priced=list(priced))
+                            table=table, priced=list(priced), per_bucket=per_bucket)
+
+
+def second_look(decisions: list[Decision], graph: Any, options: Options, profile: Any,
+                decide_one: Callable, pace: Callable, settle: Callable) -> list[Decision]:
+    """``decisions`` with each symbolic site's buckets decided as a static graph's sites are after
+    the per-site decision: per bucket of a site, the graph's sites static at that bucket's M (the
+    site's other symbolic neighbours of the same M expression at the same bucket, those of another
+    expression at their M scaled by the hints' ratio, static sites as they are) go through
+    ``pace`` (host-launch pacing, given a graph) and this site's bucket through ``settle``."""
+    idx = [i for i, d in enumerate(decisions) if isinstance(d, BucketedDecision) and d.per_bucket]
+    if not idx or profile is None:
+        return decisions
+    out = list(decisions)
+    done: set[int] = set()
+    for i in idx:
+        if i in done:
+            continue
+        d = decisions[i]
+        # the sites of this M expression share its buckets: one static view per bucket serves all
+        peers = [j for j in idx if j not in done and decisions[j].match.rows.expr == d.match.rows.expr
+                 and [b for b, _ in decisions[j].per_bucket] == [b for b, _ in d.per_bucket]]
+        new = {j: [] for j in peers}
+        for k, (b, _) in enumerate(d.per_bucket):
+            view = list(decisions)
+            for j in idx:
+                if j in new:
+                    view[j] = decisions[j].per_bucket[k][1]
+                else:
+                    other = decisions[j].match
+                    m = _scaled(other, b.at * other.rows.hint / max(1, d.match.rows.hint))
+                    view[j] = decide_one(at_rows(other, m), options, profile, [])
+            if graph is not None:
+                view = pace(graph, view, options, profile)
+            settled = settle([view[j] for j in peers], options, profile)
+            for j, s in zip(peers, settled):
+                new[j].append((b, s))
+        for j in peers:
+            out[j] = _from_buckets(decisions[j].match, new[j])
+            done.add(j)
+    return out
+
+
+def _scaled(match: Match, m: float) -> int:
+    """A valid M of ``match`` (a multiple of its unit rows, within its bounds) nearest to ``m``."""
+    step = unit_rows(match.rows, match.world_size)
+    m = max(step, int(round(m / step)) * step, -(-match.rows.lo // step) * step)
+    return m if match.rows.hi is None else min(m, match.rows.hi // step * step)
 
 
 def _bucket_text(r: dict) -> str:

@@ -5,8 +5,9 @@ bounds (``mark_dynamic(min=, max=)``, else [2, unbounded)). The decision prices 
 one representative M per bucket and the op picks the bucket's choice at run time. Buckets are
 powers of two (M <= 2^i), from the smallest valid M up to the compile's upper bound, or where
 there is none to max(8 x hint, 2^16); the last bucket is open. Representatives are the geometric
-middle of a bucket's ends, a multiple of ``step`` (every valid M is one). At most ``MAX_BUCKETS``:
-a longer run of powers is thinned to every other one, then every fourth, ...
+middle of a bucket's ends, a multiple of ``step`` (every valid M is one), moved to the nearest
+multiple of ``align`` within a factor sqrt(2) of it, inside the bucket, where there is one. At most ``MAX_BUCKETS``: a longer run
+of powers is thinned to every other one, then every fourth, ...
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def _round_up(x: int, step: int) -> int:
     return -(-x // step) * step
 
 
-def buckets(hint: int, lo: int, hi: int | None, step: int = 1) -> list[Bucket]:
+def buckets(hint: int, lo: int, hi: int | None, step: int = 1, align: int = 1) -> list[Bucket]:
     """The buckets of a symbolic M: ``hint`` its example value, [lo, hi] its bounds, ``step`` the
-    factor every valid M has."""
+    factor every valid M has, ``align`` the rows the predictor's prices repeat over (whole GEMM
+    tiles in every piece a template cuts; a multiple of ``step``)."""
     step = max(1, step)
+    align = max(step, align)
     first = _round_up(max(1, lo), step)
     top = hi if hi is not None else min(OPEN_TOP_MAX, max(OPEN_TOP_MIN, 8 * hint))
     top = max(top, first)
@@ -54,11 +57,22 @@ def buckets(hint: int, lo: int, hi: int | None, step: int = 1) -> list[Bucket]:
         end = b // step * step
         if end < start:
             continue
-        out.append(Bucket(start, b, _middle(start, end, step)))
+        out.append(Bucket(start, b, _aligned(_middle(start, end, step), start, end, align)))
         start = end + step
     if hi is None:
-        out.append(Bucket(start, None, _middle(start, 2 * start, step)))
+        out.append(Bucket(start, None, _aligned(_middle(start, 2 * start, step), start, 2 * start, align)))
     return out
+
+
+def _aligned(m: int, lo: int, hi: int, align: int) -> int:
+    """The multiple of ``align`` in [lo, hi] nearest to ``m`` (the lower one on a tie) and within a
+    factor sqrt(2) of it (the middle half of a factor-of-four bucket, so never near an edge), else
+    ``m``. A bucket's bottom is one step past a power of two, so the geometric middle of a
+    factor-of-four bucket is too: its GEMM starts a nearly empty row of tiles (and each of a
+    ring's pieces one more), a partial wave that prices the rewrites as no other M of the bucket."""
+    down, up = m // align * align, -(-m // align) * align
+    fits = [x for x in (down, up) if lo <= x <= hi and 2 * x * x >= m * m and x * x <= 2 * m * m]
+    return min(fits, key=lambda x: (abs(x - m), x)) if fits else m
 
 
 def _middle(lo: int, hi: int, step: int) -> int:

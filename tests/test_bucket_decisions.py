@@ -1,0 +1,96 @@
+"""A symbolic site's bucket chooses what a static compile at the bucket's representative M does.
+
+Llama-style TP+SP blocks (all-gather -> GEMM, GEMM -> reduce-scatter, along the sequence) are
+planned on the meta device once with the sequence dynamic and once static at each bucket's M,
+under the shipped GPU profiles, host-launched and CUDA-graph captured: the bucket's template and
+configuration are the static decision's, host-launch pacing included. Nothing is measured here
+(CPU): on GPUs both sides settle their uncertain sites the same way.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap_compile.predictor.buckets import buckets
+
+MAX_LOCAL_ROWS = 8192  # the sequence shard's bound: M up to W x this
+
+
+class _SPBlock(torch.nn.Module):
+    """Attention-projection and MLP halves of a sequence-parallel block at one rank's shard sizes:
+    AG -> fused QKV GEMM, attention stand-in, GEMM -> RS, residual, AG -> gate/up GEMM, SiLU,
+    GEMM -> RS."""
+
+    def __init__(self, group: str, world: int, hidden: int, q: int, kv: int, ffn: int) -> None:
+        super().__init__()
+        self.group, self.hidden, self.q, self.kv, self.ffn = group, hidden, q // world, kv // world, ffn // world
+        self.wqkv = torch.nn.Parameter(torch.empty(hidden, self.q + 2 * self.kv))
+        self.wo = torch.nn.Parameter(torch.empty(self.q, hidden))
+        self.wgu = torch.nn.Parameter(torch.empty(hidden, 2 * self.ffn))
+        self.w2 = torch.nn.Parameter(torch.empty(self.ffn, hidden))
+
+    def forward(self, x):
+        from torch.distributed._functional_collectives import (all_gather_tensor_autograd,
+                                                               reduce_scatter_tensor_autograd)
+
+        def ag(t):
+            return all_gather_tensor_autograd(torch.nn.functional.rms_norm(t, (self.hidden,)), 0, self.group)
+
+        def rs(t):
+            return reduce_scatter_tensor_autograd(t, "sum", 0, self.group)
+
+        qkv = ag(x) @ self.wqkv
+        attn = qkv[:, :self.q] * torch.sigmoid(qkv[:, self.q:self.q + self.kv]).sum(-1, keepdim=True)
+        h = x + rs(attn @ self.wo)
+        gu = ag(h) @ self.wgu
+        return h + rs(torch.nn.functional.silu(gu[:, :self.ffn]) * gu[:, self.ffn:] @ self.w2)
+
+
+def _plan(sizes: dict, world: int, rows: int, dynamic: bool, mode: str, profile: str):
+    import overlap_compile as oc
+    from overlap_compile.testing.fake_group import fake_process_group
+
+    torch._dynamo.reset()
+    with fake_process_group(world) as group:
+        block = _SPBlock(group, world, **sizes).to("meta", torch.bfloat16)
+        x = torch.empty(rows // world, sizes["hidden"], device="meta", dtype=torch.bfloat16)
+        if dynamic:
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_LOCAL_ROWS)
+        with torch.no_grad():
+            return oc.plan(block, x, backward=False, mode=mode, profile=profile)
+
+
+# Llama-3-8B at W=2 (GQA: 32 query heads, 8 key/value heads of 128) and a 70B-wide block at W=4
+BLOCKS = {"8b-w2": ({"hidden": 4096, "q": 4096, "kv": 1024, "ffn": 14336}, 2),
+          "70b-w4": ({"hidden": 8192, "q": 8192, "kv": 1024, "ffn": 28672}, 4)}
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_bucket_choice_is_the_static_decision_at_its_m(block, profile, mode):
+    sizes, world = BLOCKS[block]
+    dyn = _plan(sizes, world, 2048, True, mode, profile)
+    assert len(dyn.sites) == 4 and all(s.buckets for s in dyn.sites), dyn
+    reps = sorted({b["at"] for s in dyn.sites for b in s.buckets if b["at"] >= 512})
+    assert reps and all(m & (m - 1) == 0 for m in reps), reps  # prefill lengths of a power of two
+    for m in reps:
+        static = _plan(sizes, world, m, False, mode, profile)
+        for d, s in zip(dyn.sites, static.sites):
+            (b,) = [b for b in d.buckets if b["at"] == m]
+            assert s.kind == d.kind and s.gemms[0][1:] == d.gemms[0][1:], (s, d)
+            assert (b["template"], b["config"]) == (s.template, s.config), (
+                f"{block} {profile} {mode} M={m} {s.kind} {s.gemms}: bucket {b['template']} {b['config']} "
+                f"({b['reason']}) vs static {s.template} {s.config} ({s.reason})")
+
+
+def test_representatives_are_whole_tiles_away_from_the_edges():
+    """The geometric middle of a factor-of-four bucket is one step past a power of two; with
+    ``align`` it moves to the nearest multiple of it within a factor sqrt(2), never to an edge."""
+    bs = buckets(1024, 4, 16384, step=2, align=256)
+    assert [(b.lo, b.hi, b.at) for b in bs if b.lo > 256] == [(258, 1024, 512), (1026, 4096, 2048),
+                                                               (4098, 16384, 8192)], bs
+    assert [b.at for b in bs if b.hi is not None and b.hi <= 256] == [4, 10, 34, 130], bs  # none in reach
+    assert [b.at for b in buckets(1024, 4, 16384, step=2)] == [4, 10, 34, 130, 514, 2050, 8194]
+    for b in buckets(64, 8, None, step=4, align=512):
+        assert b.at % 4 == 0 and b.lo <= b.at and (b.hi is None or b.at <= b.hi), b
