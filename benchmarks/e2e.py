@@ -404,6 +404,19 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return row
 
 
+def _lengths(flag: str, text: str | None) -> list[int] | None:
+    """A comma list of sequence lengths (>= 1), in order, each once; None when not given."""
+    if not text:
+        return None
+    try:
+        seqs = list(dict.fromkeys(int(v) for v in text.split(",")))
+    except ValueError:
+        raise SystemExit(f"{flag}: {text!r} is not a comma list of integers")
+    if min(seqs) < 1:
+        raise SystemExit(f"{flag}: lengths must be >= 1, got {seqs}")
+    return seqs
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=None, help="processes to spawn (default: all GPUs; 2 on CPU); "
@@ -460,16 +473,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or not torch.cuda.is_available()
-    try:
-        a.seqs = list(dict.fromkeys(int(v) for v in a.seqs.split(","))) if a.seqs else None  # in order, once each
-    except ValueError:
-        raise SystemExit(f"--seqs: {a.seqs!r} is not a comma list of integers")
-    if a.seqs and min(a.seqs) < 1:
-        raise SystemExit(f"--seqs: lengths must be >= 1, got {a.seqs}")
-    try:
-        a.static_seqs = [int(v) for v in a.static_seqs.split(",")] if a.static_seqs else a.seqs
-    except ValueError:
-        raise SystemExit(f"--static-seqs: {a.static_seqs!r} is not a comma list of integers")
+    a.seqs = _lengths("--seqs", a.seqs)
+    a.static_seqs = _lengths("--static-seqs", a.static_seqs) or a.seqs
     if a.static_seqs and not set(a.static_seqs) <= set(a.seqs or ()):
         raise SystemExit(f"--static-seqs: {sorted(set(a.static_seqs) - set(a.seqs or ()))} not among --seqs")
     a.phases = a.phases or ("prefill" if a.seqs else "train,prefill")

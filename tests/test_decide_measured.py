@@ -121,10 +121,10 @@ def test_tile_fused_offers_no_reduce_scatter_config_on_gpus(fake4, monkeypatch):
     prof = predictor.load_profile("h200")
     (rs,) = decide([_site("gemm_reducescatter", 8192, 8192, 7168, 4)], config.current(), prof)
     (note,) = [c.note for c in rs.candidates if c.template == "tile_fused"]
-    assert "measured 3.6-4.3x slower" in note and "tile_fused-unproven.json" in note and rs.template != "tile_fused"
+    assert "reduce-scatter" in note and "measured several times slower" in note and rs.template != "tile_fused"
     (ar,) = decide([_site("gemm_allreduce", 8192, 8192, 4096, 4)], config.current(), prof)
     (note,) = [c.note for c in ar.candidates if c.template == "tile_fused"]
-    assert "measured 4.6-4.8x slower" in note and ar.template != "tile_fused"
+    assert "all-reduce" in note and "measured several times slower" in note and ar.template != "tile_fused"
     monkeypatch.setattr(spec, "ALLGATHER_RACE_LOOP_PASSED", False)
     (ag,) = decide([_site("allgather_gemm", 8192, 3584, 4096, 4)], config.current(), prof)
     assert [c.predicted_ms is not None for c in ag.candidates if c.template == "tile_fused"] == [False]

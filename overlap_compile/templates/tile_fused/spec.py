@@ -25,14 +25,13 @@ from ..plans import AllGatherGemmPlan, GemmCollectivePlan
 from .reference import REDUCE_OPS, check_config
 
 COMM_CTA_CHOICES = (4, 8, 16)
-_SLOWER = ("tile_fused GEMM + {what}: right on every call of its 2-GPU race loops, but measured {x} slower than the "
-           "sequential GEMM then NCCL on 2x H200 (benchmarks/results/ops-NVIDIA_H200-w2-torch2.11.0-2026-11-27-"
-           "tile_fused-unproven.json: its GEMM, which pushes and reduces its own tiles, runs far below cuBLAS), so GPU "
-           "profiles do not offer it (force_template included) and the site stays as written; the CPU reference still "
-           "runs it")
+_SLOWER = ("tile_fused GEMM + {what}: right on every call of its 2-GPU race loops, but measured several times slower "
+           "than the sequential GEMM then NCCL on H200s (benchmarks/RESULTS.md: its GEMM, which pushes and reduces "
+           "its own tiles, runs far below cuBLAS), so GPU profiles do not offer it (force_template included) and the "
+           "site stays as written; the CPU reference still runs it")
 # kinds shown right on every call but measured slower than the site as written: not offered on GPUs
-GPU_UNPROVEN = {"gemm_reducescatter": _SLOWER.format(what="reduce-scatter", x="3.6-4.3x"),
-                "gemm_allreduce": _SLOWER.format(what="all-reduce", x="4.6-4.8x")}
+GPU_UNPROVEN = {"gemm_reducescatter": _SLOWER.format(what="reduce-scatter"),
+                "gemm_allreduce": _SLOWER.format(what="all-reduce")}
 # True since tests/gpu/test_tile_fused.py::test_race_loop_every_call_right[2-allgather_gemm] passed
 # on 2 GPUs; False leaves tile_fused all-gather sites as written on GPU profiles.
 ALLGATHER_RACE_LOOP_PASSED = True
