@@ -1,0 +1,412 @@
+"""Where the overlap backend's extra GPU memory goes: e2e models (benchmarks/models) compiled as
+benchmarks/e2e_run.py compiles them, torch.compile (inductor) beside the overlap variants, each
+phase's peak per rank and what the templates hold.
+
+    python benchmarks/diagnostics/memory_account.py --world 2 --out $OUT           # GPUs, self-spawning
+    python benchmarks/diagnostics/memory_account.py --world 2 --models dtensor_gqa_8b --modes default
+    torchrun --nproc-per-node 2 benchmarks/diagnostics/memory_account.py --out $OUT
+    python benchmarks/diagnostics/memory_account.py --dry-run                      # CPU, gloo, world 2, tiny
+
+Variants, in this order per (model, compile mode), each compiled afresh (torch._dynamo.reset())
+after the previous one's template resources were released (runtime.teardown.release: symmetric
+buffers, op graphs) and the cuBLAS workspaces freed, so that none carries into the next one's peak:
+
+    inductor          torch.compile
+    overlap           backend="overlap" as e2e runs it
+    overlap_reorder   the same with Inductor's reorder_for_peak_memory forced on (inductor_patches
+                      turns it off where defer_compute moves compute; this run only)
+    overlap_nodefer   the same with defer_compute off (OVERLAP_COMPILE_DEFER_COMPUTE=0)
+
+Phases: ``train`` (forward + backward + AdamW, as e2e's train step) then ``prefill`` (forward under
+no_grad) on the same model and optimizer state. Per phase and rank (GiB):
+
+    peak      torch.cuda.max_memory_allocated over the phase (reset at its start); CPU: peak RSS
+    first     the peak over the phase's first call (the compile, the overlap pass's measurements)
+    steady    the peak over ``--steps`` calls after ``--warmup`` more (CUDA-graph trees recorded)
+    reserved  torch.cuda.max_memory_reserved over the phase
+    symm      bytes of the symmetric buffers alive (runtime.symm's cache; ``symm_buffers`` lists them)
+    symm_pool bytes allocated in torch's symmetric-memory pool (the implicit pool of symm_mem.empty,
+              part of ``peak``), from the allocator's snapshot
+    op_graphs bytes reserved by runtime.op_graphs' graph pool (replays do not count in ``peak``)
+    graphs    bytes reserved by the other private pools (CUDA-graph trees, measurement graphs)
+
+``vs`` is peak / inductor's peak in the same (model, mode, phase) on that rank. Writes
+memory_account-<device>-w<W>-torch<v>-<date>.json (benchmarks/results_io.py) and a .md beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import gc
+import os
+import re
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
+
+VARIANTS = ("inductor", "overlap", "overlap_reorder", "overlap_nodefer")
+PHASES = ("train", "prefill")
+# overlap_compile options a variant runs under (beside e2e's --force)
+OPTIONS = {"overlap_nodefer": {"defer_compute": False}}
+GIB = 2 ** 30
+TABLE = ("peak", "first", "steady", "reserved", "symm", "symm_pool", "op_graphs", "graphs")
+
+
+# ---- what is measured ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def reorder_for_peak_memory_forced():
+    """Compiles inside run under inductor_patches with ``reorder_for_peak_memory=True`` (this
+    diagnostic's overlap_reorder variant only; the backend looks the function up at each compile)."""
+    from overlap_compile import backend, inductor_hook
+
+    original = inductor_hook.inductor_patches
+
+    def forced(p):
+        return {**original(p), "reorder_for_peak_memory": True}
+
+    backend.inductor_patches = inductor_hook.inductor_patches = forced
+    try:
+        yield
+    finally:
+        backend.inductor_patches = inductor_hook.inductor_patches = original
+
+
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+
+
+class Meter:
+    """Peak memory since ``reset()``: the caching allocator's counters on CUDA; on CPU (dry run)
+    the process's resident set (VmHWM, reset through /proc/self/clear_refs)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.device = torch.device(device)
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+
+    def now(self) -> float:
+        return torch.cuda.memory_allocated(self.device) / GIB if self.cuda else _proc_kib("VmRSS") / 2 ** 20
+
+    def peak(self) -> tuple[float, float]:
+        """(peak allocated, peak reserved) since the last reset."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) / GIB,
+                    torch.cuda.max_memory_reserved(self.device) / GIB)
+        hwm = _proc_kib("VmHWM") / 2 ** 20
+        return hwm, hwm
+
+
+def symm_held() -> tuple[float, list[dict]]:
+    """GiB of the symmetric buffers in runtime.symm's cache, and each one (key, shape, dtype, MiB)."""
+    from overlap_compile.runtime import symm
+
+    with symm._lock:
+        items = list(symm._cache.items())
+    bufs = [{"key": k[1], "shape": list(k[2]), "dtype": str(k[3]).replace("torch.", ""),
+             "mib": b.local.numel() * b.local.element_size() / 2 ** 20} for k, b in items]
+    return sum(b["mib"] for b in bufs) / 1024, bufs
+
+
+def pools(device: str) -> dict[str, float]:
+    """GiB per private pool of the allocator's snapshot: torch's symmetric-memory pool (allocated),
+    op_graphs' pool (reserved), every other private pool (reserved). Zeros on CPU."""
+    out = {"symm_pool": 0.0, "op_graphs": 0.0, "graphs": 0.0}
+    if not device.startswith("cuda"):
+        return out
+    from overlap_compile.runtime import op_graphs
+
+    index = torch.device(device).index
+    ours = op_graphs._pools.get(index)
+    symm_mem = sys.modules.get("torch.distributed._symmetric_memory")
+    symm_ids = {tuple(p.id) for d, p in getattr(symm_mem, "_symm_mem_pools", {}).items()
+                if torch.device(d).index in (index, None)}
+    for seg in torch.cuda.memory_snapshot():
+        pid = tuple(seg.get("segment_pool_id", (0, 0)))
+        if seg.get("device", index) != index or pid == (0, 0):
+            continue
+        if pid in symm_ids:
+            out["symm_pool"] += seg["allocated_size"] / GIB
+        elif ours is not None and pid == tuple(ours):
+            out["op_graphs"] += seg["total_size"] / GIB
+        else:
+            out["graphs"] += seg["total_size"] / GIB
+    return out
+
+
+def release(device: str) -> float:
+    """Everything a variant left: compiled code and CUDA-graph trees, the template ops' buffers and
+    graphs on the group (all ranks idle first), cuBLAS workspaces, cached blocks. Returns GiB still
+    allocated (what the next variant starts from)."""
+    from overlap_compile.runtime import teardown
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dist.barrier()
+    teardown.release(dist.group.WORLD.group_name)
+    gc.collect()
+    if device.startswith("cuda"):
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:  # one per (cuBLAS handle, stream) that ran a GEMM, kept for the process
+            from overlap_compile.runtime import op_graphs
+
+            clear()
+            # op_graphs' capture stream gets its cuBLAS workspace from a GEMM outside any capture
+            # when it is made: a new one next time, not a capture allocating it
+            op_graphs._side.clear()
+        torch.cuda.empty_cache()
+    return Meter(device).now()
+
+
+# ---- one variant on this rank ----------------------------------------------------------------------
+
+
+def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device: str, dtype) -> list[dict]:
+    """This rank's rows, one per phase: the model built and compiled as e2e_run does it."""
+    import overlap_compile as oc
+    from overlap_compile.explain import no_compile_caches
+
+    from benchmarks.e2e_run import RecordsSince, compiled, framework_mode
+    from benchmarks.models import build
+
+    meter = Meter(device)
+    base = meter.now()
+    built = build(model_name, shape, device, dtype, seed=0)
+    opt = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
+    report = oc.Report()
+    records = RecordsSince(report)
+    step_begin = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else (lambda: None)
+    overlap = variant != "inductor"
+    reorder = reorder_for_peak_memory_forced() if variant == "overlap_reorder" else contextlib.nullcontext()
+    rows = []
+    with no_compile_caches(), oc.config.patch(**OPTIONS.get(variant, {})), reorder, framework_mode(built, mode):
+        fn, overrides = compiled(built.model, "overlap" if overlap else "default", mode,
+                                 a.force if overlap else None, report, built.compile_with)
+
+        def train() -> None:
+            step_begin()
+            with oc.config.patch(**overrides):
+                built.to_local(fn(built.x)).float().pow(2).mean().backward()
+            built.finalize_grads()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def prefill() -> None:
+            step_begin()
+            with torch.no_grad(), oc.config.patch(**overrides):
+                fn(built.x)
+
+        for phase in [p for p in PHASES if p in a.phases.split(",")]:
+            call = train if phase == "train" else prefill
+            row = {"phase": phase, "base": base, "start": meter.now()}
+            if built.compile_with is not None:
+                records.collect()
+            before = len(report.records)
+            peaks = []
+            for name, calls in (("first", 1), ("warmup", a.warmup), ("steady", a.steps)):
+                meter.reset()
+                for _ in range(calls):
+                    call()
+                peak, reserved = meter.peak()
+                peaks.append((peak, reserved))
+                if name != "warmup":
+                    row[name] = peak
+            row["peak"] = max(p for p, _ in peaks)
+            row["reserved"] = max(r for _, r in peaks)
+            row["symm"], row["symm_buffers"] = symm_held()
+            row.update(pools(device))
+            if built.compile_with is not None:
+                records.collect()
+            # the sites of the graphs this phase compiled
+            sites = [s for rec in report.records[before:] for s in rec.sites if s.rewritten]
+            row["rewritten"] = len(sites)
+            row["templates"] = dict(collections.Counter(s.template for s in sites))
+            rows.append(row)
+    return rows
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+
+
+def model_shape(model: str, dry: bool) -> dict:
+    from benchmarks.e2e import CPU_SHAPES, shape_table
+    from benchmarks.models import PINNED_SHAPE
+
+    if model in PINNED_SHAPE:
+        _, key, dry_key = PINNED_SHAPE[model]
+        return CPU_SHAPES[dry_key] if dry else shape_table(False)[key]
+    return shape_table(dry)["tiny" if dry else "8b"]
+
+
+def _go(start: float, budget: float) -> bool:
+    """Rank 0's clock decides for every rank whether another variant starts."""
+    flag = [budget <= 0 or time.time() - start < budget]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def worker(args: dict) -> list[dict]:
+    """Every rank: each (model, mode, variant) in turn; every rank's rows come back on rank 0."""
+    a = argparse.Namespace(**args)
+    device = "cpu" if a.dry_run else f"cuda:{torch.cuda.current_device()}"
+    dtype = torch.float32 if a.dry_run else torch.bfloat16
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = {"benchmark": "memory_account", "device": "cpu" if a.dry_run else torch.cuda.get_device_name(),
+            "world_size": world, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "dtype": str(dtype).replace("torch.", ""), "rank": rank,
+            "memory": "process peak RSS (dry run)" if a.dry_run else "cuda caching allocator"}
+    rows: list[dict] = []
+    release(device)
+    for model in a.models.split(","):
+        shape = model_shape(model, a.dry_run)
+        for mode in a.modes.split(","):
+            for variant in a.variants.split(","):
+                cfg = {**base, "model": model, "kind": model, "shape": shape["name"], "compile_mode": mode,
+                       "mode": "cuda_graph" if mode == "reduce-overhead" else "eager", "variant": variant,
+                       "method": "inductor" if variant == "inductor" else "overlap",
+                       "config": {**OPTIONS.get(variant, {}), **({"force_template": a.force} if a.force and
+                                                                  variant != "inductor" else {}),
+                                  **({"reorder_for_peak_memory": True} if variant == "overlap_reorder" else {})}
+                       or None}
+                if not _go(a.start_time, a.time_budget):
+                    rows.append({**cfg, "skipped": "time budget"})
+                    continue
+                try:
+                    rows += [{**cfg, **r} for r in run_variant(a, model, shape, variant, mode, device, dtype)]
+                except Exception as e:  # recorded, the sweep goes on
+                    rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000],
+                                 "trace": traceback.format_exc()[-3000:]})
+                release(device)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, rows)
+    return add_ratios([r for per_rank in everyone for r in per_rank]) if rank == 0 else []
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """``vs``: each row's peak over inductor's in the same (model, mode, phase, rank)."""
+    ref = {(r["model"], r["compile_mode"], r["phase"], r["rank"]): r["peak"]
+           for r in rows if r["variant"] == "inductor" and "peak" in r}
+    for r in rows:
+        base = ref.get((r["model"], r["compile_mode"], r.get("phase"), r["rank"]))
+        if "peak" in r and base:
+            r["vs"] = r["peak"] / base
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["model", "mode", "phase", "variant", "rank"] + [f"{c} GiB" for c in TABLE] + ["vs inductor", "sites"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["model"], r["compile_mode"], PHASES.index(r.get("phase", "train")),
+                                         r["rank"], VARIANTS.index(r["variant"]))):
+        if "peak" not in r:
+            what = r.get("error", r.get("skipped", ""))[:120]
+            lines.append(f"| {r['model']} | {r['compile_mode']} | - | {r['variant']} | {r['rank']} | {what} |")
+            continue
+        sites = ", ".join(f"{t} x{n}" for t, n in sorted(r["templates"].items())) or "-"
+        cells = [r["model"], r["compile_mode"], r["phase"], r["variant"], str(r["rank"])]
+        cells += [f"{r[c]:.3f}" for c in TABLE] + [f"{r['vs']:.3f}" if "vs" in r else "-", sites]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def finish(rows: list[dict], a: argparse.Namespace) -> None:
+    text = markdown(rows)
+    print(text, flush=True)
+    for r in rows:
+        if "trace" in r and r["rank"] == 0:
+            print(r["trace"], flush=True)
+    if not a.out:
+        return
+    from benchmarks.results_io import result_stem, write_rows
+
+    dev, world = rows[0]["device"], rows[0]["world_size"]
+    path = write_rows(rows, a.out, "memory_account", dev, world)
+    with open(result_stem(a.out, "memory_account", dev, world) + ".md", "w") as f:
+        f.write(text + "\n")
+    print("wrote", path)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="megatron_fused_8b,dtensor_gqa_8b",
+                    help="comma list of e2e models (a zoo model runs its pinned shape, others the 8b one)")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of default, reduce-overhead (default both; dry run: default)")
+    ap.add_argument("--phases", default="train,prefill", help="comma list of train, prefill")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--force", default=None, help="overlap variants: TEMPLATE or TEMPLATE@{config json} "
+                    "(dry run default: signal_reorder; on CPU the predictor keeps the baseline)")
+    ap.add_argument("--steps", type=int, default=3, help="calls per phase whose peak is 'steady'")
+    ap.add_argument("--warmup", type=int, default=2, help="calls between the first one and the steady ones")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds after which no further variant starts (default 270 on GPUs, none on a dry run)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, tiny shapes")
+    ap.add_argument("--world", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    a = ap.parse_args(argv)
+    a.dry_run = a.dry_run or not torch.cuda.is_available()
+    for opt, vals, allowed in (("--modes", a.modes or "default", ("default", "reduce-overhead")),
+                               ("--phases", a.phases, PHASES), ("--variants", a.variants, VARIANTS)):
+        bad = [v for v in vals.split(",") if v not in allowed]
+        if bad:
+            raise SystemExit(f"{opt}: {bad} not among {', '.join(allowed)}")
+    if a.steps < 1 or a.warmup < 0:
+        raise SystemExit(f"--steps ({a.steps}) must be >= 1 and --warmup ({a.warmup}) >= 0")
+    if a.dry_run:
+        a.modes = a.modes or "default"
+        a.force = a.force or "signal_reorder"
+        a.time_budget = a.time_budget or 0.0
+    else:
+        a.modes = a.modes or "default,reduce-overhead"
+        a.time_budget = 270.0 if a.time_budget is None else a.time_budget
+    a.start_time = time.time()
+    return a
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    a = parse(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        if not a.dry_run:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("gloo" if a.dry_run else "nccl")
+        rows = worker(vars(a))
+        if dist.get_rank() == 0:  # before the teardown, which can hang after NCCL work in CUDA graphs
+            finish(rows, a)
+        from overlap_compile.runtime import teardown
+
+        teardown.finish()
+        return rows
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    rows = run_distributed("benchmarks.diagnostics.memory_account.worker", world_size=a.world, args=(vars(a),),
+                           backend="gloo" if a.dry_run else "nccl",
+                           timeout_s=(a.time_budget + 300) if a.time_budget else 1800)[0]
+    finish(rows, a)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

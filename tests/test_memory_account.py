@@ -1,0 +1,40 @@
+"""benchmarks/diagnostics/memory_account.py on CPU: its Inductor override applies inside its block
+only, and one dry run (gloo, world 2, tiny shapes) gives every variant and phase a row per rank
+whose table fields are real numbers."""
+import math
+
+from benchmarks.diagnostics import memory_account as ma
+
+
+def test_reorder_for_peak_memory_is_forced_inside_the_block_only():
+    from overlap_compile import backend, config, inductor_hook
+
+    with config.patch(defer_compute=True):
+        p = inductor_hook.make_pass()
+        assert inductor_hook.inductor_patches(p)["reorder_for_peak_memory"] is False
+        with ma.reorder_for_peak_memory_forced():
+            assert backend.inductor_patches(p)["reorder_for_peak_memory"] is True
+            assert inductor_hook.inductor_patches(p)["post_grad_custom_post_pass"] is p
+        assert backend.inductor_patches(p)["reorder_for_peak_memory"] is False
+
+
+def test_dry_run_rows_are_real_numbers():
+    from overlap_compile.testing.multiprocess import run_distributed
+
+    a = ma.parse(["--dry-run", "--models", "megatron_fused_8b", "--steps", "1", "--warmup", "1"])
+    rows = run_distributed("benchmarks.diagnostics.memory_account.worker", world_size=2, args=(vars(a),),
+                           timeout_s=600)[0]
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    got = {(r["variant"], r["phase"], r["rank"]) for r in rows}
+    assert got == {(v, p, k) for v in ma.VARIANTS for p in ma.PHASES for k in (0, 1)}
+    for r in rows:
+        for field in ma.TABLE + ("vs", "base", "start"):
+            v = r[field]
+            assert isinstance(v, float) and math.isfinite(v) and v >= 0, (field, v, r["variant"], r["phase"])
+        assert r["peak"] >= r["steady"] > 0 and r["peak"] >= r["first"] > 0
+    overlap = [r for r in rows if r["variant"] != "inductor"]
+    assert all(r["templates"].get("signal_reorder") for r in overlap)  # the dry run forces it
+    assert all(r["config"]["reorder_for_peak_memory"] for r in rows if r["variant"] == "overlap_reorder")
+    assert all(r["config"]["defer_compute"] is False for r in rows if r["variant"] == "overlap_nodefer")
+    table = ma.markdown(rows)
+    assert all(f"| {v} |" in table for v in ma.VARIANTS)
