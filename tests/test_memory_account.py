@@ -28,7 +28,7 @@ def test_dry_run_rows_are_real_numbers():
     got = {(r["variant"], r["phase"], r["rank"]) for r in rows}
     assert got == {(v, p, k) for v in ma.VARIANTS for p in ma.PHASES for k in (0, 1)}
     for r in rows:
-        for field in ma.TABLE + ("vs", "base", "start"):
+        for field in ma.TABLE + ("vs", "vs_steady", "base", "start"):
             v = r[field]
             assert isinstance(v, float) and math.isfinite(v) and v >= 0, (field, v, r["variant"], r["phase"])
         assert r["peak"] >= r["steady"] > 0 and r["peak"] >= r["first"] > 0

@@ -9,7 +9,8 @@ phase's peak per rank and what the templates hold.
 
 Variants, in this order per (model, compile mode), each compiled afresh (torch._dynamo.reset())
 after the previous one's template resources were released (runtime.teardown.release: symmetric
-buffers, op graphs) and the cuBLAS workspaces freed, so that none carries into the next one's peak:
+buffers, op graphs), the cuBLAS workspaces freed and passes/settle.py's measurements forgotten, so
+that nothing carries into the next one's peak:
 
     inductor          torch.compile
     overlap           backend="overlap" as e2e runs it
@@ -21,7 +22,8 @@ Phases: ``train`` (forward + backward + AdamW, as e2e's train step) then ``prefi
 no_grad) on the same model and optimizer state. Per phase and rank (GiB):
 
     peak      torch.cuda.max_memory_allocated over the phase (reset at its start); CPU: peak RSS
-    first     the peak over the phase's first call (the compile, the overlap pass's measurements)
+    first     the peak over the phase's first call (the compile, and the overlap pass timing the
+              uncertain sites on random operands of their shapes, ``measured_sites``)
     steady    the peak over ``--steps`` calls after ``--warmup`` more (CUDA-graph trees recorded)
     reserved  torch.cuda.max_memory_reserved over the phase
     symm      bytes of the symmetric buffers alive (runtime.symm's cache; ``symm_buffers`` lists them)
@@ -167,6 +169,9 @@ def release(device: str) -> float:
         torch.cuda.synchronize()
     dist.barrier()
     teardown.release(dist.group.WORLD.group_name)
+    settle = sys.modules.get("overlap_compile.passes.settle")
+    if settle is not None:  # every variant measures its uncertain sites itself (the first call's peak)
+        settle.clear_cache()
     gc.collect()
     if device.startswith("cuda"):
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -241,8 +246,10 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             if built.compile_with is not None:
                 records.collect()
             # the sites of the graphs this phase compiled
-            sites = [s for rec in report.records[before:] for s in rec.sites if s.rewritten]
+            phase_sites = [s for rec in report.records[before:] for s in rec.sites]
+            sites = [s for s in phase_sites if s.rewritten]
             row["rewritten"] = len(sites)
+            row["measured_sites"] = sum(1 for s in phase_sites if s.measured)  # timed while compiling
             row["templates"] = dict(collections.Counter(s.template for s in sites))
             rows.append(row)
     return rows
@@ -306,18 +313,20 @@ def worker(args: dict) -> list[dict]:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """``vs``: each row's peak over inductor's in the same (model, mode, phase, rank)."""
-    ref = {(r["model"], r["compile_mode"], r["phase"], r["rank"]): r["peak"]
+    """``vs`` / ``vs_steady``: each row's peak / steady peak over inductor's in the same (model,
+    mode, phase, rank)."""
+    ref = {(r["model"], r["compile_mode"], r["phase"], r["rank"]): r
            for r in rows if r["variant"] == "inductor" and "peak" in r}
     for r in rows:
         base = ref.get((r["model"], r["compile_mode"], r.get("phase"), r["rank"]))
         if "peak" in r and base:
-            r["vs"] = r["peak"] / base
+            r["vs"], r["vs_steady"] = r["peak"] / base["peak"], r["steady"] / base["steady"]
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["model", "mode", "phase", "variant", "rank"] + [f"{c} GiB" for c in TABLE] + ["vs inductor", "sites"]
+    head = (["model", "mode", "phase", "variant", "rank"] + [f"{c} GiB" for c in TABLE]
+            + ["vs inductor", "steady vs", "sites rewritten (timed while compiling)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["model"], r["compile_mode"], PHASES.index(r.get("phase", "train")),
                                          r["rank"], VARIANTS.index(r["variant"]))):
@@ -326,8 +335,10 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r['compile_mode']} | - | {r['variant']} | {r['rank']} | {what} |")
             continue
         sites = ", ".join(f"{t} x{n}" for t, n in sorted(r["templates"].items())) or "-"
+        sites += f" ({r['measured_sites']})" if r["measured_sites"] else ""
         cells = [r["model"], r["compile_mode"], r["phase"], r["variant"], str(r["rank"])]
-        cells += [f"{r[c]:.3f}" for c in TABLE] + [f"{r['vs']:.3f}" if "vs" in r else "-", sites]
+        cells += [f"{r[c]:.3f}" for c in TABLE] + [f"{r[c]:.3f}" if c in r else "-" for c in ("vs", "vs_steady")]
+        cells.append(sites)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
