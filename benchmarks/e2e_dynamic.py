@@ -20,6 +20,10 @@ import torch.distributed as dist
 DECODE_MAX = 256  # tokens: a decode-sized row count, held to DECODE_FLOOR instead of GAIN_SHARE
 GAIN_SHARE = 0.9  # prefill: (dynamic speedup - 1) >= GAIN_SHARE x (static speedup - 1)
 DECODE_FLOOR = 0.99  # decode-sized: dynamic overlap >= this x torch.compile's dynamic compile (1% noise)
+# calls timed back to back per sample: a barrier releases the ranks up to a few tenths of a ms
+# apart, and a rank's first collective waits for the other; in a sample of one call of a
+# fraction of a millisecond that skew, not the compile, decides the time
+CALLS_PER_SAMPLE = 8
 # the sequence dim of a model's plain (non-DTensor) input, by form: [seq/W, batch, hidden] for the
 # Megatron-LM layout, [batch, seq/W, hidden] for the others
 LOCAL_SEQ_DIM = {"megatron_fused": 0, "llama_megatron": 1, "titan_llama3": 1}
@@ -147,7 +151,7 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
                 err = rel_err(built.to_local(y), refs[s])
                 del y
                 watch.start_timed()
-                row["prefill_ms"] = time_ms(lambda: prefill(x), iters, warmup=2)
+                row["prefill_ms"] = time_ms(lambda: prefill(x), iters, warmup=2, calls=CALLS_PER_SAMPLE)
                 recompiles = watch.compiled_since_mark()
                 # a replay too (reduce-overhead: the CUDA graph's, not the warm-up run's)
                 err = max(err, rel_err(built.to_local(prefill(x)), refs[s]))

@@ -41,7 +41,12 @@ def op_graph_calls_since(before: collections.Counter) -> dict:
     return {k: now[k] - before[k] for k in OP_GRAPH_CALLS}
 
 
-def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+def time_ms(fn, iters: int = 20, warmup: int = 5, calls: int = 1) -> float:
+    """Median ms per call of ``fn`` (module docstring); ``calls`` > 1: each sample times that many
+    back-to-back calls after the barrier and divides, so the ranks' skew leaving the barrier (a
+    large share of a call of a fraction of a millisecond) is spread over them."""
+    if calls < 1:
+        raise ValueError(f"time_ms: calls must be >= 1, got {calls}")
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
@@ -55,14 +60,16 @@ def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            for _ in range(calls):
+                fn()
             e.record()
             torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(s.elapsed_time(e) / calls)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
     if not group:
         return statistics.median(times)
     med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")

@@ -15,6 +15,16 @@ from typing import Any
 from ..tiling import RowStripes
 
 
+def _json_once(plan: Any) -> str:
+    """A frozen plan's JSON text, made once: the bucketed ops emit their site's op on every call,
+    and asdict + dumps would cost tens of microseconds of host time each time."""
+    text = plan.__dict__.get("_json")
+    if text is None:
+        text = json.dumps(dataclasses.asdict(plan), sort_keys=True, separators=(",", ":"))
+        object.__setattr__(plan, "_json", text)
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmCollectivePlan:
     """GEMM ``[m, k] @ [k, n] (+ bias)`` followed by a collective on its rows.
@@ -49,7 +59,7 @@ class GemmCollectivePlan:
         return self.m
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return _json_once(self)
 
     @staticmethod
     @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
@@ -81,7 +91,7 @@ class AllGatherGemmPlan:
         return RowStripes(self.outer, self.world, self.chunk)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return _json_once(self)
 
     @staticmethod
     @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
@@ -174,7 +184,7 @@ class MoePlan:
                              f"{self.direction!r} with saves {list(self.saves)}")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return _json_once(self)
 
     @staticmethod
     @functools.lru_cache(maxsize=512)  # ops parse their plan on every call: once per plan text
