@@ -61,12 +61,18 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
                 if b is not None and k in b and r["variant"] not in E2E_BOUNDS:
                     r[k.replace("_ms", "_gap_closed")] = gap_closed(d[k], r[k], b[k])
         if r.get("sites"):  # what the pass predicted it hides of the sites' collectives, per phase
+            from overlap_compile.predictor.profile import builtin_for_device
             from overlap_compile.report import forecast
 
+            profile = builtin_for_device(str(r.get("device", "")))
             for phase in ("train", "prefill"):
                 sites = [s for s in r["sites"] if s.get("phase") == phase]
                 if sites:
-                    r[f"{phase}_forecast_hidden"] = forecast(sites)["all"]["hidden_share"]
+                    fc = forecast(sites, profile, r.get("world_size"), r.get("dtype"))["all"]
+                    # of the sites' collectives; and of the gap to the nocomm bound (its stand-in copies
+                    # off the collectives' time), the forecast of "gap closed"
+                    r[f"{phase}_forecast_hidden"] = fc["hidden_share"]
+                    r[f"{phase}_forecast_gap"] = fc["gap_share"]
         if d.get("compile_s") and "compile_s" in r:
             r["compile_overhead"] = r["compile_s"] / d["compile_s"] - 1
         if r.get("losses") and d.get("losses") and r["variant"] not in E2E_BOUNDS:

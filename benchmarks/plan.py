@@ -9,10 +9,10 @@ and planned by ``overlap_compile.plan``: traced, partitioned and passed through 
 post-grad passes as a GPU compile would be, in seconds and with no memory. Per site it prints the
 decision and its reason; per block, the forecast (``Report.forecast``) of the metric e2e.py
 measures on GPUs: of the time the sites' collectives take as written, how much the pass is
-predicted to hide (rewrites and the compute defer_compute puts under the collectives left as
-written). Sites inside the model's error band are measured on GPUs (passes/settle.py); here they
-keep their predicted decision, so the forecast also gives what they would add if measured as
-predicted.
+predicted to hide (its rewrites; what the compute defer_compute puts beside the collectives left
+as written would hide is printed apart, not counted). Sites inside the model's error band are
+measured on GPUs (passes/settle.py); here they keep their predicted decision, so the forecast
+also gives what they would add if measured as predicted.
 
 Rows (``benchmark: "plan"``, one per site, ``method`` the decision, ``predicted_ms`` what runs)
 go to ``--out`` as ``plan-<profile>-w<W>-torch<v>-<date>.json`` with a markdown table beside it.

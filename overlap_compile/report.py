@@ -139,8 +139,10 @@ class Report:
         return self.table()
 
     def forecast(self) -> dict:
-        """The predicted share of the sites' collective time the pass hides (``forecast``)."""
-        return forecast(self.sites)
+        """The predicted share of the sites' collective time the pass hides (``forecast``), under
+        the profile the graphs were decided with (the first recorded)."""
+        profile = next((r.profile for r in self.records if r.profile), None)
+        return forecast(self.sites, profile)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -210,17 +212,58 @@ def _gains(m: dict) -> str:
     return f"measured {meas} vs predicted {m['predicted_gain']:.2f}x ({m['template']})"
 
 
-def forecast(sites: list) -> dict:
-    """Per graph and in all (``"all"``): the sites' collectives as written (``comm_ms``), what
-    the decisions are predicted to hide of it (``hidden_ms``, ``hidden_share``; in a host-launched
-    graph, GPU time against GPU time where the host's lead hides both host times), and what the
-    sites inside the model's error band would add if they measured as predicted (``band_ms``,
-    ``with_band_share``: where GPUs measure them, passes/settle.py, their decision already
-    says). ``sites``: SiteReports, or the dicts e2e.py's rows keep of them."""
+_SUMMED = ("comm_ms", "hidden_ms", "deferred_ms", "band_ms", "standin_ms", "sites", "rewritten")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def standin_bytes(kind: str, gemms: list, world: int, itemsize: int) -> int:
+    """Bytes (read + written) of the one local kernel that stands for a site's collective in the
+    comm-free bound (benchmarks/nocomm.py): an all-gather's repeated rows (the shard read, the
+    whole output written), a reduce-scatter's own chunk copied (read + written), an all-reduce's
+    or all-to-all's copy; an MoE section has two all-to-alls. ``gemms``: the site's (M, N, K)."""
+    if not gemms or world < 1:
+        return 0
+    m, n, k = (int(v) for v in gemms[0])
+    full = m * (k if kind in ("allgather_gemm", "moe") else n) * itemsize  # the collective's whole buffer
+    if kind == "allgather_gemm":
+        return full + full // world
+    if kind == "gemm_reducescatter":
+        return 2 * full // world
+    return (4 if kind == "moe" else 2) * full
+
+
+def forecast(sites: list, profile: Any = None, world_size: int | None = None, dtype: str | None = None) -> dict:
+    """Per graph and in all (``"all"``), in predicted ms:
+
+    - ``comm_ms``: the sites' collectives as written (the profile's curves: a collective inside a
+      step runs at its curve; what a step's first collective spends waiting for the slowest rank is
+      no collective's price and no rewrite hides it, see benchmarks/diagnostics/forecast_check.py).
+    - ``hidden_ms`` / ``hidden_share``: what the rewritten sites are predicted to save of it, the
+      site as written against the chosen op (in a host-launched graph, GPU time against GPU time
+      where the host's lead hides both host times); where GPUs timed a site as written and the
+      chosen op (passes/settle.py, ``search="measure"``), the gain they measured.
+    - ``deferred_ms`` / ``with_deferred_share``: what the compute passes/defer_compute.py moves
+      beside the collectives left as written would hide if the collective ran beside it. Not in
+      ``hidden_ms``: nothing makes the two overlap. c10d issues the collective on a stream of
+      default priority and the GEMMs are launched right behind it, and a GEMM starves NCCL of
+      SMs unless the comm stream has the higher priority (DESIGN.md); training steps that
+      counted on the credit did not gain it (benchmarks/diagnostics/forecast_check.py).
+    - ``band_ms`` / ``with_band_share``: what the sites left as written inside the model's error
+      band would add if they measured as predicted (on GPUs passes/settle.py measures them).
+    - ``standin_ms`` / ``gap_share``: e2e.py's "gap closed" compares with a comm-free bound in which
+      each collective becomes one local copy kernel (benchmarks/nocomm.py), so the bound is short
+      of the step without communication by those copies; ``gap_share`` = hidden over (comm -
+      copies) forecasts that metric. ``standin_ms`` needs ``profile`` (its HBM bandwidth) and each
+      site's world size and dtype (``world_size`` / ``dtype`` stand in where a site lacks them);
+      without them it is 0 and ``gap_share`` equals ``hidden_share``.
+
+    ``sites``: SiteReports, or the dicts e2e.py's rows keep of them. ``profile``: a
+    HardwareProfile or a profile name (predictor.loaded_profile)."""
+    mem_gbps = _mem_gbps(profile)
     out: dict = {}
     for s in sites:
         get = s.get if isinstance(s, dict) else lambda k, s=s: getattr(s, k, None)
-        g = out.setdefault(get("graph"), {"comm_ms": 0.0, "hidden_ms": 0.0, "band_ms": 0.0, "sites": 0, "rewritten": 0})
+        g = out.setdefault(get("graph"), dict.fromkeys(_SUMMED, 0.0) | {"sites": 0, "rewritten": 0})
         predicted = get("predicted_ms") or {}
         base, chosen, comm = predicted.get("baseline"), get("chosen_ms"), get("comm_ms") or 0.0
         if base is None or chosen is None:
@@ -231,24 +274,68 @@ def forecast(sites: list) -> dict:
         hosts = (get("baseline_host_ms") or 0.0, get("chosen_host_ms") or 0.0)
         if (get("host_clock") or {}).get("lead", 0.0) >= max(hosts) > 0:
             as_written, chosen = as_written - hosts[0], chosen - hosts[1]
+        saved = min(comm, as_written - chosen)
         g["comm_ms"] += comm
-        g["hidden_ms"] += min(comm, as_written - chosen)
+        if get("rewritten"):
+            measured = _measured_gain(get("measured"), get("template"), get("config"))
+            g["hidden_ms"] += saved if measured is None else min(comm, measured)
+        else:  # the site as written with compute beside its collective (defer_compute's credit)
+            g["deferred_ms"] += max(0.0, saved)
         g["sites"] += 1
         g["rewritten"] += bool(get("rewritten"))
         note = (get("measured") or {}).get("note", "")
         if not get("rewritten") and note.startswith("within the model error"):
             best = min(v for k, v in predicted.items() if k != "baseline" and v is not None)
-            g["band_ms"] += max(0.0, min(comm, as_written - best) - (as_written - chosen))
-    total = {k: sum(g[k] for g in out.values()) for k in ("comm_ms", "hidden_ms", "band_ms", "sites", "rewritten")}
-    out["all"] = total
+            g["band_ms"] += max(0.0, min(comm, as_written - best))
+        world, dt = get("world_size") or world_size, get("dtype") or dtype
+        if mem_gbps and world and comm > 0:
+            nbytes = standin_bytes(get("kind") or "", get("gemms") or [], int(world), _ITEMSIZE.get(str(dt), 2))
+            g["standin_ms"] += min(comm, nbytes / (mem_gbps * 1e9) * 1e3)
+    out["all"] = {k: sum(g[k] for g in out.values()) for k in _SUMMED}
     for g in out.values():
-        g["hidden_share"] = g["hidden_ms"] / g["comm_ms"] if g["comm_ms"] else None
-        g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / g["comm_ms"] if g["comm_ms"] else None
+        c = g["comm_ms"]
+        g["hidden_share"] = g["hidden_ms"] / c if c else None
+        g["with_band_share"] = (g["hidden_ms"] + g["band_ms"]) / c if c else None
+        g["with_deferred_share"] = (g["hidden_ms"] + g["deferred_ms"]) / c if c else None
+        g["gap_share"] = g["hidden_ms"] / (c - g["standin_ms"]) if c > g["standin_ms"] else None
     return out
+
+
+def _measured_gain(measured: dict | None, template: str | None, config: dict | None) -> float | None:
+    """ms the rewrite saved on the site when passes/settle.py (or ``search="measure"``) timed the
+    site as written and the chosen op on the group (``measured`` of a SiteReport); None where it
+    timed something else or nothing."""
+    m = measured or {}
+    base, ms = m.get("baseline_ms"), m.get("ms")
+    if base is None or ms is None or m.get("template") != template:
+        return None
+    if config is not None and m.get("config") is not None and m["config"] != config:
+        return None
+    return base - ms
+
+
+def _mem_gbps(profile: Any) -> float | None:
+    """The profile's HBM bandwidth (GB/s), from a HardwareProfile or a profile name; None when
+    there is none or the name is unknown."""
+    if profile is None:
+        return None
+    if isinstance(profile, str):
+        from .predictor import loaded_profile
+
+        try:
+            profile = loaded_profile(profile)
+        except Exception:  # an unknown name or a file gone since: no stand-in term
+            return None
+    gemm = getattr(profile, "gemm", None)
+    return float(gemm.mem_gbps) if gemm is not None else None
 
 
 def forecast_line(total: dict) -> str:
     """One line of ``forecast(...)["all"]`` for a person."""
-    return (f"forecast: the sites' collectives take {total['comm_ms']:.3f} ms as written; the pass is predicted to "
+    line = (f"forecast: the sites' collectives take {total['comm_ms']:.3f} ms as written; the pass is predicted to "
             f"hide {total['hidden_ms']:.3f} ms of it ({total['hidden_share']:.0%}); {total['with_band_share']:.0%} "
             f"if the sites inside the model's error band measure as predicted (on GPUs they are measured)")
+    if total.get("deferred_ms"):
+        line += (f"; not counted: {total['deferred_ms']:.3f} ms that compute moved beside the collectives left as "
+                 f"written would hide if they ran beside it ({total['with_deferred_share']:.0%} with it)")
+    return line

@@ -442,8 +442,16 @@ def detect_profile_name() -> tuple[str, Any]:
     if not torch.cuda.is_available():
         return "builtin", "cpu-gloo"
     idx = torch.cuda.current_device()
-    gpu = torch.cuda.get_device_name(idx).upper()
+    prof = builtin_for_device(torch.cuda.get_device_name(idx))
+    if prof is not None:
+        return "builtin", prof
+    return "roofline", torch.cuda.get_device_properties(idx)
+
+
+def builtin_for_device(device: str) -> str | None:
+    """The built-in profile of a GPU by its device name ("NVIDIA H200" -> "h200"), None for others."""
+    gpu = device.upper()
     for key, prof in (("H200", "h200"), ("H100", "h100")):
         if key in gpu:
-            return "builtin", prof
-    return "roofline", torch.cuda.get_device_properties(idx)
+            return prof
+    return None
