@@ -125,6 +125,17 @@ def allgather_dim1(g, w, batch=2, k=12, n=20):
     return fn, lambda s: [(batch, s, k), (k, n)], [[1], []]
 
 
+def allgather_size_read(g, w, k=12, n=20):
+    """Megatron's layout: [S / W, B, K] gathered on dim 0, flattened for the GEMM, and the GEMM's
+    output viewed back with the gathered tensor's size read off it (a dynamic compile's sym_size)."""
+    def fn(x, b):
+        full = wait(c10d.all_gather_into_tensor.default(x, w, g))
+        y = aten.mm.default(aten.view.default(full, [full.shape[0], k]), b)
+        return aten.view.default(y, [full.shape[0], 1, n])
+
+    return fn, lambda s: [(s, 1, k), (k, n)], [[0], []]
+
+
 CASES = {
     "allreduce_2d": allreduce_2d,
     "allreduce_3d": allreduce_3d,
@@ -134,7 +145,9 @@ CASES = {
     "alltoall": alltoall,
     "allgather_dim0": allgather_dim0,
     "allgather_dim1": allgather_dim1,
+    "allgather_size_read": allgather_size_read,
 }
 KIND = {"allreduce_2d": "gemm_allreduce", "allreduce_3d": "gemm_allreduce", "reducescatter_dim0": "gemm_reducescatter",
         "reducescatter_dim1": "gemm_reducescatter", "sum_reducescatter": "gemm_reducescatter",
-        "alltoall": "gemm_alltoall", "allgather_dim0": "allgather_gemm", "allgather_dim1": "allgather_gemm"}
+        "alltoall": "gemm_alltoall", "allgather_dim0": "allgather_gemm", "allgather_dim1": "allgather_gemm",
+        "allgather_size_read": "allgather_gemm"}

@@ -290,3 +290,26 @@ def test_plan_of_a_symbolic_input_shows_buckets():
         assert s.predicted_ms.get("baseline") is not None, s
     assert any(b["template"] != "baseline" for s in report.sites for b in s.buckets), report
     assert any(s.rewritten for s in report.sites) and "bucketed" in str(report), report
+
+
+def test_gathered_size_reads_do_not_keep_the_gathered_matrix():
+    """A dynamic graph reads the gathered tensor's size (sym_size) to view the GEMM's output back:
+    the rewrite computes that size from the inputs instead, so only the GEMM reads the gathered
+    rows and the op's table says they need not be written out (as the static rewrite's plan does)."""
+    import json
+
+    from overlap_compile.testing.fake_group import fake_process_group
+    from tests import symbolic_cases as sc
+
+    with fake_process_group(2):
+        group = dist.group.WORLD.group_name
+        fn, shapes, dyn = sc.allgather_size_read(group, 2)
+        before = sc.trace(fn, [torch.randn(s) for s in shapes(5)], dyn)
+        assert any(n.target is torch.ops.aten.sym_size.int for n in before.graph.nodes)
+        gm, record = sc.rewritten(fn, [torch.randn(s) for s in shapes(5)], dyn, "p2p_ring")
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.overlap_compile.bucketed_allgather_gemm.default]
+    assert json.loads(op.args[-1])["gathered"] is False, record.sites[0].reason
+    assert [u.args[1] for u in op.users] == [1]  # only the GEMM's output is read
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.sym_size.int:
+            assert n.args[0].op == "placeholder", n.format_node()

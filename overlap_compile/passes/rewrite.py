@@ -81,6 +81,10 @@ def _fix_rows_after_allgather(graph: fx.Graph, m: GemmThenCollective, plan) -> N
 
 
 def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) -> None:
+    from .symbolic_sizes import read_sizes_from_inputs
+
+    for node in {m.full_node, m.gathered_node, *m.gathered_twins}:
+        read_sizes_from_inputs(graph, node)
     inputs = [m.shard_node] + [c.b_node for c in m.consumers] + [c.bias_node for c in m.consumers if c.bias_node]
     emit = GraphEmitter(graph, before=after_inputs(graph, inputs))
     outs = spec.emit_allgather_gemm(emit, m, plan)
