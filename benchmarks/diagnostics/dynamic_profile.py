@@ -41,8 +41,9 @@ def role(name: str) -> str:
     return "other"
 
 
-def kernels_of(fn, calls: int = 3) -> tuple[dict, collections.Counter]:
-    """Per role (ms per call, kernels per call) and per kernel name (ms per call) over ``calls``."""
+def kernels_of(fn, calls: int = 3) -> tuple[dict, collections.Counter, collections.Counter]:
+    """Per role (ms per call, kernels per call), per kernel name (ms per call) and per host-side
+    op or runtime call (self CPU ms per call) over ``calls``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -52,8 +53,10 @@ def kernels_of(fn, calls: int = 3) -> tuple[dict, collections.Counter]:
         torch.cuda.synchronize()
     by_role: dict = collections.defaultdict(lambda: [0.0, 0])
     by_name: collections.Counter = collections.Counter()
+    host: collections.Counter = collections.Counter()
     for e in prof.events():
         if e.device_type.name != "CUDA":
+            host[e.name[:90]] += e.self_cpu_time_total / 1e3 / calls
             # host side: CUDA-graph launches and the library's ops run outside a graph, per call
             if e.name == "cudaGraphLaunch" or e.name.startswith("overlap_compile::"):
                 by_role[e.name][1] += 1 / calls
@@ -62,7 +65,7 @@ def kernels_of(fn, calls: int = 3) -> tuple[dict, collections.Counter]:
         by_role[role(e.name)][0] += ms
         by_role[role(e.name)][1] += 1 / calls
         by_name[e.name[:90]] += ms
-    return {k: [round(v[0], 4), round(v[1], 1)] for k, v in by_role.items()}, by_name
+    return {k: [round(v[0], 4), round(v[1], 1)] for k, v in by_role.items()}, by_name, host
 
 
 def host_ms(fn, calls: int = 20) -> float:
@@ -114,9 +117,10 @@ def run(model_name: str, mode: str, variant: str, seqs: list[int], iters: int) -
                 call()
                 gpu = time_ms(call, iters, warmup=3)
                 host = host_ms(call)
-                roles, names = kernels_of(call)
+                roles, names, host_ops = kernels_of(call)
                 rows.append({"model": model_name, "mode": mode, "variant": variant, "seq": s, "gpu_ms": gpu,
                              "host_ms": host, "roles": roles, "kernels": dict(names.most_common(40)),
+                             "host_ops": dict(host_ops.most_common(40)),
                              "choices": sorted({(m, t) for m, t, _ in bucketed.choices_made()})})
     finally:
         bucketed._choose_at = real_choose
@@ -162,6 +166,11 @@ def main() -> None:
             diff.subtract(base[r["seq"]]["kernels"])
             top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]
             print(f"  seq {r['seq']} {r['variant']} minus default, ms per call: "
+                  + "; ".join(f"{k[:60]} {v:+.3f}" for k, v in top))
+            diff = collections.Counter(r["host_ops"])
+            diff.subtract(base[r["seq"]]["host_ops"])
+            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]
+            print(f"  seq {r['seq']} {r['variant']} minus default, host self ms per call: "
                   + "; ".join(f"{k[:60]} {v:+.3f}" for k, v in top))
         if a.out:
             from benchmarks.results_io import write_rows
