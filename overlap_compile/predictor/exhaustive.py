@@ -192,7 +192,9 @@ class _Operands:
         k, self.next = self.next, self.next + 1
         if k < len(self.made) and tuple(self.made[k].shape) == shape:
             return self.made[k]
-        t = torch.randn(*shape, generator=self.gen, device=self.device, dtype=torch.float32).to(self.dtype) * 0.1
+        # drawn in place in the site's dtype: the first call's compile times sites beside the live
+        # activations, and an fp32 draw cast and scaled would hold three copies at the peak
+        t = torch.empty(*shape, device=self.device, dtype=self.dtype).normal_(0.0, 0.1, generator=self.gen)
         self.made[k:k + 1] = [t]
         return t
 
