@@ -313,3 +313,35 @@ def test_gathered_size_reads_do_not_keep_the_gathered_matrix():
     for n in gm.graph.nodes:
         if n.target is torch.ops.aten.sym_size.int:
             assert n.args[0].op == "placeholder", n.format_node()
+
+
+def _calls_without_building_the_match() -> float:
+    """Rank's max error of p2p_ring's bucketed all-gather + GEMM called again at an M it has
+    chosen for, with building a match refused: the op is called directly."""
+    from overlap_compile.templates import bucketed as B
+
+    group, world = dist.group.WORLD.group_name, dist.get_world_size()
+    cfg = {"bidirectional": False, "slices": 1, "transport": "p2p"}
+    table = B.BucketTable(kind="allgather_gemm", world=world, k=16, ns=(8,), has_bias=(False,), outer=1,
+                          buckets=({"max_m": None, "template": "p2p_ring", "config": cfg},), gathered=False).to_json()
+    torch.manual_seed(dist.get_rank())
+    shard, w = torch.randn(3, 16), torch.randn(16, 8)
+    op = torch.ops.overlap_compile.bucketed_allgather_gemm.default
+    B.clear_choices()
+    op(shard, [w], [None], group, table)  # the choice at M = 3 W
+    real, B.concrete_match = B.concrete_match, None
+    try:
+        got = op(shard, [w], [None], group, table)[1]
+    finally:
+        B.concrete_match = real
+    assert [t for _, t, _ in B.choices_made()] == ["p2p_ring"]
+    full = torch.empty(3 * world, 16)
+    dist.all_gather_into_tensor(full, shard)
+    return ((got - full @ w).abs().max() / (full @ w).abs().max()).item()
+
+
+def test_bucketed_op_calls_a_template_op_directly():
+    """Where a template's op is what its spec emits for the site, the bucketed op calls it on the
+    operands and the plan text, without building the site's match per call (host time)."""
+    for err in run_distributed(_calls_without_building_the_match, world_size=2, timeout_s=300):
+        assert err < 1e-5

@@ -5,8 +5,9 @@ the decision made for M's bucket (predictor/buckets.py).
     overlap_compile::bucketed_allgather_gemm(shard, bs, biases, group_name, table) -> [gathered, y_0, ...]
 
 ``table`` (``BucketTable``, JSON) holds the site's static geometry and, per bucket, a template and
-configuration or "baseline". The op finds M's bucket, builds the site as a match of that M and runs
-the template's own op through its emitter, eagerly, refitting M-dependent configs (``fit_config``).
+configuration or "baseline". The op finds M's bucket and runs the template's own op on the
+operands with the bucket's plan at this M, refitting M-dependent configs (``fit_config``); a
+template that emits its site its own way (signal_reorder) is emitted eagerly from a match of M.
 Where the template refuses this M or the bucket says "baseline", it runs the GEMM, then the
 collective. Choices are cached per (table, M); the fake impl returns the collective's symbolic sizes.
 """
@@ -184,8 +185,12 @@ def run_gemm_collective(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     from .plans import GemmCollectivePlan
 
     spec = get_spec(name)
-    rows = spec.emit_gemm_collective(call_op, concrete_match(t, m, group_name, a, b, bias),
-                                     GemmCollectivePlan.from_json(plan_json))
+    op = _as_emitted(spec, "gemm_collective")
+    if op is not None:
+        rows = op(a, b, bias, group_name, plan_json)
+    else:
+        rows = spec.emit_gemm_collective(call_op, concrete_match(t, m, group_name, a, b, bias),
+                                         GemmCollectivePlan.from_json(plan_json))
     return rows.reshape(t.result_rows(m), t.n).contiguous()
 
 
@@ -200,9 +205,26 @@ def run_allgather_gemm(shard: torch.Tensor, bs: list[torch.Tensor], biases: list
     from .plans import AllGatherGemmPlan
 
     spec = get_spec(name)
-    outs = spec.emit_allgather_gemm(call_op, concrete_match(t, m, group_name, shard, bs, biases),
-                                    AllGatherGemmPlan.from_json(plan_json))
+    op = _as_emitted(spec, "allgather_gemm")
+    if op is not None:
+        outs = op(shard.reshape(m // t.world, t.k), bs, biases, group_name, plan_json)
+    else:
+        outs = spec.emit_allgather_gemm(call_op, concrete_match(t, m, group_name, shard, bs, biases),
+                                        AllGatherGemmPlan.from_json(plan_json))
     return [o.contiguous() for o in outs]
+
+
+def _as_emitted(spec: Any, what: str) -> Any:
+    """The template's op where its spec emits the site as TemplateSpec does (the op alone on the
+    site's operands and the plan text), called directly: building the site's match and emitting
+    it cost the host more than the op's own dispatch on every call. None where the spec emits
+    its own way (signal_reorder's reduce-scatter forms)."""
+    from .base import TemplateSpec
+
+    emitter = f"emit_{what}"
+    if getattr(type(spec), emitter) is not getattr(TemplateSpec, emitter):
+        return None
+    return getattr(torch.ops.overlap_compile, f"{spec.name}_{what}").default
 
 
 def _baseline_gemm_collective(t: BucketTable, a, b, bias, group_name: str, m: int) -> torch.Tensor:
