@@ -72,3 +72,38 @@ def test_teardown_steps_are_bounded():
     assert time.monotonic() - start < 2
     assert teardown.quiesce(0.5)  # no GPU work here
     assert teardown.finish(timeout_s=1) < 1  # no process group: release only
+
+
+
+def destroy_order() -> list:
+    """What the wrapped destroy_process_group does, in order, for a subgroup then the default
+    group, on a process that (as far as teardown can tell) used a GPU."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    import torch._inductor.cudagraph_trees as trees
+
+    from overlap_compile.runtime import teardown
+
+    order = []
+    real = c10d.destroy_process_group
+
+    def recorded(group=None):
+        order.append("destroy " + ("default group" if group is None else "subgroup"))
+        return real(group)
+
+    c10d.destroy_process_group = dist.destroy_process_group = recorded
+    teardown._installed = False
+    teardown.install()  # wraps the recorder, as it wraps torch's on the first op call
+    trees.reset_cudagraph_trees = lambda: order.append("cuda graphs freed")
+    torch.cuda.is_available = torch.cuda.is_initialized = lambda: True  # as after GPU work
+    sub = dist.new_group(list(range(dist.get_world_size())))
+    dist.destroy_process_group(sub)
+    dist.destroy_process_group()
+    return order
+
+
+def test_destroying_the_default_group_frees_inductors_cuda_graphs_first():
+    """Graphs that captured NCCL kernels can keep destroy_process_group from returning: they go
+    before the default group does (a subgroup's destroy leaves them)."""
+    for order in run_distributed(destroy_order, world_size=2, timeout_s=120):
+        assert order == ["destroy subgroup", "cuda graphs freed", "destroy default group"], order

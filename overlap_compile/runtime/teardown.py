@@ -2,7 +2,8 @@
 routes, agreement records, per-plan warm-up marks, and the work still queued on the device.
 
     release(group_name)     forget one group's resources (None: every group's, and the graphs)
-    install()               release on ``dist.destroy_process_group`` and at interpreter exit
+    install()               release on ``dist.destroy_process_group`` (the default group's: Inductor's
+                            CUDA graphs too) and at interpreter exit
     finish(timeout_s=10)    a rank's ending: barrier, release, destroy the default group, and
                             (rank 0, which hosts the store) wait until every rank destroyed its own
 
@@ -150,12 +151,31 @@ def install() -> None:
         world = c10d.GroupMember.WORLD
         name = None if group is None or group is world else getattr(group, "group_name", None)
         release(name)
+        if name is None:
+            drop_cuda_graphs()
         return original(group)
 
     destroy_process_group.__wrapped_by_overlap_compile__ = True
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
     atexit.register(_at_exit)
+
+
+def drop_cuda_graphs() -> None:
+    """Free the CUDA graphs Inductor recorded under mode="reduce-overhead" on this thread (the
+    next call of a compiled function records anew). A graph that captured NCCL kernels keeps
+    its communicator busy, and destroying the default group under it may not return
+    (pytorch/pytorch#115388); with that group gone those graphs cannot run again anyway."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+    except ImportError:
+        return
+    try:
+        reset_cudagraph_trees()
+    except Exception as e:  # the group's teardown goes on
+        warnings.warn(f"overlap_compile: freeing Inductor's CUDA graphs before destroy_process_group failed: {e}")
 
 
 def _at_exit() -> None:
