@@ -25,6 +25,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
+from benchmarks.diagnostics.ranks import as_rank, under_torchrun  # noqa: E402
+
 VARIANTS = ("default", "overlap", "overlap-as-written")
 
 
@@ -140,9 +142,12 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not under_torchrun():
+        raise SystemExit("run it under torchrun (module docstring)")
+    as_rank(lambda _: measure(a), lambda rows: write(rows, a), {}, dry_run=False)
+
+
+def measure(a: argparse.Namespace) -> list[dict]:
     seqs = [int(s) for s in a.seqs.split(",")]
     rows = []
     for v in a.variants.split(","):
@@ -150,35 +155,33 @@ def main() -> None:
             rows += run(a.model, a.mode, v, seqs, a.iters)
         except Exception as e:  # the other variants still run
             rows.append({"model": a.model, "mode": a.mode, "variant": v, "error": f"{type(e).__name__}: {e}"[:1500]})
-    if rank == 0:
-        print(f"{a.model} {a.mode}: seq, variant, gpu ms, host ms, per role ms (kernels), choices")
-        for r in rows:
-            if "error" in r:
-                print(f"  {r['variant']}: ERROR {r['error'][:300]}")
-                continue
-            roles = " ".join(f"{k}={v[0]:.3f}({v[1]:.0f})" for k, v in sorted(r["roles"].items()))
-            print(f"  {r['seq']:>6} {r['variant']:<19} {r['gpu_ms']:7.3f} {r['host_ms']:7.3f}  {roles}  {r['choices']}")
-        base = {r["seq"]: r for r in rows if r.get("variant") == "default" and "error" not in r}
-        for r in rows:
-            if r.get("variant") == "default" or "error" in r or r["seq"] not in base:
-                continue
-            diff = collections.Counter(r["kernels"])
-            diff.subtract(base[r["seq"]]["kernels"])
-            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]
-            print(f"  seq {r['seq']} {r['variant']} minus default, ms per call: "
-                  + "; ".join(f"{k[:60]} {v:+.3f}" for k, v in top))
-            diff = collections.Counter(r["host_ops"])
-            diff.subtract(base[r["seq"]]["host_ops"])
-            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]
-            print(f"  seq {r['seq']} {r['variant']} minus default, host self ms per call: "
-                  + "; ".join(f"{k[:60]} {v:+.3f}" for k, v in top))
-        if a.out:
-            from benchmarks.results_io import write_rows
+    return rows
 
-            print("wrote", write_rows(rows, a.out, "dynamic_profile", torch.cuda.get_device_name(),
-                                      dist.get_world_size(), suffix=f"-{a.model}-{a.mode}", default=str))
-    dist.barrier()
-    dist.destroy_process_group()
+
+def write(rows: list[dict], a: argparse.Namespace) -> None:
+    """Rank 0: the table, the kernels and host ops that differ most from torch.compile's, the JSON."""
+    print(f"{a.model} {a.mode}: seq, variant, gpu ms, host ms, per role ms (kernels), choices")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['variant']}: ERROR {r['error'][:300]}")
+            continue
+        roles = " ".join(f"{k}={v[0]:.3f}({v[1]:.0f})" for k, v in sorted(r["roles"].items()))
+        print(f"  {r['seq']:>6} {r['variant']:<19} {r['gpu_ms']:7.3f} {r['host_ms']:7.3f}  {roles}  {r['choices']}")
+    base = {r["seq"]: r for r in rows if r.get("variant") == "default" and "error" not in r}
+    for r in rows:
+        if r.get("variant") == "default" or "error" in r or r["seq"] not in base:
+            continue
+        for key, what in (("kernels", "ms per call"), ("host_ops", "host self ms per call")):
+            diff = collections.Counter(r[key])
+            diff.subtract(base[r["seq"]][key])
+            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]
+            print(f"  seq {r['seq']} {r['variant']} minus default, {what}: "
+                  + "; ".join(f"{k[:60]} {v:+.3f}" for k, v in top))
+    if a.out:
+        from benchmarks.results_io import write_rows
+
+        print("wrote", write_rows(rows, a.out, "dynamic_profile", torch.cuda.get_device_name(),
+                                  dist.get_world_size(), suffix=f"-{a.model}-{a.mode}", default=str))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
+from benchmarks.diagnostics.ranks import as_rank, under_torchrun  # noqa: E402
+
 MARKER = "exposed_comm.marker"
 ALIGN = "AllReduce_Sum_f64"  # the marker's NCCL kernel: no step all-reduces fp64
 # GPU work that moves data between ranks or waits for it (besides NCCL and peer copies), by name:
@@ -661,16 +663,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        if not a.dry_run:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("gloo" if a.dry_run else "nccl")
-        rows = worker(vars(a))
-        if dist.get_rank() == 0:  # before the teardown, which can hang after NCCL work in CUDA graphs
-            finish(rows, a)
-        from overlap_compile.runtime import teardown
-        teardown.finish()  # barrier, release, destroy; every rank before the store's host leaves
-        return rows
+    if under_torchrun():  # this process is one rank
+        return as_rank(worker, lambda rows: finish(rows, a), vars(a), a.dry_run)
     if not a.dry_run:
         raise SystemExit("on GPUs run it under torchrun (module docstring); --dry-run spawns its own CPU ranks")
     from overlap_compile.testing.multiprocess import run_distributed

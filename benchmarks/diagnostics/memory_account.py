@@ -54,6 +54,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
+from benchmarks.diagnostics.ranks import as_rank, under_torchrun  # noqa: E402
+
 VARIANTS = ("inductor", "overlap", "overlap_reorder", "overlap_nodefer")
 PHASES = ("train", "prefill")
 # overlap_compile options a variant runs under (beside e2e's --force)
@@ -399,17 +401,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        if not a.dry_run:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("gloo" if a.dry_run else "nccl")
-        rows = worker(vars(a))
-        if dist.get_rank() == 0:  # before the teardown, which can hang after NCCL work in CUDA graphs
-            finish(rows, a)
-        from overlap_compile.runtime import teardown
-
-        teardown.finish()
-        return rows
+    if under_torchrun():  # this process is one rank
+        return as_rank(worker, lambda rows: finish(rows, a), vars(a), a.dry_run)
     from overlap_compile.testing.multiprocess import run_distributed
 
     rows = run_distributed("benchmarks.diagnostics.memory_account.worker", world_size=a.world, args=(vars(a),),

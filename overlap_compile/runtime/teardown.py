@@ -4,7 +4,7 @@ routes, agreement records, per-plan warm-up marks, and the work still queued on 
     release(group_name)     forget one group's resources (None: every group's, and the graphs)
     install()               release on ``dist.destroy_process_group`` (the default group's: Inductor's
                             CUDA graphs too) and at interpreter exit
-    finish(timeout_s=10)    a rank's ending: barrier, release, destroy the default group, and
+    finish(timeout_s=10)    a rank's ending: barrier, release (CUDA graphs too), destroy the default group, and
                             (rank 0, which hosts the store) wait until every rank destroyed its own
 
 torch has no callback on a group's destruction, so ``install`` (called by the first rewritten op)
@@ -204,6 +204,7 @@ def finish(timeout_s: float = 10.0, group_name: str = "default") -> float:
         store = None
     _bounded(dist.barrier, timeout_s, "the closing barrier")
     release(None)
+    drop_cuda_graphs()  # here: Inductor keeps its graphs per thread, and the destroy runs on a helper
     _bounded(dist.destroy_process_group, timeout_s, "destroy_process_group")
     if store is not None and world > 1:
         key = f"overlap_compile/finished/{group_name}"
