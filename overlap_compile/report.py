@@ -213,7 +213,6 @@ def _gains(m: dict) -> str:
 
 
 _SUMMED = ("comm_ms", "hidden_ms", "deferred_ms", "band_ms", "standin_ms", "sites", "rewritten")
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def standin_bytes(kind: str, gemms: list, world: int, itemsize: int) -> int:
@@ -259,6 +258,8 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
 
     ``sites``: SiteReports, or the dicts e2e.py's rows keep of them. ``profile``: a
     HardwareProfile or a profile name (predictor.loaded_profile)."""
+    from .predictor.models import ITEMSIZE
+
     mem_gbps = _mem_gbps(profile)
     out: dict = {}
     for s in sites:
@@ -289,7 +290,7 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
             g["band_ms"] += max(0.0, min(comm, as_written - best))
         world, dt = get("world_size") or world_size, get("dtype") or dtype
         if mem_gbps and world and comm > 0:
-            nbytes = standin_bytes(get("kind") or "", get("gemms") or [], int(world), _ITEMSIZE.get(str(dt), 2))
+            nbytes = standin_bytes(get("kind") or "", get("gemms") or [], int(world), ITEMSIZE.get(str(dt), 2))
             g["standin_ms"] += min(comm, nbytes / (mem_gbps * 1e9) * 1e3)
     out["all"] = {k: sum(g[k] for g in out.values()) for k in _SUMMED}
     for g in out.values():

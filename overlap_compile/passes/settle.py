@@ -6,8 +6,9 @@ on random operands of its shapes (predictor/exhaustive.py), replayed from a CUDA
 Inductor captures one, else host-launched behind queued GPU work where host_pacing shows enough
 lead to hide the op's host time (``_timing``). Every rank measures the same sites in order and
 takes the slowest rank's time, so all ranks decide the same; the fastest rewrite clearing
-min_speedup over the site as written (timed before and after them, the better time kept) wins. Only GPU groups are measured; off with ``measure_uncertain=False``,
-``force_template`` or ``search`` other than "predict"; cached per (group, site, mode, profile).
+min_speedup over the site as written (timed before and after them, the better time kept) wins.
+Only GPU groups are measured; off with ``measure_uncertain=False``, ``force_template`` or
+``search`` other than "predict"; cached per (group, site, mode, profile).
 """
 from __future__ import annotations
 

@@ -104,29 +104,22 @@ def size_arg(before: Any, size: Any, emit: Any = None) -> Any:
     return _build(before, expr(size), emit)
 
 
-SIZE_READS = ("sym_size.int", "sym_numel.default", "sym_stride.int")
-
-
-def read_sizes_from_inputs(graph: Any, node: Any) -> int:
+def read_sizes_from_inputs(graph: Any, node: Any) -> None:
     """Re-point the graph's size reads of ``node`` (``sym_size`` / ``sym_numel`` / ``sym_stride``
-    on it) to the same sizes computed from the graph's inputs; returns how many were replaced.
-    A dynamic compile reads the all-gather's output sizes off that tensor: kept, such a read would
-    keep the gathered matrix alive after the rewrite, and the op would write it out for nothing."""
+    on it) to the same sizes computed from the graph's inputs, where they can be. A dynamic
+    compile reads the all-gather's output sizes off that tensor: kept, such a read would keep the
+    gathered matrix alive after the rewrite, and the op would write it out for nothing."""
     from .graph_utils import GraphEmitter
 
-    replaced = 0
+    aten = torch.ops.aten
     for user in list(node.users):
-        target = getattr(user.target, "_overloadpacket", None)
-        name = f"{target.__name__}.{user.target._overloadname}" if target is not None else ""
-        if user.op != "call_function" or name not in SIZE_READS:
+        if user.target not in (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int):
             continue
         size = user.meta.get("val")
         if size is None or size_arg(user, size) is None:
             continue  # not buildable from the inputs: the read stays
         user.replace_all_uses_with(size_arg(user, size, GraphEmitter(graph, before=user)))
         graph.erase_node(user)
-        replaced += 1
-    return replaced
 
 
 def _earlier(before: Any):

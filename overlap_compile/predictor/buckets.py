@@ -6,8 +6,8 @@ one representative M per bucket and the op picks the bucket's choice at run time
 powers of two (M <= 2^i), from the smallest valid M up to the compile's upper bound, or where
 there is none to max(8 x hint, 2^16); the last bucket is open. Representatives are the geometric
 middle of a bucket's ends, a multiple of ``step`` (every valid M is one), moved to the nearest
-multiple of ``align`` within a factor sqrt(2) of it, inside the bucket, where there is one. At most ``MAX_BUCKETS``: a longer run
-of powers is thinned to every other one, then every fourth, ...
+multiple of ``align`` within a factor sqrt(2) of it, inside the bucket, where there is one. At
+most ``MAX_BUCKETS``: a longer run of powers is thinned to every other one, then every fourth, ...
 """
 from __future__ import annotations
 

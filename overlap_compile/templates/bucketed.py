@@ -181,16 +181,15 @@ def run_gemm_collective(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     name, plan_json, _ = _choice(table, m, group_name)
     if name == BASELINE:
         return _baseline_gemm_collective(t, a, b, bias, group_name, m)
-    from . import get_spec
-    from .plans import GemmCollectivePlan
-
-    spec = get_spec(name)
-    op = _as_emitted(spec, "gemm_collective")
+    op = _as_emitted(name, "gemm_collective")
     if op is not None:
         rows = op(a, b, bias, group_name, plan_json)
     else:
-        rows = spec.emit_gemm_collective(call_op, concrete_match(t, m, group_name, a, b, bias),
-                                         GemmCollectivePlan.from_json(plan_json))
+        from . import get_spec
+        from .plans import GemmCollectivePlan
+
+        rows = get_spec(name).emit_gemm_collective(call_op, concrete_match(t, m, group_name, a, b, bias),
+                                                   GemmCollectivePlan.from_json(plan_json))
     return rows.reshape(t.result_rows(m), t.n).contiguous()
 
 
@@ -201,30 +200,31 @@ def run_allgather_gemm(shard: torch.Tensor, bs: list[torch.Tensor], biases: list
     name, plan_json, _ = _choice(table, m, group_name)
     if name == BASELINE:
         return _baseline_allgather_gemm(t, shard, bs, biases, group_name, m)
-    from . import get_spec
-    from .plans import AllGatherGemmPlan
-
-    spec = get_spec(name)
-    op = _as_emitted(spec, "allgather_gemm")
+    op = _as_emitted(name, "allgather_gemm")
     if op is not None:
         outs = op(shard.reshape(m // t.world, t.k), bs, biases, group_name, plan_json)
     else:
-        outs = spec.emit_allgather_gemm(call_op, concrete_match(t, m, group_name, shard, bs, biases),
-                                        AllGatherGemmPlan.from_json(plan_json))
+        from . import get_spec
+        from .plans import AllGatherGemmPlan
+
+        outs = get_spec(name).emit_allgather_gemm(call_op, concrete_match(t, m, group_name, shard, bs, biases),
+                                                  AllGatherGemmPlan.from_json(plan_json))
     return [o.contiguous() for o in outs]
 
 
-def _as_emitted(spec: Any, what: str) -> Any:
+@functools.lru_cache(maxsize=None)
+def _as_emitted(template: str, what: str) -> Any:
     """The template's op where its spec emits the site as TemplateSpec does (the op alone on the
     site's operands and the plan text), called directly: building the site's match and emitting
     it cost the host more than the op's own dispatch on every call. None where the spec emits
-    its own way (signal_reorder's reduce-scatter forms)."""
+    its own way (signal_reorder's reduce-scatter forms). Once per (template, op)."""
+    from . import get_spec
     from .base import TemplateSpec
 
     emitter = f"emit_{what}"
-    if getattr(type(spec), emitter) is not getattr(TemplateSpec, emitter):
+    if getattr(type(get_spec(template)), emitter) is not getattr(TemplateSpec, emitter):
         return None
-    return getattr(torch.ops.overlap_compile, f"{spec.name}_{what}").default
+    return getattr(torch.ops.overlap_compile, f"{template}_{what}").default
 
 
 def _baseline_gemm_collective(t: BucketTable, a, b, bias, group_name: str, m: int) -> torch.Tensor:
