@@ -4,7 +4,8 @@ diagnostics/occupancy_sweep): one place for medians, CUDA events, CUDA-graph cap
 ``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
 is the result (all ranks return the same number). Without a process group (one-GPU benchmarks):
-this process's median. ``graphed(fn)``: fn captured in a CUDA graph
+this process's median. ``time_pair(fa, fb)``: two callables timed in alternating rounds, with the
+median of the rounds' ratios (host-launched calls whose host speed drifts). ``graphed(fn)``: fn captured in a CUDA graph
 (after warm-up on a side stream), returned as its replay; ``calls`` captures that many calls in one
 graph (gemm.py times kernels that way, without launch gaps). ``host_ms_per_call(fn, calls)``: the
 host's own time per call of back-to-back calls (host_profile.py). ``Budget``: rank 0's clock decides
@@ -75,6 +76,55 @@ def time_ms(fn, iters: int = 20, warmup: int = 5, calls: int = 1) -> float:
     med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
+
+
+def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:
+    """``fa`` and ``fb`` timed in alternating rounds (A B, then B A): per round each is timed as
+    ``time_ms`` times a sample (barrier, ``calls`` back-to-back calls), the slowest rank's time
+    counts, and the round's ratio is B's time over A's. Returns the medians ``a_ms``, ``b_ms`` and
+    ``ratio`` (B / A: A's speedup over B) and ``rounds``. Where the host launches the calls (a
+    call of a fraction of a millisecond), the host's speed drifts between configurations timed
+    minutes apart; rounds side by side see the same drift, so their ratio does not."""
+    if calls < 1 or iters < 1:
+        raise ValueError(f"time_pair: iters and calls must be >= 1, got {iters} and {calls}")
+    cuda = torch.cuda.is_available()
+    group = dist.is_initialized()
+    for _ in range(warmup):
+        fa()
+        fb()
+
+    def sample(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        if group:
+            dist.barrier()
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(calls):
+                fn()
+            e.record()
+            torch.cuda.synchronize()
+            return s.elapsed_time(e) / calls
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / calls
+
+    a, b = [], []
+    for i in range(iters):
+        if i % 2:
+            b.append(sample(fb))
+            a.append(sample(fa))
+        else:
+            a.append(sample(fa))
+            b.append(sample(fb))
+    t = torch.tensor([a, b], dtype=torch.float64, device="cuda" if cuda else "cpu")
+    if group:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    a, b = t.tolist()
+    return {"a_ms": statistics.median(a), "b_ms": statistics.median(b),
+            "ratio": statistics.median(y / x for x, y in zip(a, b)), "rounds": iters}
 
 
 def graphed(fn, calls: int = 1, warmup: int = 3):
