@@ -156,6 +156,17 @@ def test_config_errors_name_the_key():
             check_config(bad)
 
 
+def test_tiles_are_gemm_sized_wherever_a_stripe_reaches_one():
+    """16x16 tiles only for problems smaller than a GEMM tile: a symbolic site's bucket runs its
+    representative's config at every M of the bucket, and 16x16 tiles picked at a 256-row
+    representative ran the 1024-token prefill's GEMM in them, priced as Hopper tiles and several
+    times slower."""
+    spec = templates.get_spec("tile_fused")
+    assert spec.blocks(256, 3072) == (128, 256) and spec.blocks(128, 1024) == (128, 128)
+    assert spec.blocks(4096, 14336) == (128, 256)
+    assert spec.blocks(64, 3072) == (16, 16) and spec.blocks(256, 64) == (16, 16)  # CPU test shapes
+
+
 def test_latency_model():
     from overlap_compile import predictor
     from overlap_compile.predictor.models import Ctx, Site

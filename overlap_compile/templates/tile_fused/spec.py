@@ -77,9 +77,12 @@ class TileFusedSpec(TemplateSpec):
 
     @staticmethod
     def blocks(rows: int, n: int) -> tuple[int, int]:
-        """128x256 / 128x128 tiles (the Hopper GEMM's anchor configs) on GPU-sized problems; 16x16
-        on small ones, so that CPU test shapes still have several tiles per stripe."""
-        if min(rows, n) < 512:
+        """128x256 / 128x128 tiles (the Hopper GEMM's anchor configs, which the latency model's
+        GEMM prices assume) wherever a stripe and N reach a tile; 16x16 only on problems smaller
+        than that (CPU test shapes, which then still have several tiles per stripe). A symbolic
+        site's bucket keeps the config of its representative M for every M of the bucket, so a
+        small representative must not pick tiles that would starve a larger M."""
+        if min(rows, n) < 128:
             return 16, 16
         return 128, 256 if n >= 2048 else 128
 
