@@ -37,6 +37,10 @@ class Options:
     # (a dict is accepted and stored as its JSON); the template's plan() validates it
     force_config: str | None = None
     min_speedup: float = 1.03
+    # and save at least this many microseconds per call: below it a gain is within what a site's
+    # timing resolves and what a rewrite costs around it that its price leaves out (its stream
+    # switch, the producer no longer writing the collective's buffer), e.g. decode-sized sites
+    min_saved_us: float = 5.0
     profile: str = "auto"
     search: str = "predict"
     wave_group_first_max: int = 2
@@ -109,6 +113,8 @@ def _validate(o: Options) -> None:
             _fail("force_config", o.force_config, "a configuration only together with force_template=<a template>")
     if isinstance(o.min_speedup, bool) or not isinstance(o.min_speedup, (int, float)) or not o.min_speedup > 0:
         _fail("min_speedup", o.min_speedup, "a number > 0 (1.0 = rewrite whenever predicted faster)")
+    if isinstance(o.min_saved_us, bool) or not isinstance(o.min_saved_us, (int, float)) or not o.min_saved_us >= 0:
+        _fail("min_saved_us", o.min_saved_us, "a number of microseconds >= 0 (0 = any saving)")
     if not isinstance(o.profile, str) or not o.profile:
         _fail("profile", o.profile, "'auto', a built-in profile name, or a path to a profile JSON file")
     if o.search not in SEARCH_MODES:

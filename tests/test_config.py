@@ -47,6 +47,7 @@ def test_patch_is_thread_local():
     [
         ("min_speedup", -1, "a number > 0"),
         ("min_speedup", "fast", "a number > 0"),
+        ("min_saved_us", -1, "microseconds >= 0"),
         ("search", "guess", "'predict', 'exhaustive'"),
         ("templates", ["nope"], "a subset of"),
         ("force_template", "magic", "one of"),

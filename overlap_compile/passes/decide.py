@@ -2,7 +2,8 @@
 
 For each site the baseline (GEMM then collective, as written) is always a candidate. Each
 template allowed by ``options.templates`` that supports the site contributes its candidate
-configurations with predicted times; the fastest wins only if baseline / best >= min_speedup.
+configurations with predicted times; the fastest wins only if baseline / best >= min_speedup
+and it saves at least min_saved_us.
 ``force_template`` skips the prediction contest (tests, experiments). Every site left as it is
 gets a reason. The predictor prices (``predictor.rank_configs`` hands out its ``Candidate``s);
 this module decides. ``Decision`` and the bar a gain must clear are in decision.py, which
@@ -18,7 +19,7 @@ from ..config import Options
 from ..predictor import Candidate
 from ..templates.base import gpu_profile
 from . import host_pacing, settle
-from .decision import BASELINE, Decision, model_error, required_gain
+from .decision import BASELINE, Decision, model_error, required_gain, saves_too_little
 from .defer_compute import deferrable, gemm_shape
 from .matches import Match
 
@@ -152,6 +153,10 @@ def _decide_one(match: Match, options: Options, profile: Any,
             f"{f' ({note})' if note else ''}: gain {gain:.2f}x < {why}",
             cands,
         )
+    if saves_too_little(base_ms, best.predicted_ms, options):
+        return Decision(match, BASELINE, None,
+                        f"best rewrite {best.template} predicted {best.predicted_ms:.3f} ms vs baseline {base_ms:.3f} ms: "
+                        f"saves under min_saved_us {options.min_saved_us:g}", cands)
     return Decision(match, best.template, best.config,
                     f"predicted {gain:.2f}x over baseline ({best.predicted_ms:.3f} vs {base_ms:.3f} ms"
                     f"{f'; {note}' if note else ''})", cands)

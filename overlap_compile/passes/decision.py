@@ -1,5 +1,6 @@
 """What ``decide`` hands out and ``host_pacing`` revises: a site's ``Decision``, and the bar a
-rewrite's predicted gain must clear (``required_gain``). The candidates a decision weighs are the
+rewrite's predicted gain must clear (``required_gain``) and the time it must save
+(``saves_too_little``). The candidates a decision weighs are the
 predictor's ``Candidate`` (its ranking hands them out)."""
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def required_gain(options: Options, profile: Any, mode: str | None = None) -> fl
     """The predicted speedup a rewrite needs in ``mode`` (default: the current launch mode):
     min_speedup x (1 + the profile's model error there)."""
     return options.min_speedup * (1.0 + model_error(profile, mode))
+
+
+def saves_too_little(base_ms: float, ms: float, options: Options) -> bool:
+    """A rewrite of ``ms`` over ``base_ms`` (both per call) saves under ``min_saved_us``."""
+    return (base_ms - ms) * 1e3 < options.min_saved_us
 
 
 def model_error(profile: Any, mode: str | None = None) -> float:

@@ -12,7 +12,7 @@ clocks, node by node, and the graph ends at max(host, gpu)::
                   (t: predicted GPU time; h: host time; with no lead this is decide's t + h)
 
 Kept sites are tried, largest GPU gain first; one switches to a candidate whose GPU time alone
-clears min_speedup x (1 + the CUDA-graph model error) and with which the simulated graph ends
+clears min_speedup x (1 + the CUDA-graph model error) and min_saved_us, and with which the simulated graph ends
 earlier; of those, the one ending the graph first is taken. Not applied under CUDA graphs, with
 ``force_template``, ``search="exhaustive"``, or ``host_pacing=False``.
 """
@@ -27,7 +27,7 @@ import torch.fx as fx
 from .. import predictor
 from ..config import Options
 from ..predictor import Candidate
-from .decision import Decision, required_gain
+from .decision import Decision, required_gain, saves_too_little
 
 
 @dataclasses.dataclass
@@ -72,7 +72,8 @@ def pace(graph: fx.Graph, decisions: list[Decision], options: Options, profile: 
         base_gpu = _gpu_ms(s.baseline)
         # every candidate that clears the bar on the GPU alone; the one that ends the graph first
         # (a slower op with less host time can win where the fastest cannot hide its host time)
-        tries = [c for c in s.by_gpu if 0 < _gpu_ms(c) and base_gpu / _gpu_ms(c) >= needed]
+        tries = [c for c in s.by_gpu if 0 < _gpu_ms(c) and base_gpu / _gpu_ms(c) >= needed
+                 and not saves_too_little(base_gpu, _gpu_ms(c), options)]
         if not tries:
             continue
         results = [(_simulate(steps, {**chosen, id(s): c}), i, c) for i, c in enumerate(tries)]

@@ -6,7 +6,8 @@ on random operands of its shapes (predictor/exhaustive.py), replayed from a CUDA
 Inductor captures one, else host-launched behind queued GPU work where host_pacing shows enough
 lead to hide the op's host time (``_timing``). Every rank measures the same sites in order and
 takes the slowest rank's time, so all ranks decide the same; the fastest rewrite clearing
-min_speedup over the site as written (timed before and after them, the better time kept) wins.
+min_speedup and min_saved_us over the site as written (timed before and after them, the better
+time kept) wins.
 Only GPU groups are measured; off with ``measure_uncertain=False``, ``force_template`` or
 ``search`` other than "predict"; cached per (group, site, mode, profile).
 """
@@ -20,7 +21,7 @@ from typing import Any
 from .. import predictor
 from ..config import Options
 from ..predictor import Candidate
-from .decision import BASELINE, Decision, required_gain
+from .decision import BASELINE, Decision, required_gain, saves_too_little
 
 _cache: dict[tuple, list[float] | str] = {}
 _lock = threading.Lock()
@@ -167,12 +168,13 @@ def _settle_one(d: Decision, options: Options, profile: Any, needed: float) -> D
     if timing == "queued":
         band += (f"; timed on the GPU with the host ahead (in this host-launched graph the "
                  f"{d.host_clock['lead']:.3f} ms of GPU work queued before the site hides the op's host time)")
-    if gain is not None and gain >= options.min_speedup:
+    if gain is not None and gain >= options.min_speedup and not saves_too_little(base_ms, ms, options):
         return Decision(d.match, best.template, best.config,
                         f"{band}; measured on the group: {best.template} {gain:.2f}x ({ms:.3f} vs {base_ms:.3f} ms) "
                         f">= min_speedup {options.min_speedup}", d.candidates, d.host_clock, measured)
     what = ("failed to run on some rank" if gain is None else
-            f"measured on the group: {best.template} {gain:.2f}x ({ms:.3f} vs {base_ms:.3f} ms)")
+            f"measured on the group: {best.template} {gain:.2f}x ({ms:.3f} vs {base_ms:.3f} ms)"
+            + (f", saving under min_saved_us {options.min_saved_us:g}" if gain >= options.min_speedup else ""))
     if d.rewrites:  # the measurement does not bear the rewrite out: the site as written
         return Decision(d.match, BASELINE, None, f"{band}; {what} < min_speedup {options.min_speedup}: kept as written",
                         d.candidates, d.host_clock, measured)

@@ -242,7 +242,10 @@ def _baseline_gemm_collective(t: BucketTable, a, b, bias, group_name: str, m: in
 
 
 def _baseline_allgather_gemm(t: BucketTable, shard, bs, biases, group_name: str, m: int) -> list[torch.Tensor]:
-    g = c10d.wait_tensor(c10d.all_gather_into_tensor(shard.contiguous(), t.world, group_name))
+    # the out= form, as Inductor's own code calls it: the plain one also runs a Python autograd
+    # kernel on every call (host time, in decode-sized calls that are host-bound)
+    g = shard.new_empty(m, t.k)
+    g = c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard.contiguous(), t.world, group_name, out=g))
     s = t.stripes(m)
     full = g if s.outer == 1 else g.view(t.world, s.outer, s.chunk, t.k).transpose(0, 1).reshape(m, t.k)
     ys = [torch.addmm(bi, full, bb) if bi is not None else torch.mm(full, bb) for bb, bi in zip(bs, biases)]
