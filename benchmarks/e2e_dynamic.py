@@ -24,6 +24,9 @@ DECODE_FLOOR = 0.99  # decode-sized: dynamic overlap >= this x torch.compile's d
 # apart, and a rank's first collective waits for the other; in a sample of one call of a
 # fraction of a millisecond that skew, not the compile, decides the time
 CALLS_PER_SAMPLE = 8
+# decode-sized lengths: rounds of the paired timing per --iters (a round's ratio of two host-bound
+# calls spreads by several percent, the rule asks for 1%: the median of more rounds)
+PAIRED_ROUNDS_PER_ITER = 3
 # the sequence dim of a model's plain (non-DTensor) input, by form: [seq/W, batch, hidden] for the
 # Megatron-LM layout, [batch, seq/W, hidden] for the others
 LOCAL_SEQ_DIM = {"megatron_fused": 0, "llama_megatron": 1, "titan_llama3": 1}
@@ -158,8 +161,8 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
                 # a replay too (reduce-overhead: the CUDA graph's, not the warm-up run's)
                 err = max(err, rel_err(built.to_local(prefill(x)), refs[s]))
                 if reference is not None and s <= DECODE_MAX:
-                    row["paired"] = time_pair(lambda: prefill(x), lambda: reference(x), iters, warmup=2,
-                                              calls=CALLS_PER_SAMPLE)
+                    row["paired"] = time_pair(lambda: prefill(x), lambda: reference(x),
+                                              iters * PAIRED_ROUNDS_PER_ITER, warmup=2, calls=CALLS_PER_SAMPLE)
             except Exception as e:  # the rows so far stay; the sweep goes on with the next configuration
                 import traceback
 
