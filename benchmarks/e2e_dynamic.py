@@ -11,6 +11,7 @@ over torch.compile compiled the same way, (dynamic - 1) / (static - 1) and the t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -131,7 +132,8 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
 
         def prefill(x):
             step_begin()
-            with torch.no_grad(), oc.config.patch(**overrides):
+            # the options a forced run compiled under, where there are any: none is what users run
+            with torch.no_grad(), (oc.config.patch(**overrides) if overrides else contextlib.nullcontext()):
                 return fn(x)
 
         reference = paired_reference(built, variant, compile_mode, dynamic, runnable, inputs, dim, step_begin)

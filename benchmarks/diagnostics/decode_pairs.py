@@ -20,6 +20,7 @@ the variant's speedup), and each rank's host ms per call of the variant and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -74,7 +75,7 @@ def measure(a: argparse.Namespace) -> list[dict]:
             step_begin()
             as_written["on"] = variant == "overlap-as-written"
             try:
-                with torch.no_grad(), oc.config.patch(**overrides):
+                with torch.no_grad(), (oc.config.patch(**overrides) if overrides else contextlib.nullcontext()):
                     return fn(x)
             finally:
                 as_written["on"] = False
