@@ -53,29 +53,32 @@ def time_ms(fn, iters: int = 20, warmup: int = 5, calls: int = 1) -> float:
         fn()
     if cuda:
         torch.cuda.synchronize()
-    times = []
     group = dist.is_initialized()  # one GPU, no process group: no barrier, this process's median
-    for _ in range(iters):
-        if group:
-            dist.barrier()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(calls):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / calls)
+    times = [_sample_ms(fn, calls, cuda, group) for _ in range(iters)]
     if not group:
         return statistics.median(times)
     med = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
+
+
+def _sample_ms(fn, calls: int, cuda: bool, group: bool) -> float:
+    """One sample: the ranks meet at a barrier, then ``calls`` back-to-back calls are timed (CUDA
+    events, else the host clock) and divided; the GPU is idle when it returns."""
+    if group:
+        dist.barrier()
+    if cuda:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
 
 
 def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:
@@ -92,33 +95,16 @@ def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:
     for _ in range(warmup):
         fa()
         fb()
-
-    def sample(fn) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        if group:
-            dist.barrier()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(calls):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            return s.elapsed_time(e) / calls
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / calls
-
+    if cuda:
+        torch.cuda.synchronize()
     a, b = [], []
     for i in range(iters):
         if i % 2:
-            b.append(sample(fb))
-            a.append(sample(fa))
+            b.append(_sample_ms(fb, calls, cuda, group))
+            a.append(_sample_ms(fa, calls, cuda, group))
         else:
-            a.append(sample(fa))
-            b.append(sample(fb))
+            a.append(_sample_ms(fa, calls, cuda, group))
+            b.append(_sample_ms(fb, calls, cuda, group))
     t = torch.tensor([a, b], dtype=torch.float64, device="cuda" if cuda else "cpu")
     if group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

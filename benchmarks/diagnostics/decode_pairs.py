@@ -30,7 +30,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from benchmarks.diagnostics.ranks import as_rank, under_torchrun  # noqa: E402
+from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
 VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer")
 OPTIONS = {"overlap-no-defer": {"defer_compute": False}}
@@ -134,11 +134,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     a = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    if not under_torchrun():
-        raise SystemExit("run it under torchrun (module docstring)")
-    as_rank(lambda _: measure(a), lambda rows: write(rows, a), {}, dry_run=False)
+    diagnostic_main(lambda: measure(a), lambda rows: write(rows, a))
 
 
 if __name__ == "__main__":

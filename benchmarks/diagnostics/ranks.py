@@ -27,3 +27,13 @@ def as_rank(worker: Callable[[dict], list], write: Callable[[list], Any], args: 
         write(rows)
     teardown.finish()
     return rows
+
+
+def diagnostic_main(worker: Callable[[], list], write: Callable[[list], Any]) -> list:
+    """A GPU diagnostic's entry under torchrun: NVLink multicast off (NVLS, symmetric memory)
+    unless the environment says otherwise, then ``as_rank`` with ``worker()``'s rows."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if not under_torchrun():
+        raise SystemExit("run it under torchrun (the script's docstring)")
+    return as_rank(lambda _: worker(), write, {}, dry_run=False)
