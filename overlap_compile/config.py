@@ -59,6 +59,10 @@ class Options:
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
     # data gradient's collective); not under force_template="baseline" (the graph as written)
     defer_compute: bool = True
+    # host-launched graphs: M in a symbolic site's leading as-written buckets runs the site as
+    # written in Inductor's own code, around the bucketed op (passes/symbolic_branch.py); off
+    # until it has run on GPUs (the torch there lowers the branch with its own Inductor)
+    decode_as_written: bool = False
     # a site whose decision lies within the model's error (its predicted gain within the error
     # of min_speedup, or a rival template predicted within the error of the chosen one) is timed
     # once on its group (GPU groups only) and decided by the measured gain (passes/settle.py)

@@ -53,7 +53,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
         profile_name = getattr(profile, "name", None)
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
-    rewrite(graph, decisions, options.signal_timeout_ms)
+    rewrite(graph, decisions, options.signal_timeout_ms, options.decode_as_written)
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferred = [d.describe() for d in defer_independent_compute(graph)] if options.moves_compute else []
     after = readable(graph)

@@ -26,8 +26,9 @@ from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, M
 from .rewrite_moe_backward import rewrite_moe_backward
 
 
-def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
-    """Apply every rewriting decision; return how many sites were rewritten."""
+def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, decode_as_written: bool = False) -> int:
+    """Apply every rewriting decision; return how many sites were rewritten. ``decode_as_written``:
+    a symbolic site's leading as-written buckets branch around its op (passes/symbolic_branch.py)."""
     done = 0
     for d in decisions:
         if not d.rewrites:
@@ -35,7 +36,7 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
             from .symbolic_rewrite import rewrite_bucketed
 
-            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm)
+            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm, decode_as_written)
             done += 1
             continue
         spec = templates.get_spec(d.template)
@@ -102,7 +103,9 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
             user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
     if not gathered.users:  # only the GEMMs read the gathered rows: the op need not write them out
-        op_node = gathered.args[0]
+        from .symbolic_branch import op_call_of
+
+        op_node = op_call_of(gathered.args[0])  # the op, or the op inside symbolic_branch's branch
         op_node.args = (*op_node.args[:-1], dataclasses.replace(plan, gathered=False).to_json())
         graph.erase_node(gathered)
 
