@@ -111,6 +111,21 @@ def _alltoall(x, w1, w2, group):
     return all_to_all_single_autograd(torch.relu(x @ w1) @ w2, None, None, group)
 
 
+def _step_error(fn, model, x, w1, w2, group) -> float:
+    """Forward and backward of the compiled ``fn`` and of eager ``model`` on the same inputs: the
+    largest difference of the output and the three gradients (the weights' grads reset after)."""
+    y = fn(x, w1, w2)
+    y.sum().backward()
+    gx, g1, g2 = x.grad, w1.grad, w2.grad
+    x2 = x.detach().clone().requires_grad_()
+    w1.grad = w2.grad = None
+    y_ref = model(x2, w1, w2, group)
+    y_ref.sum().backward()
+    err = max((a - b).abs().max().item() for a, b in ((y, y_ref), (gx, x2.grad), (g1, w1.grad), (g2, w2.grad)))
+    w1.grad = w2.grad = None
+    return err
+
+
 def _compile_checks(template: str | None) -> dict:
     """Run on every rank: each model compiled with the overlap backend, with ``mark_dynamic`` (one
     compile, then lengths it was not compiled for) and with automatic dynamic (two lengths, then
@@ -143,16 +158,7 @@ def _compile_checks(template: str | None) -> dict:
                     x = torch.randn(rows, 16, requires_grad=True)
                     if mode == "mark_dynamic" and i == 0:
                         torch._dynamo.mark_dynamic(x, 0)
-                    y = fn(x, w1, w2)
-                    y.sum().backward()
-                    gx, g1, g2 = x.grad, w1.grad, w2.grad
-                    x2 = x.detach().clone().requires_grad_()
-                    w1.grad = w2.grad = None
-                    y_ref = model(x2, w1, w2, group)
-                    y_ref.sum().backward()
-                    errs.append(max((a - b).abs().max().item() for a, b in
-                                    ((y, y_ref), (gx, x2.grad), (g1, w1.grad), (g2, w2.grad))))
-                    w1.grad = w2.grad = None
+                    errs.append(_step_error(fn, model, x, w1, w2, group))
             out[(name, mode)] = {"err": max(errs), "compiles": counters["stats"]["unique_graphs"] - frames,
                                  "sites": [(s.graph, s.kind, s.template, s.reason) for s in report.sites]}
     return out
@@ -387,17 +393,8 @@ def _branch_checks() -> dict:
                 if i == 0:
                     torch._dynamo.mark_dynamic(x, 0)
                 clear_choices()
-                y = fn(x, w1, w2)
-                y.sum().backward()
-                gx, g1, g2 = x.grad, w1.grad, w2.grad
-                x2 = x.detach().clone().requires_grad_()
-                w1.grad = w2.grad = None
-                y_ref = _mlp_sequence_parallel(x2, w1, w2, group)
-                y_ref.sum().backward()
-                out["errs"].append(max((a - b).abs().max().item() for a, b in
-                                       ((y, y_ref), (gx, x2.grad), (g1, w1.grad), (g2, w2.grad))))
+                out["errs"].append(_step_error(fn, _mlp_sequence_parallel, x, w1, w2, group))
                 out["ran"][2 * rows] = sorted({t for _, t, _ in choices_made()})
-                w1.grad = w2.grad = None
         out["after"] = [r.after for r in report.records]
     finally:
         symbolic_rewrite.table_of = real
