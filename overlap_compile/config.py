@@ -163,7 +163,7 @@ def _coerce(key: str, value: Any) -> Any:
         return text
     if key in ("force_template", "force_config", "dump_dir") and text.lower() in ("", "none"):
         return None
-    if key == "min_speedup":
+    if key in ("min_speedup", "min_saved_us"):
         try:
             return float(text)
         except ValueError:

@@ -76,8 +76,10 @@ def test_env_overrides(monkeypatch):
     monkeypatch.setenv("OVERLAP_COMPILE_TEMPLATES", "p2p_ring,signal_reorder")
     monkeypatch.setenv("OVERLAP_COMPILE_ENABLED", "0")
     monkeypatch.setenv("OVERLAP_COMPILE_FORCE_TEMPLATE", "none")
+    monkeypatch.setenv("OVERLAP_COMPILE_MIN_SAVED_US", "0")
     o = config.current()
     assert o.min_speedup == 1.2 and o.templates == ("signal_reorder", "p2p_ring") and o.enabled is False
+    assert o.min_saved_us == 0.0
     assert o.force_template is None
     with oc.config.patch(min_speedup=1.1):  # a patch wins over the environment
         assert config.current().min_speedup == 1.1

@@ -40,7 +40,8 @@ def test_auto_rows_name_the_predictors_choice(tmp_path):
 
 
 def test_auto_runs_the_template_the_predictor_picks(tmp_path):
-    rows, _ = _dry_run(tmp_path / "low", {"OVERLAP_COMPILE_MIN_SPEEDUP": "0.01"})
+    # the bars lowered (gain and time saved) so that CPU-sized sites rewrite
+    rows, _ = _dry_run(tmp_path / "low", {"OVERLAP_COMPILE_MIN_SPEEDUP": "0.01", "OVERLAP_COMPILE_MIN_SAVED_US": "0"})
     auto = _by_kind(rows, "auto")
     assert set(auto) == set(KINDS)
     for r in auto.values():
