@@ -6,8 +6,10 @@ length. Dynamic: compiled once, the first length being the compile's hint, with
 Dynamo carries to the local tensor; a plain local shard's dim from ``LOCAL_SEQ_DIM``). Static: a
 fresh compile per length (``torch._dynamo.reset()`` between lengths, automatic dynamic off). The
 model is built for the longest length (its RoPE tables), each length gets new inputs, its outputs are
-checked against eager's and it is timed. ``summary``: per length the static and dynamic speedups
-over torch.compile compiled the same way, (dynamic - 1) / (static - 1) and the two rules.
+checked against eager's and it is timed; the overlap variant is also timed in rounds alternating
+with torch.compile's compile of the same kind, alive beside it (``paired_reference``). ``summary``:
+per length the static and dynamic speedups over torch.compile compiled the same way (paired where
+timed so), (dynamic - 1) / (static - 1) and the two rules.
 """
 from __future__ import annotations
 
@@ -136,8 +138,7 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
             with torch.no_grad(), (oc.config.patch(**overrides) if overrides else contextlib.nullcontext()):
                 return fn(x)
 
-        reference = paired_reference(built, variant, compile_mode, dynamic, runnable, inputs, dim, step_begin)
-
+        reference = None
         for s in seqs:
             row: dict = {"seq": s, "dynamic": dynamic, "sizes_seq_built": max(runnable)}
             if why_not(s, world):
@@ -149,6 +150,8 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
                 x = inputs[s]
                 if dynamic:
                     torch._dynamo.mark_dynamic(x, dim)
+                if reference is None or not dynamic:  # dynamic: one, at the first length; static: per length
+                    reference = paired_reference(built, variant, compile_mode, x, step_begin)
                 watch, first_record = CompileWatch(), len(report.records)
                 clear_choices()
                 t0 = time.perf_counter()
@@ -162,9 +165,10 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
                 recompiles = watch.compiled_since_mark()
                 # a replay too (reduce-overhead: the CUDA graph's, not the warm-up run's)
                 err = max(err, rel_err(built.to_local(prefill(x)), refs[s]))
-                if reference is not None and s <= DECODE_MAX:
-                    row["paired"] = time_pair(lambda: prefill(x), lambda: reference(x),
-                                              iters * PAIRED_ROUNDS_PER_ITER, warmup=2, calls=CALLS_PER_SAMPLE)
+                if reference is not None:
+                    rounds = iters * (PAIRED_ROUNDS_PER_ITER if s <= DECODE_MAX else 1)
+                    row["paired"] = time_pair(lambda: prefill(x), lambda: reference(x), rounds, warmup=2,
+                                              calls=CALLS_PER_SAMPLE)
             except Exception as e:  # the rows so far stay; the sweep goes on with the next configuration
                 import traceback
 
@@ -190,20 +194,17 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
     return rows
 
 
-def paired_reference(built, variant: str, compile_mode: str, dynamic: bool, runnable: list[int], inputs: dict,
-                     dim: int, step_begin):
-    """The overlap dynamic compile's reference at decode-sized lengths: torch.compile's own
-    dynamic compile of the same model, alive beside it, so the two are timed in alternating
-    rounds (timing.time_pair). A decode call is host-launched work of well under a millisecond
-    (under CUDA graphs too: guards, subclass unwrapping, the graph's launch), and the host's
-    speed drifts between configurations timed minutes apart by more than the 1% the decode rule
-    allows. Compiled at the first length, as the overlap compile is (the same size hint). None
-    where there is nothing to pair: another variant, a static compile, no decode-sized length,
-    or a model its framework compiles in place."""
+def paired_reference(built, variant: str, compile_mode: str, x, step_begin):
+    """The overlap compile's reference: torch.compile's own compile of the same model, compiled
+    the same way (dynamic or static) at ``x``'s length and alive beside it, so the two are timed
+    in alternating rounds (timing.time_pair). Host-launched calls of a few milliseconds and less
+    (decode-sized ones under CUDA graphs too: guards, subclass unwrapping, the graph's launch)
+    run at a host speed that drifts between configurations timed minutes apart by more than the
+    rules' margins. None where there is nothing to pair: another variant, or a model its
+    framework compiles in place."""
     from benchmarks.e2e_run import compiled
 
-    if variant != "overlap" or not dynamic or built.compile_with is not None \
-            or not any(s <= DECODE_MAX for s in runnable):
+    if variant != "overlap" or built.compile_with is not None:
         return None
     ref, _ = compiled(built.model, "default", compile_mode, None, None)
 
@@ -212,9 +213,7 @@ def paired_reference(built, variant: str, compile_mode: str, dynamic: bool, runn
         with torch.no_grad():
             return ref(x)
 
-    x0 = inputs[runnable[0]]
-    torch._dynamo.mark_dynamic(x0, dim)
-    call(x0)
+    call(x)
     return call
 
 
@@ -224,12 +223,24 @@ def shape_label(name: str, seq: int, dynamic: bool) -> str:
     return f"{name}, seq {seq}, {'dynamic' if dynamic else 'static'}"
 
 
+def _paired_speedup(row: dict | None) -> float | None:
+    """A row's speedup over torch.compile: its paired rounds' (written onto it as
+    ``paired_speedup``) where it has them, else e2e_report.compare's ``prefill_speedup``."""
+    if not row:
+        return None
+    if row.get("paired"):
+        row["paired_speedup"] = row["paired"]["ratio"]
+        return row["paired_speedup"]
+    return row.get("prefill_speedup")
+
+
 def summary(rows: list[dict]) -> tuple[bool, list[str]]:
     """Per (model, mode, variant) and length, after e2e_report.compare: the static and dynamic
-    speedups, gain share (dynamic - 1) / (static - 1) and the rule for the length (prefill:
-    gain >= GAIN_SHARE x the static one; seq <= DECODE_MAX: dynamic speedup >= DECODE_FLOOR, that
-    of the paired rounds where the row has them, ``paired_reference``), written onto the dynamic rows (``static_speedup``, ``gain_share``, ``rule``, ``rule_ok``);
-    the compiles after the first length beside torch.compile's. Returns (every rule held, lines)."""
+    speedups (each from the row's paired rounds where it has them: ``_paired_speedup``), gain
+    share (dynamic - 1) / (static - 1) and the rule for the length (prefill: gain >= GAIN_SHARE x
+    the static one; seq <= DECODE_MAX: dynamic speedup >= DECODE_FLOOR), written onto the dynamic
+    rows (``static_speedup``, ``gain_share``, ``rule``, ``rule_ok``); the compiles after the first
+    length beside torch.compile's. Returns (every rule held, lines)."""
     from benchmarks.plot import E2E_BOUNDS
 
     by = {(r["model"], r["compile_mode"], r["variant"], r["dynamic"], r["seq"]): r
@@ -240,18 +251,17 @@ def summary(rows: list[dict]) -> tuple[bool, list[str]]:
         lines.append(f"dynamic prefill, {model} {mode} {variant}: seq, static x, dynamic x, gain share, rule")
         for seq in sorted({k[4] for k in by if k[:3] == (model, mode, variant)}):
             dyn, st = by.get((model, mode, variant, True, seq)), by.get((model, mode, variant, False, seq))
-            ds = (dyn or {}).get("prefill_speedup")
-            ss = (st or {}).get("prefill_speedup")
+            # each speedup from its paired rounds where the row has them (paired_reference)
+            ds, ss = (_paired_speedup(r) for r in (dyn, st))
+            paired = bool((dyn or {}).get("paired")) and (seq <= DECODE_MAX or bool((st or {}).get("paired")))
             share = (ds - 1) / (ss - 1) if ds is not None and ss is not None and abs(ss - 1) > 1e-9 else None
             if seq <= DECODE_MAX:
-                paired = (dyn or {}).get("paired")
-                if paired:  # timed beside torch.compile's dynamic compile, in alternating rounds
-                    ds = dyn["paired_speedup"] = paired["ratio"]
-                rule = f">= {DECODE_FLOOR}x torch.compile dynamic" + (", paired rounds" if paired else "")
+                rule = f">= {DECODE_FLOOR}x torch.compile dynamic"
                 held = None if ds is None else ds >= DECODE_FLOOR
             else:
                 rule = f"gain >= {GAIN_SHARE:.0%} of static"
                 held = None if ds is None or ss is None else (ds - 1) >= GAIN_SHARE * (ss - 1)
+            rule += ", paired rounds" if paired else ""
             if dyn is not None:
                 dyn.update(static_speedup=ss, gain_share=share, rule=rule, rule_ok=held)
             ok &= bool(held)
