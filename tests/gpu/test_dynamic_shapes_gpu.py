@@ -8,7 +8,8 @@ each template's GPU path at the run's M, or the site as written, and gives the e
   mark_dynamic and automatic dynamic (two lengths, then a third: no third compile), forward and
   backward of a sequence-parallel MLP, against eager;
 * the same under CUDA-graph trees (mode="reduce-overhead"): lengths alternating, each recorded size
-  replaying its own choice.
+  replaying its own choice;
+* host-launched with decode_as_written: decode-sized lengths branch around the op.
 Each check returns its failures as text (testing.multiprocess.assert_no_gpu_failures).
 """
 from __future__ import annotations
@@ -80,10 +81,14 @@ def _mlp(x, w1, w2, group):
     return reduce_scatter_tensor_autograd(torch.relu(full @ w1) @ w2, "sum", scatter_dim=0, group=group)
 
 
-def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rounds: int = 1) -> list[str]:
+def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rounds: int = 1,
+                   options: dict | None = None) -> list[str]:
     """The sequence-parallel MLP compiled with the overlap backend (the predictor decides), under
     ``dynamic`` ("mark_dynamic" | "automatic") and Inductor ``mode``, called at ``lengths`` (rows
-    per rank) ``rounds`` times over; forward and gradients against eager; Dynamo's compile count."""
+    per rank) ``rounds`` times over; forward and gradients against eager; Dynamo's compile count.
+    ``options``: overlap_compile options for the compile and the calls; with decode_as_written,
+    some graph holds the branch (passes/symbolic_branch.py), and where every graph does, lengths
+    of at most 256 tokens never call a bucketed op."""
     import functools
 
     import torch.distributed as dist
@@ -103,8 +108,13 @@ def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rou
                        backend=functools.partial(overlap_backend, report=report, mode=mode))
     frames = counters["stats"]["unique_graphs"]
     fails = []
+    from overlap_compile.templates.bucketed import choices_made, clear_choices
+
+    patch, decode_calls = oc.config.patch(**(options or {})), []
+    patch.__enter__()
     for r in range(rounds):
         for i, rows in enumerate(lengths):
+            clear_choices()
             gx = torch.Generator(device=dev).manual_seed(10 * rank + rows)
             x = torch.randn(rows, 1024, device=dev, dtype=dt, generator=gx).requires_grad_()
             if dynamic == "mark_dynamic" and r == 0 and i == 0:
@@ -121,6 +131,16 @@ def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rou
                 if not err < TOL:
                     fails.append(f"rank {rank} {dynamic}/{mode} rows={rows} round {r} {label}: rel err {err:.3g}")
             w1.grad = w2.grad = None
+            if 2 * rows <= 256:
+                decode_calls += [(rows, c) for c in choices_made()]
+    patch.__exit__(None, None, None)
+    if (options or {}).get("decode_as_written"):
+        # the predictor decides each graph's table: one whose first bucket rewrites has no branch
+        plain = [rec.name for rec in report.records if "higher_order.cond" not in rec.after]
+        if len(plain) == len(report.records):
+            fails.append(f"rank {rank}: no graph holds the branch")
+        elif not plain and decode_calls:
+            fails.append(f"rank {rank}: every graph branches, yet the op ran at decode-sized M: {decode_calls}")
     compiles = counters["stats"]["unique_graphs"] - frames
     if compiles > (1 if dynamic == "mark_dynamic" else 2):
         fails.append(f"rank {rank} {dynamic}/{mode}: {compiles} compiles")
@@ -144,3 +164,12 @@ def test_compile_dynamic_lengths_under_cuda_graphs():
 
     assert_no_gpu_failures(compile_checks, 2, args=("reduce-overhead", "mark_dynamic", (96, 4096, 24576), 3),
                            timeout_s=400)
+
+
+def test_host_launched_decode_lengths_branch_around_the_op():
+    """decode_as_written: decode-sized lengths run the sites as Inductor lowers them, larger ones
+    the bucketed op; forward and backward equal eager's."""
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
+
+    assert_no_gpu_failures(compile_checks, 2, args=(None, "mark_dynamic", (1000, 8, 4096, 64), 1,
+                                                   {"decode_as_written": True}), timeout_s=400)
