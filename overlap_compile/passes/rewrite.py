@@ -103,10 +103,10 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
             user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
     if not gathered.users:  # only the GEMMs read the gathered rows: the op need not write them out
-        from .symbolic_branch import op_call_of
+        from .symbolic_branch import set_plan_text
 
-        op_node = op_call_of(gathered.args[0])  # the op, or the op inside symbolic_branch's branch
-        op_node.args = (*op_node.args[:-1], dataclasses.replace(plan, gathered=False).to_json())
+        # the op, or the op inside symbolic_branch's branch
+        set_plan_text(gathered.args[0], dataclasses.replace(plan, gathered=False).to_json())
         graph.erase_node(gathered)
 
 

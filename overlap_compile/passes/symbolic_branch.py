@@ -58,7 +58,7 @@ def branch(emit: Any, op: fx.Node, table: BucketTable, m: Any) -> fx.Node:
     """Replace the bucketed op node ``op`` (inserted by ``emit``, a GraphEmitter) by the branch;
     ``m`` is the site's row count M (a SymInt). Returns the node the op's users now read: the
     cond's outputs (all-gather: a tuple like the op's list) or its single output (GEMM ->
-    collective). The op node is left without users."""
+    collective). The op node is erased."""
     graph = emit.graph
     owner = graph.owning_module
     if owner is None:
@@ -92,13 +92,16 @@ def branch(emit: Any, op: fx.Node, table: BucketTable, m: Any) -> fx.Node:
     return out
 
 
-def op_call_of(node: fx.Node) -> fx.Node:
-    """The node calling the op: ``node`` itself, or for a branch the op's call in its bucketed
-    subgraph (where its plan text is to be changed)."""
+def set_plan_text(node: fx.Node, text: str) -> None:
+    """Set the plan text (the last argument) of the op ``node`` calls: ``node`` itself, or for a
+    branch the op's call in its bucketed subgraph, whose code is then regenerated."""
     if node.target is not torch.ops.higher_order.cond:
-        return node
+        node.args = (*node.args[:-1], text)
+        return
     sub = getattr(node.graph.owning_module, node.args[2].target)
-    return next(n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    call = next(n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    call.args = (*call.args[:-1], text)
+    sub.recompile()
 
 
 def _flat_operands(op: fx.Node) -> list:
