@@ -30,10 +30,10 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
+from benchmarks.diagnostics.dynamic_profile import VARIANT_OPTIONS  # noqa: E402
 from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
 VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer")
-OPTIONS = {"overlap-no-defer": {"defer_compute": False}}
 
 
 def measure(a: argparse.Namespace) -> list[dict]:
@@ -67,9 +67,9 @@ def measure(a: argparse.Namespace) -> list[dict]:
 
     def make(variant: str):
         backend = "overlap" if variant.startswith("overlap") else "default"
-        with oc.config.patch(**OPTIONS.get(variant, {})):
+        with oc.config.patch(**VARIANT_OPTIONS.get(variant, {})):
             fn, overrides = compiled(built.model, backend, a.mode, None, oc.Report(), None)
-        overrides = {**OPTIONS.get(variant, {}), **overrides}
+        overrides = {**VARIANT_OPTIONS.get(variant, {}), **overrides}
 
         def call(x):
             step_begin()
