@@ -6,7 +6,9 @@
 
 The options of overlap_compile in effect when Dynamo hands over the forward graph are
 snapshotted into the pass; Inductor re-applies its config patches when it compiles the backward
-graph later, so backward is governed by the same snapshot.
+graph later, so backward is governed by the same snapshot. A compile given its own ``report``
+runs the passes even where Inductor's FX graph cache or AOTAutograd's cache holds the graph: a hit
+skips the post-grad passes, and the Report asked for would stay empty.
 """
 from __future__ import annotations
 
@@ -28,7 +30,18 @@ def overlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: s
     if options:
         patches.update(options)
     patches.update(inductor_patches(make_pass(report=report)))
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    if report is None:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    from torch._functorch import config as functorch_config
+
+    from .explain import compile_cache_settings
+
+    # Inductor re-applies config_patches when it compiles the backward later: the FX graph cache
+    # stays off there too; AOTAutograd's cache is looked up now, for both graphs
+    no_cache, no_aot_cache = compile_cache_settings()
+    patches.update(no_cache)
+    with functorch_config.patch(no_aot_cache):
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def register() -> None:

@@ -20,14 +20,24 @@ from . import config as oc_config
 from .report import Report
 
 
+def compile_cache_settings() -> tuple[dict[str, bool], dict[str, bool]]:
+    """The Inductor and AOTAutograd config that turns off the caches which would let a compile
+    skip the post-grad passes (and so leave the Report empty): (inductor, functorch) patches."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    no_cache = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, k)}
+    no_aot_cache = {k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)}
+    return no_cache, no_aot_cache
+
+
 @contextlib.contextmanager
 def no_compile_caches() -> Iterator[None]:
     """Turn off the caches that would let Inductor skip the post-grad passes (and so the Report)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    no_cache = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, k)}
-    no_aot_cache = {k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)}
+    no_cache, no_aot_cache = compile_cache_settings()
     with inductor_config.patch(no_cache), functorch_config.patch(no_aot_cache):
         yield
 
