@@ -359,7 +359,8 @@ def test_bucketed_op_calls_a_template_op_directly():
 def _branch_checks() -> dict:
     """Run on every rank: the sequence-parallel MLP compiled host-launched with mark_dynamic,
     p2p_ring forced above M = 16 and "as written" up to it (the decision's table edited so), forward
-    and backward at lengths on both sides of 16, against eager; which M ran the bucketed op."""
+    and backward at lengths on both sides of 16, against eager; which M ran the bucketed op. The
+    table is cut again at M = 24: "as written" above it too (a range of its own to branch on)."""
     import dataclasses
     import functools
 
@@ -373,8 +374,9 @@ def _branch_checks() -> dict:
 
     def as_written_to_16(d, timeout_ms):
         t = real(d, timeout_ms)
-        top = [dict(b) for b in t.buckets if b["max_m"] is None or b["max_m"] > 16]
-        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, *top))
+        ring = next(dict(b, max_m=24) for b in t.buckets if b["template"] == "p2p_ring")
+        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring,
+                                               {"max_m": None, "template": "baseline", "config": None}))
 
     symbolic_rewrite.table_of = as_written_to_16
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
@@ -387,7 +389,7 @@ def _branch_checks() -> dict:
         fn = torch.compile(functools.partial(_mlp_sequence_parallel, group=group),
                            backend=functools.partial(overlap_backend, report=report))
         with oc.config.patch(force_template="p2p_ring", decode_as_written=True), no_compile_caches():
-            for i, rows in enumerate((6, 14, 4, 10)):  # M = 2 x rows: 12, 28, 8, 20
+            for i, rows in enumerate((6, 14, 4, 10, 11)):  # M = 2 x rows: 12, 28, 8, 20, 22
                 torch.manual_seed(10 * rank + rows)
                 x = torch.randn(rows, 16, requires_grad=True)
                 if i == 0:
@@ -402,21 +404,22 @@ def _branch_checks() -> dict:
 
 
 def test_host_launched_decode_m_runs_the_site_as_written_without_the_op():
-    """Host-launched, a table whose buckets up to M = 16 say "as written" becomes a branch in the
-    graph (passes/symbolic_branch.py): M <= 16 runs the GEMMs and collectives Inductor lowers,
-    never calling the bucketed op (its host time is what a host-bound decode call loses); larger M
-    calls the op, which runs p2p_ring. Forward and backward equal eager's on both sides."""
+    """Host-launched, a table whose buckets up to M = 16 and past M = 24 say "as written" becomes a
+    branch in the graph (passes/symbolic_branch.py): those M run the GEMMs and collectives Inductor
+    lowers, never calling the bucketed op (its host time is what a host-bound decode call loses);
+    M in (16, 24] calls the op, which runs p2p_ring. Forward and backward equal eager's throughout."""
     for r in run_distributed(_branch_checks, world_size=2, timeout_s=600):
         assert max(r["errs"]) < 1e-4, r["errs"]
-        assert r["ran"][12] == [] and r["ran"][8] == [], r["ran"]  # the branch: no op call at all
-        assert "p2p_ring" in r["ran"][28] and "p2p_ring" in r["ran"][20], r["ran"]
-        assert all("torch.ops.higher_order.cond" in after and " <= 16" in after for after in r["after"]), r["after"]
+        assert r["ran"][12] == r["ran"][8] == r["ran"][28] == [], r["ran"]  # the branch: no op call at all
+        assert "p2p_ring" in r["ran"][20] and "p2p_ring" in r["ran"][22], r["ran"]
+        for after in r["after"]:
+            assert "torch.ops.higher_order.cond" in after and " <= 16" in after and " >= 25" in after, after
 
 
-def test_branch_only_where_host_launched_with_leading_as_written_buckets():
+def test_branch_only_where_host_launched_with_as_written_and_rewriting_buckets():
     from torch._inductor import config as inductor_config
 
-    from overlap_compile.passes.symbolic_branch import applies, as_written_limit
+    from overlap_compile.passes.symbolic_branch import applies, as_written_ranges
     from overlap_compile.templates.bucketed import BucketTable
 
     def table(*entries, **kw):
@@ -424,9 +427,12 @@ def test_branch_only_where_host_launched_with_leading_as_written_buckets():
                            buckets=tuple({"max_m": m, "template": t, "config": None} for m, t in entries), **kw)
 
     mixed = table((16, "baseline"), (64, "baseline"), (None, "p2p_ring"))
-    assert as_written_limit(mixed) == 64
-    assert as_written_limit(table((16, "p2p_ring"), (None, "baseline"))) is None  # the first bucket rewrites
-    assert as_written_limit(table((16, "baseline"), (None, "baseline"))) is None  # nothing to branch to
+    assert as_written_ranges(mixed) == [(1, 64)]
+    assert as_written_ranges(table((16, "p2p_ring"), (None, "baseline"))) == [(17, None)]
+    assert as_written_ranges(table((16, "baseline"), (256, "tile_fused"), (1024, "baseline"), (4096, "p2p_ring"),
+                                   (None, "baseline"))) == [(1, 16), (257, 1024), (4097, None)]
+    assert as_written_ranges(table((16, "baseline"), (None, "baseline"))) == []  # nothing to branch to
+    assert as_written_ranges(table((16, "p2p_ring"), (None, "tile_fused"))) == []  # nothing to branch around
     with inductor_config.patch({"triton.cudagraphs": False}):
         assert applies(mixed)
         assert not applies(dataclasses.replace(mixed, outer=2))  # stripes off the leading dim

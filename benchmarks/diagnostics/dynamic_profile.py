@@ -31,10 +31,11 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
-VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer")
+VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-branch")
 # variant -> overlap_compile options it compiles under ("overlap-no-defer": nothing moved under the
-# collectives kept as written, so Inductor's peak-memory reordering stays on)
-VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False}}
+# collectives kept as written, so Inductor's peak-memory reordering stays on; "overlap-branch": the
+# "as written" M ranges branch around the bucketed op where host-launched)
+VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False}, "overlap-branch": {"decode_as_written": True}}
 
 
 def role(name: str) -> str:

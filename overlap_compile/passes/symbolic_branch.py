@@ -1,15 +1,16 @@
-"""Host-launched graphs: decode-sized M of a symbolic site runs the site as written, in Inductor's
-own code, without the bucketed op.
+"""Host-launched graphs: the M ranges a symbolic site's table runs "as written" run the site in
+Inductor's own code, without the bucketed op.
 
 A bucketed op is a Python kernel behind the dispatcher. In a host-launched graph every call pays
 that dispatch and Python before it queues a kernel, and at decode-sized M the call is host-bound
 while the table says "as written" anyway: that host time is what decode loses to torch.compile.
-Where a table's leading buckets up to M = T all say "as written", the op becomes a branch that
-Inductor writes into its wrapper as a Python ``if``::
+Where a table has both "as written" buckets and buckets that rewrite, the op becomes a branch
+that Inductor writes into its wrapper as a Python ``if``::
 
     out = bucketed_op(operands, group, table)
  becomes
-    out = cond(M <= T, as_written(operands), bucketed(operands))
+    out = cond(M in the as-written ranges, as_written(operands), bucketed(operands))
+    e.g. cond((M <= 256) | (M > 4096), ...) for a table "as written" up to 256 and past 4096
 
 ``as_written`` is the site's GEMM then its functional collective, lowered by Inductor as it lowers
 the graph as written; ``bucketed`` calls the op. Only where the option ``decode_as_written`` is
@@ -32,17 +33,22 @@ c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
-def as_written_limit(table: BucketTable) -> int | None:
-    """T: the largest M of the table's leading run of "as written" buckets; None where the first
-    bucket rewrites or every bucket is as written (no op to avoid, or nothing to branch to)."""
-    limit = None
+def as_written_ranges(table: BucketTable) -> list[tuple[int, int | None]]:
+    """The M ranges (lo, hi) the table runs "as written" (lo 1 for the first; hi None: no end),
+    neighbours merged; [] where every bucket is as written or none is (no op to avoid, or
+    nothing to branch to)."""
+    ranges: list[tuple[int, int | None]] = []
+    prev = 0
     for entry in table.buckets:
-        if entry["template"] != BASELINE:
-            return limit
+        if entry["template"] == BASELINE:
+            if ranges and ranges[-1][1] == prev:
+                ranges[-1] = (ranges[-1][0], entry["max_m"])
+            else:
+                ranges.append((prev + 1, entry["max_m"]))
         if entry["max_m"] is None:
-            return None
-        limit = entry["max_m"]
-    return None
+            break
+        prev = entry["max_m"]
+    return [] if ranges == [(1, None)] else ranges
 
 
 def applies(table: BucketTable) -> bool:
@@ -51,7 +57,17 @@ def applies(table: BucketTable) -> bool:
 
     if launch_mode() != "eager" or table.kind == "gemm_alltoall" or table.outer not in (None, 1):
         return False
-    return as_written_limit(table) is not None
+    return bool(as_written_ranges(table))
+
+
+def _in_ranges(emit: Any, m_node: fx.Node, ranges: list[tuple[int, int | None]]) -> fx.Node:
+    """The SymBool "M lies in one of ``ranges``", as graph nodes."""
+    pred = None
+    for lo, hi in ranges:
+        parts = ([emit(operator.ge, m_node, lo)] if lo > 1 else []) + ([emit(operator.le, m_node, hi)] if hi is not None else [])
+        term = parts[0] if len(parts) == 1 else emit(operator.and_, *parts)
+        pred = term if pred is None else emit(operator.or_, pred, term)
+    return pred
 
 
 def branch(emit: Any, op: fx.Node, table: BucketTable, m: Any) -> fx.Node:
@@ -63,7 +79,7 @@ def branch(emit: Any, op: fx.Node, table: BucketTable, m: Any) -> fx.Node:
     owner = graph.owning_module
     if owner is None:
         return op
-    limit = as_written_limit(table)
+    ranges = as_written_ranges(table)
     tensors = [a for a in _flat_operands(op) if isinstance(a, fx.Node)]
     # the symbols in the operands' sizes, passed in too: a subgraph binds its sizes' symbols
     # from its own inputs, and M = W x s rows cannot bind s
@@ -78,7 +94,7 @@ def branch(emit: Any, op: fx.Node, table: BucketTable, m: Any) -> fx.Node:
     owner.register_module(names[0], true_gm)
     owner.register_module(names[1], false_gm)
     m_node = ss.size_arg(emit.before, m, emit)
-    pred = emit(operator.le, m_node, limit)
+    pred = _in_ranges(emit, m_node, ranges)
     with graph.inserting_before(emit.before):
         attrs = [graph.get_attr(n) for n in names]
         cond = graph.call_function(torch.ops.higher_order.cond, (pred, attrs[0], attrs[1], tuple(operands)))
