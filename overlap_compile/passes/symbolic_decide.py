@@ -3,7 +3,11 @@
 The buckets (predictor/buckets.py) come from M's size hint and the compile's bounds. For each,
 the site is priced as a static site at the bucket's representative M (a whole number of GEMM
 tiles per ring piece where the bucket holds one) by the same per-site decision as any static
-site (decide._decide_one). ``second_look`` then gives each bucket what decide gives a static
+site (decide._decide_one), and at its smallest and largest M. Where the ends choose another
+template, or the representative's rewrite is priced slower than the site as written at an end,
+the bucket is cut in two at a power of two and each half decided again; a bucket that cannot be
+cut takes a rewrite that holds at its representative and both ends, else runs as written.
+``second_look`` then gives each bucket what decide gives a static
 graph after that: per bucket, every site of the graph is made static at its M there (sites of
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
 and, for the symbolic sites, the measuring of uncertain sites, so a bucket chooses what a static
@@ -19,6 +23,7 @@ import math
 from typing import Any, Callable
 
 from ..config import Options
+from ..predictor.buckets import Bucket, split
 from ..predictor.buckets import buckets as make_buckets
 from .decision import BASELINE, Decision
 from .matches import AllGatherGemmMatch, Match
@@ -61,9 +66,45 @@ def _align(match: Match) -> int:
 
 def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Callable) -> Decision:
     rows = match.rows
-    per_bucket = [(b, decide_one(at_rows(match, b.at), options, profile, []))
-                  for b in make_buckets(rows.hint, rows.lo, rows.hi, unit_rows(rows, match.world_size), _align(match))]
+    step, align = unit_rows(rows, match.world_size), _align(match)
+    per_bucket = []
+    for b in make_buckets(rows.hint, rows.lo, rows.hi, step, align):
+        at = lambda m: decide_one(at_rows(match, m), options, profile, [])  # noqa: E731
+        # a forced template runs in every bucket, holding or not
+        per_bucket += [(b, at(b.at))] if options.force_template else _decide_bucket(match, b, step, align, at)
     return _from_buckets(match, per_bucket)
+
+
+def _decide_bucket(match: Match, b: Bucket, step: int, align: int, at: Callable) -> list:
+    """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
+    at its representative where the decisions at its ends choose the same template and, where it
+    rewrites, it holds there; else each half of ``b`` decided so; where no power of two lies
+    inside, of the rewrites chosen at the representative and the ends, the one that holds at all
+    three with the least predicted time summed over them, else "as written"."""
+    d = at(b.at)
+    if b.hi is None:
+        return [(b, d)]
+    ends = sorted({m for m in (b.lo, b.hi // step * step) if m != b.at})
+    priced = {m: at(m) for m in ends}
+    if all(e.template == d.template and (not d.rewrites or _holds(d, e)) for e in priced.values()):
+        return [(b, d)]
+    halves = split(b, step, align)
+    if halves is not None:
+        return [pair for h in halves for pair in _decide_bucket(match, h, step, align, at)]
+    return [_held(b, d, priced)]
+
+
+def _priced_ms(d: Decision, other: Decision) -> float:
+    """``d``'s template and configuration as priced in ``other`` (ms; inf where not priced)."""
+    return next((c.predicted_ms for c in other.candidates if c.template == d.template and c.config == d.config
+                 and c.predicted_ms is not None), math.inf)
+
+
+def _holds(d: Decision, other: Decision) -> bool:
+    """Whether ``d``'s template and configuration are priced no slower than the site as written in
+    ``other`` (the same site's static decision at another M)."""
+    base = next((c.predicted_ms for c in other.candidates if c.template == BASELINE), None)
+    return base is not None and _priced_ms(d, other) <= base
 
 
 def _from_buckets(match: Match, per_bucket: list) -> BucketedDecision:
@@ -95,40 +136,66 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
                 decide_one: Callable, pace: Callable, settle: Callable) -> list[Decision]:
     """``decisions`` with each symbolic site's buckets decided as a static graph's sites are after
     the per-site decision: per bucket of a site, the graph's sites static at that bucket's M (the
-    site's other symbolic neighbours of the same M expression at the same bucket, those of another
-    expression at their M scaled by the hints' ratio, static sites as they are) go through
-    ``pace`` (host-launch pacing, given a graph) and this site's bucket through ``settle``."""
+    site's symbolic neighbours of the same M expression at the same M, those of another expression
+    at their M scaled by the hints' ratio, static sites as they are) go through ``pace``
+    (host-launch pacing, given a graph) and this site's bucket through ``settle``. A rewrite so
+    chosen must hold at the bucket's ends, priced there the same way (paced, not measured);
+    where it does not, the bucket takes a rewrite chosen at the representative or an end that
+    holds at all three, else runs as written."""
     idx = [i for i, d in enumerate(decisions) if isinstance(d, BucketedDecision) and d.per_bucket]
     if not idx or profile is None:
         return decisions
     out = list(decisions)
-    done: set[int] = set()
+    first: dict = {}
+
+    def static_at(j: int, m: int) -> Decision:  # site j's per-site decision at M = m, made once
+        if (j, m) not in first:
+            first[j, m] = decide_one(at_rows(decisions[j].match, m), options, profile, [])
+        return first[j, m]
+
+    def view_at(i: int, m: int) -> list[Decision]:
+        """The graph's decisions with every symbolic site static at site i's M = m, paced."""
+        view = list(decisions)
+        hint = max(1, decisions[i].match.rows.hint)
+        for j in idx:
+            other = decisions[j].match
+            view[j] = static_at(j, m if other.rows.expr == decisions[i].match.rows.expr
+                                else _scaled(other, m * other.rows.hint / hint))
+        return pace(graph, view, options, profile) if graph is not None else view
+
     for i in idx:
-        if i in done:
-            continue
-        d = decisions[i]
-        # the sites of this M expression share its buckets: one static view per bucket serves all
-        peers = [j for j in idx if j not in done and decisions[j].match.rows.expr == d.match.rows.expr
-                 and [b for b, _ in decisions[j].per_bucket] == [b for b, _ in d.per_bucket]]
-        new = {j: [] for j in peers}
-        for k, (b, _) in enumerate(d.per_bucket):
-            view = list(decisions)
-            for j in idx:
-                if j in new:
-                    view[j] = decisions[j].per_bucket[k][1]
-                else:
-                    other = decisions[j].match
-                    m = _scaled(other, b.at * other.rows.hint / max(1, d.match.rows.hint))
-                    view[j] = decide_one(at_rows(other, m), options, profile, [])
-            if graph is not None:
-                view = pace(graph, view, options, profile)
-            settled = settle([view[j] for j in peers], options, profile)
-            for j, s in zip(peers, settled):
-                new[j].append((b, s))
-        for j in peers:
-            out[j] = _from_buckets(decisions[j].match, new[j])
-            done.add(j)
+        d, step = decisions[i], unit_rows(decisions[i].match.rows, decisions[i].match.world_size)
+        for b, own in d.per_bucket:
+            first[i, b.at] = own
+        new = []
+        for b, _ in d.per_bucket:
+            (chosen,) = settle([view_at(i, b.at)[i]], options, profile)
+            if chosen.rewrites and b.hi is not None and not options.force_template:
+                ends = {m: view_at(i, m)[i] for m in {b.lo, b.hi // step * step} - {b.at}}
+                b, chosen = _held(b, chosen, ends)
+            new.append((b, chosen))
+        out[i] = _from_buckets(d.match, new)
     return out
+
+
+def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
+    """(bucket, decision) for ``chosen`` (the decision at ``b.at``) given the decisions at the
+    bucket's ends: ``chosen`` where it rewrites and holds there, else the rewrite of the
+    representative or an end that holds at all three with the least predicted time over them (the
+    bucket's ``at`` then that M), else "as written"."""
+    if chosen.rewrites and all(_holds(chosen, e) for e in ends.values()):
+        return b, chosen
+    priced = {b.at: chosen, **ends}
+    fits = [m for m in priced if priced[m].rewrites and all(_holds(priced[m], e) for e in priced.values())]
+    if fits:
+        m = min(fits, key=lambda m: (sum(_priced_ms(priced[m], e) for e in priced.values()), m != b.at))
+        return dataclasses.replace(b, at=m), priced[m]
+    if not chosen.rewrites:
+        return b, chosen
+    losing = ", ".join(f"M={m}" for m in sorted(ends) if not _holds(chosen, ends[m]))
+    reason = (f"{chosen.template} chosen at M={b.at} is priced slower than as written at {losing}, and no choice "
+              "holds across the bucket: kept as written")
+    return b, dataclasses.replace(chosen, template=BASELINE, config=None, reason=reason)
 
 
 def _scaled(match: Match, m: float) -> int:

@@ -64,6 +64,26 @@ def buckets(hint: int, lo: int, hi: int | None, step: int = 1, align: int = 1) -
     return out
 
 
+def split(bucket: Bucket, step: int = 1, align: int = 1) -> tuple[Bucket, Bucket] | None:
+    """``bucket`` (closed) cut in two at the power of two nearest its geometric middle, strictly
+    inside it, each half with its own representative; None where no power of two lies inside."""
+    if bucket.hi is None:
+        return None
+    step, align = max(1, step), max(step, align)
+    inside = [1 << i for i in range(bucket.hi.bit_length() + 1) if bucket.lo <= (1 << i) < bucket.hi]
+    if not inside:
+        return None
+    mid = math.sqrt(bucket.lo * bucket.hi)
+    p = min(inside, key=lambda x: abs(math.log(x / mid)))
+    end = p // step * step
+    if end < bucket.lo or end + step > bucket.hi:
+        return None
+    lo_half = Bucket(bucket.lo, p, _aligned(_middle(bucket.lo, end, step), bucket.lo, end, align))
+    top = bucket.hi // step * step
+    hi_half = Bucket(end + step, bucket.hi, _aligned(_middle(end + step, top, step), end + step, top, align))
+    return lo_half, hi_half
+
+
 def _aligned(m: int, lo: int, hi: int, align: int) -> int:
     """The multiple of ``align`` in [lo, hi] nearest to ``m`` (the lower one on a tie) and within a
     factor sqrt(2) of it (the middle half of a factor-of-four bucket, so never near an edge), else
