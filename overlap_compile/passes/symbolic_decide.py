@@ -6,7 +6,7 @@ tiles per ring piece where the bucket holds one) by the same per-site decision a
 site (decide._decide_one), and at its smallest and largest M. Where the ends choose another
 template, or the representative's rewrite is priced slower than the site as written at an end,
 the bucket is cut in two at a power of two and each half decided again; a bucket that cannot be
-cut takes a rewrite that holds at its representative and both ends, else runs as written.
+cut takes, of the three choices and "as written", the one priced least summed over the three M.
 ``second_look`` then gives each bucket what decide gives a static
 graph after that: per bucket, every site of the graph is made static at its M there (sites of
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
@@ -78,9 +78,8 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
 def _decide_bucket(match: Match, b: Bucket, step: int, align: int, at: Callable) -> list:
     """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
     at its representative where the decisions at its ends choose the same template and, where it
-    rewrites, it holds there; else each half of ``b`` decided so; where no power of two lies
-    inside, of the rewrites chosen at the representative and the ends, the one that holds at all
-    three with the least predicted time summed over them, else "as written"."""
+    rewrites, it is priced no slower than as written there; else each half of ``b`` decided so;
+    where no power of two lies inside, ``_held``'s choice over the three."""
     d = at(b.at)
     if b.hi is None:
         return [(b, d)]
@@ -103,8 +102,7 @@ def _priced_ms(d: Decision, other: Decision) -> float:
 def _holds(d: Decision, other: Decision) -> bool:
     """Whether ``d``'s template and configuration are priced no slower than the site as written in
     ``other`` (the same site's static decision at another M)."""
-    base = next((c.predicted_ms for c in other.candidates if c.template == BASELINE), None)
-    return base is not None and _priced_ms(d, other) <= base
+    return _priced_ms(d, other) <= _base_ms(other)
 
 
 def _from_buckets(match: Match, per_bucket: list) -> BucketedDecision:
@@ -139,9 +137,8 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
     site's symbolic neighbours of the same M expression at the same M, those of another expression
     at their M scaled by the hints' ratio, static sites as they are) go through ``pace``
     (host-launch pacing, given a graph) and this site's bucket through ``settle``. A rewrite so
-    chosen must hold at the bucket's ends, priced there the same way (paced, not measured);
-    where it does not, the bucket takes a rewrite chosen at the representative or an end that
-    holds at all three, else runs as written."""
+    chosen is priced at the bucket's ends the same way (paced, not measured); where it is slower
+    than as written at an end, ``_held`` picks the bucket's choice over the three M."""
     idx = [i for i, d in enumerate(decisions) if isinstance(d, BucketedDecision) and d.per_bucket]
     if not idx or profile is None:
         return decisions
@@ -180,22 +177,33 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
 
 def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     """(bucket, decision) for ``chosen`` (the decision at ``b.at``) given the decisions at the
-    bucket's ends: ``chosen`` where it rewrites and holds there, else the rewrite of the
-    representative or an end that holds at all three with the least predicted time over them (the
-    bucket's ``at`` then that M), else "as written"."""
-    if chosen.rewrites and all(_holds(chosen, e) for e in ends.values()):
+    bucket's ends: ``chosen`` where the ends choose as it does, or it rewrites and is priced no
+    slower than as written there; else, of ``chosen``, the ends' choices and "as written", the one
+    priced least summed over the representative and the ends (a gain measured at the
+    representative counts there), the bucket's ``at`` then the M it was chosen at."""
+    same = all(e.template == chosen.template for e in ends.values())
+    if (same and not chosen.rewrites) or (chosen.rewrites and all(_holds(chosen, e) for e in ends.values())):
         return b, chosen
     priced = {b.at: chosen, **ends}
-    fits = [m for m in priced if priced[m].rewrites and all(_holds(priced[m], e) for e in priced.values())]
-    if fits:
-        m = min(fits, key=lambda m: (sum(_priced_ms(priced[m], e) for e in priced.values()), m != b.at))
-        return dataclasses.replace(b, at=m), priced[m]
-    if not chosen.rewrites:
+    kept = chosen if not chosen.rewrites else dataclasses.replace(chosen, template=BASELINE, config=None)
+    options = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
+
+    def total(d: Decision) -> float:
+        gain = (chosen.measured or {}).get("measured_gain") if d is chosen and chosen.rewrites else None
+        return sum(_base_ms(e) / gain if gain and m == b.at else _priced_ms(d, e) for m, e in priced.items())
+
+    m, pick = min(options, key=lambda o: total(o[1]))
+    if pick is chosen:
         return b, chosen
-    losing = ", ".join(f"M={m}" for m in sorted(ends) if not _holds(chosen, ends[m]))
-    reason = (f"{chosen.template} chosen at M={b.at} is priced slower than as written at {losing}, and no choice "
-              "holds across the bucket: kept as written")
-    return b, dataclasses.replace(chosen, template=BASELINE, config=None, reason=reason)
+    text = ", ".join(f"{d.template} {total(d):.3f} ms" for _, d in options)
+    reason = (f"{chosen.template} chosen at M={b.at}; summed over M={', '.join(map(str, sorted(priced)))} "
+              f"({text}): {pick.template} is priced least")
+    return dataclasses.replace(b, at=m), dataclasses.replace(pick, reason=reason)
+
+
+def _base_ms(d: Decision) -> float:
+    return next((c.predicted_ms for c in d.candidates if c.template == BASELINE and c.predicted_ms is not None),
+                math.inf)
 
 
 def _scaled(match: Match, m: float) -> int:
