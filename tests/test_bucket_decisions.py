@@ -141,3 +141,18 @@ def test_representatives_are_whole_tiles_away_from_the_edges():
     assert [b.at for b in buckets(1024, 4, 16384, step=2)] == [4, 10, 34, 130, 514, 2050, 8194]
     for b in buckets(64, 8, None, step=4, align=512):
         assert b.at % 4 == 0 and b.lo <= b.at and (b.hi is None or b.at <= b.hi), b
+
+
+def test_a_bucket_is_cut_at_a_power_of_two_else_at_a_whole_tile_near_its_middle():
+    from overlap_compile.predictor.buckets import Bucket, split
+
+    assert split(Bucket(258, 1024, 512), step=2, align=256) == (Bucket(258, 512, 512), Bucket(514, 1024, 768))
+    # no power of two inside: a multiple of align near the geometric middle, down to a factor 1.5
+    assert split(Bucket(2050, 4096, 2816), step=2, align=256) == (Bucket(2050, 2816, 2304), Bucket(2818, 4096, 3328))
+    assert split(Bucket(2818, 4096, 3328), step=2, align=256) is None
+    assert split(Bucket(4, 4, 4), step=2) is None and split(Bucket(4098, None, 5888), step=2) is None
+    assert split(Bucket(130, 256, 256), step=2, align=256) is None  # no whole tile inside
+    for b in (Bucket(6, 16, 10), Bucket(130, 256, 176), Bucket(1026, 2048, 1536)):
+        lo, hi = split(b, step=2, align=16)
+        assert lo.lo == b.lo and hi.hi == b.hi and hi.lo == lo.hi + 2, (lo, hi)
+        assert all(h.lo <= h.at <= h.hi and h.at % 2 == 0 for h in (lo, hi)), (lo, hi)

@@ -64,20 +64,25 @@ def buckets(hint: int, lo: int, hi: int | None, step: int = 1, align: int = 1) -
     return out
 
 
+MIN_SPLIT_RATIO = 1.5  # a bucket narrower than this (hi / lo) is not cut by a multiple of align
+
+
 def split(bucket: Bucket, step: int = 1, align: int = 1) -> tuple[Bucket, Bucket] | None:
     """``bucket`` (closed) cut in two at the power of two nearest its geometric middle, strictly
-    inside it, each half with its own representative; None where no power of two lies inside."""
+    inside it, else (where it spans a factor MIN_SPLIT_RATIO) at the multiple of ``align`` nearest
+    that middle; each half with its own representative. None where neither lies inside."""
     if bucket.hi is None:
         return None
     step, align = max(1, step), max(step, align)
+    mid = math.sqrt(bucket.lo * bucket.hi)
     inside = [1 << i for i in range(bucket.hi.bit_length() + 1) if bucket.lo <= (1 << i) < bucket.hi]
+    if not inside and bucket.hi >= MIN_SPLIT_RATIO * bucket.lo:
+        inside = [x for x in (int(mid) // align * align, -(-int(mid) // align) * align) if bucket.lo <= x < bucket.hi]
+    inside = [p for p in inside if bucket.lo <= p // step * step and p // step * step + step <= bucket.hi]
     if not inside:
         return None
-    mid = math.sqrt(bucket.lo * bucket.hi)
-    p = min(inside, key=lambda x: abs(math.log(x / mid)))
+    p = min(inside, key=lambda x: (abs(math.log(x / mid)), x))
     end = p // step * step
-    if end < bucket.lo or end + step > bucket.hi:
-        return None
     lo_half = Bucket(bucket.lo, p, _aligned(_middle(bucket.lo, end, step), bucket.lo, end, align))
     top = bucket.hi // step * step
     hi_half = Bucket(end + step, bucket.hi, _aligned(_middle(end + step, top, step), end + step, top, align))
