@@ -300,7 +300,7 @@ def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[
             t0 = time.monotonic()
             torch._dynamo.reset()
             try:
-                from overlap_compile.explain import no_compile_caches
+                from overlap_compile.compile_caches import no_compile_caches
 
                 with no_compile_caches():
                     got = e2e_dynamic.run_lengths(model_name, shape, variant, compile_mode, dynamic,
@@ -344,7 +344,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
         os.makedirs(a.out, exist_ok=True)
         with open(inflight, "w") as f:
             json.dump({k: cfg[k] for k in ("model", "shape", "compile_mode", "ckpt", "variant")}, f)
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     rows = []
     try:

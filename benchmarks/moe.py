@@ -198,7 +198,7 @@ def measure(layer, name: str, phase: str, compile_mode: str, inputs: dict, iters
     """routing -> (row fields, output) for one variant: compiled once, timed on each routing."""
     import overlap_compile as oc
     from benchmarks.e2e_run import CompileWatch
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     force, config = VARIANTS[name]
     torch._dynamo.reset()

@@ -81,7 +81,7 @@ def async_tp_site(kind: str, a: torch.Tensor, b: torch.Tensor, group: str, world
     from torch._inductor.utils import run_and_get_code
 
     from benchmarks.async_tp import rewrote
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     with no_compile_caches():  # run_and_get_code resets Dynamo: a fresh static-shape graph per shape
         fn = torch.compile(sequential_fn(kind, group, world), dynamic=False, fullgraph=True)

@@ -34,7 +34,7 @@ def overlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: s
         return compile_fx(gm, example_inputs, config_patches=patches)
     from torch._functorch import config as functorch_config
 
-    from .explain import compile_cache_settings
+    from .compile_caches import compile_cache_settings
 
     # Inductor re-applies config_patches when it compiles the backward later: the FX graph cache
     # stays off there too; AOTAutograd's cache is looked up now, for both graphs

@@ -9,37 +9,15 @@ so every graph is seen. Keyword arguments are overlap_compile options for this c
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from . import config as oc_config
+from .compile_caches import no_compile_caches
 from .report import Report
-
-
-def compile_cache_settings() -> tuple[dict[str, bool], dict[str, bool]]:
-    """The Inductor and AOTAutograd config that turns off the caches which would let a compile
-    skip the post-grad passes (and so leave the Report empty): (inductor, functorch) patches."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
-    no_cache = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, k)}
-    no_aot_cache = {k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)}
-    return no_cache, no_aot_cache
-
-
-@contextlib.contextmanager
-def no_compile_caches() -> Iterator[None]:
-    """Turn off the caches that would let Inductor skip the post-grad passes (and so the Report)."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
-    no_cache, no_aot_cache = compile_cache_settings()
-    with inductor_config.patch(no_cache), functorch_config.patch(no_aot_cache):
-        yield
 
 
 def explain(model: Any, *inputs: Any, backward: bool = False, mode: str | None = None, **overrides: Any) -> Report:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from . import config as oc_config
-from .explain import _sum_outputs, no_compile_caches
+from .compile_caches import no_compile_caches
+from .explain import _sum_outputs
 from .report import Report
 
 

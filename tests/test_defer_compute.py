@@ -100,7 +100,7 @@ def _tp_mlp_backward_code() -> dict:
 
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from torch._inductor.utils import run_and_get_code
 
     group, w = dist.group.WORLD.group_name, dist.get_world_size()

@@ -134,7 +134,7 @@ def _compile_checks(template: str | None) -> dict:
 
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from torch._dynamo.utils import counters
 
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
@@ -192,7 +192,7 @@ def _dtensor_block_checks(template: str | None) -> dict:
     from overlap_compile.backend import overlap_backend
     from overlap_compile.demo.common import max_err, setup_block
     from overlap_compile.demo.run import CPU_SIZES
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -366,7 +366,7 @@ def _branch_checks() -> dict:
 
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from overlap_compile.passes import symbolic_rewrite
     from overlap_compile.templates.bucketed import choices_made, clear_choices
 

@@ -32,7 +32,7 @@ def _rewritten_vs_written(configs: list) -> list:
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
     from overlap_compile.demo.moe import capacity, route
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     rank, results = dist.get_rank(), []
     for config in configs:
         layer, full = _layer(1.25)
@@ -221,7 +221,7 @@ def test_uneven_splits_are_left_alone_with_the_reason():
 def _bf16_rewritten_vs_written() -> dict:
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     rank = dist.get_rank()
     layer, _ = _layer(1.25)
@@ -304,7 +304,7 @@ def _training_vs_written(configs: list) -> list:
     gradient."""
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     rank, results = dist.get_rank(), []
     for config in configs:

@@ -72,7 +72,7 @@ def _compile(layer, template: str, report, capture=None):
 def _training_step() -> dict:
     import overlap_compile as oc
     from overlap_compile.demo.moe import capacity, route
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     out = {"errs": {}, "dropped": {}}
     captured = []

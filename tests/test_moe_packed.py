@@ -227,7 +227,7 @@ def _training_step() -> dict:
 
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from tests import test_moe_fused_backward as t
 
     out = {}

@@ -22,7 +22,7 @@ def _compiled_vs_eager(capacity_factor: float, train: bool, devices: tuple, **op
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
     from overlap_compile.demo.moe import ExpertParallelMoE
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from overlap_compile.passes import moe_scatter
     from overlap_compile.report import Report
 

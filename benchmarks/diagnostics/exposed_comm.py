@@ -421,7 +421,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
     """One variant on this rank: built, compiled as e2e_run compiles it, warmed up, timed, then
     ``a.steps`` steps profiled. Returns this rank's measurement, the expected sites, the step time."""
     import overlap_compile as oc
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
     from torch._inductor import config as inductor_config
     from torch.profiler import ProfilerActivity, profile, record_function
 

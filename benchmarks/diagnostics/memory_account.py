@@ -194,7 +194,7 @@ def release(device: str) -> float:
 def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device: str, dtype) -> list[dict]:
     """This rank's rows, one per phase: the model built and compiled as e2e_run does it."""
     import overlap_compile as oc
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     from benchmarks.e2e_run import RecordsSince, compiled, framework_mode
     from benchmarks.models import build

@@ -23,7 +23,7 @@ def worker(out: str, eager_first: bool = False) -> None:
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
     from overlap_compile.demo.moe import ExpertParallelMoE
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     rank, w = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()

@@ -29,7 +29,7 @@ def check_against_eager(setting: str, sizes: dict, device: str = "cpu", dtype: s
     import overlap_compile as oc
 
     from ..backend import overlap_backend
-    from ..explain import no_compile_caches
+    from ..compile_caches import no_compile_caches
 
     ref, blk, xr, xc = setup_block(sizes, device, getattr(torch, dtype))
     yr = ref(xr)
@@ -60,7 +60,7 @@ def check_moe_inference(setting: str, sizes: dict) -> dict:
     import overlap_compile as oc
 
     from ..backend import overlap_backend
-    from ..explain import no_compile_caches
+    from ..compile_caches import no_compile_caches
     from .moe import ExpertParallelMoE
 
     torch.manual_seed(0)

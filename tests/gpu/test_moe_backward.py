@@ -106,7 +106,7 @@ def _training_step() -> list[str]:
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
     from overlap_compile.demo.moe import ExpertParallelMoE
-    from overlap_compile.explain import no_compile_caches
+    from overlap_compile.compile_caches import no_compile_caches
 
     rank, w = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
