@@ -126,14 +126,27 @@ def _step_error(fn, model, x, w1, w2, group) -> float:
     return err
 
 
-def _compile_checks(template: str | None) -> dict:
-    """Run on every rank: each model compiled with the overlap backend, with ``mark_dynamic`` (one
-    compile, then lengths it was not compiled for) and with automatic dynamic (two lengths, then
-    a third); forward and backward against eager; what the pass did and how often Dynamo compiled."""
+def _compiled(model, group: str):
+    """``model`` compiled with the overlap backend after a Dynamo reset, its weights (seeded) and
+    the Report the compile fills: (compiled fn, w1, w2, report)."""
     import functools
 
     import overlap_compile as oc
     from overlap_compile.backend import overlap_backend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 24, requires_grad=True), torch.randn(24, 8, requires_grad=True)
+    report = oc.Report()
+    fn = torch.compile(functools.partial(model, group=group), backend=functools.partial(overlap_backend, report=report))
+    return fn, w1, w2, report
+
+
+def _compile_checks(template: str | None) -> dict:
+    """Run on every rank: each model compiled with the overlap backend, with ``mark_dynamic`` (one
+    compile, then lengths it was not compiled for) and with automatic dynamic (two lengths, then
+    a third); forward and backward against eager; what the pass did and how often Dynamo compiled."""
+    import overlap_compile as oc
     from overlap_compile.compile_caches import no_compile_caches
     from torch._dynamo.utils import counters
 
@@ -143,12 +156,7 @@ def _compile_checks(template: str | None) -> dict:
     for name, model in (("allreduce", _mlp_allreduce), ("sequence_parallel", _mlp_sequence_parallel),
                         ("alltoall", _alltoall)):
         for mode in ("mark_dynamic", "automatic"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            w1, w2 = torch.randn(16, 24, requires_grad=True), torch.randn(24, 8, requires_grad=True)
-            report = oc.Report()
-            fn = torch.compile(functools.partial(model, group=group),
-                               backend=functools.partial(overlap_backend, report=report))
+            fn, w1, w2, report = _compiled(model, group)
             frames = counters["stats"]["unique_graphs"]
             errs = []
             lengths = (6, 10, 14) if mode == "mark_dynamic" else (6, 10, 22)  # rows per rank: even (A2A)
@@ -362,10 +370,8 @@ def _branch_checks() -> dict:
     and backward at lengths on both sides of 16, against eager; which M ran the bucketed op. The
     table is cut again at M = 24: "as written" above it too (a range of its own to branch on)."""
     import dataclasses
-    import functools
 
     import overlap_compile as oc
-    from overlap_compile.backend import overlap_backend
     from overlap_compile.compile_caches import no_compile_caches
     from overlap_compile.passes import symbolic_rewrite
     from overlap_compile.templates.bucketed import choices_made, clear_choices
@@ -382,12 +388,7 @@ def _branch_checks() -> dict:
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
     out = {"errs": [], "ran": {}}
     try:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        w1, w2 = torch.randn(16, 24, requires_grad=True), torch.randn(24, 8, requires_grad=True)
-        report = oc.Report()
-        fn = torch.compile(functools.partial(_mlp_sequence_parallel, group=group),
-                           backend=functools.partial(overlap_backend, report=report))
+        fn, w1, w2, report = _compiled(_mlp_sequence_parallel, group)
         with oc.config.patch(force_template="p2p_ring", decode_as_written=True), no_compile_caches():
             for i, rows in enumerate((6, 14, 4, 10, 11)):  # M = 2 x rows: 12, 28, 8, 20, 22
                 torch.manual_seed(10 * rank + rows)

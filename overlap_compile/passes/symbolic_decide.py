@@ -5,8 +5,8 @@ the site is priced as a static site at the bucket's representative M (a whole nu
 tiles per ring piece where the bucket holds one) by the same per-site decision as any static
 site (decide._decide_one), and at its smallest and largest M. Where the ends choose another
 template, or the representative's rewrite is priced slower than the site as written at an end,
-the bucket is cut in two at a power of two and each half decided again; a bucket that cannot be
-cut takes, of the three choices and "as written", the one priced least summed over the three M.
+the bucket is cut in two (predictor/buckets.split) and each half decided again; a bucket that
+cannot be cut takes, of the three choices and "as written", the one priced least summed over the three M.
 ``second_look`` then gives each bucket what decide gives a static
 graph after that: per bucket, every site of the graph is made static at its M there (sites of
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
@@ -68,18 +68,21 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
     rows = match.rows
     step, align = unit_rows(rows, match.world_size), _align(match)
     per_bucket = []
+
+    def at(m: int) -> Decision:
+        return decide_one(at_rows(match, m), options, profile, [])
+
     for b in make_buckets(rows.hint, rows.lo, rows.hi, step, align):
-        at = lambda m: decide_one(at_rows(match, m), options, profile, [])  # noqa: E731
         # a forced template runs in every bucket, holding or not
-        per_bucket += [(b, at(b.at))] if options.force_template else _decide_bucket(match, b, step, align, at)
+        per_bucket += [(b, at(b.at))] if options.force_template else _decide_bucket(b, step, align, at)
     return _from_buckets(match, per_bucket)
 
 
-def _decide_bucket(match: Match, b: Bucket, step: int, align: int, at: Callable) -> list:
+def _decide_bucket(b: Bucket, step: int, align: int, at: Callable) -> list:
     """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
     at its representative where the decisions at its ends choose the same template and, where it
     rewrites, it is priced no slower than as written there; else each half of ``b`` decided so;
-    where no power of two lies inside, ``_held``'s choice over the three."""
+    where ``b`` cannot be cut, ``_held``'s choice over the three."""
     d = at(b.at)
     if b.hi is None:
         return [(b, d)]
@@ -89,7 +92,7 @@ def _decide_bucket(match: Match, b: Bucket, step: int, align: int, at: Callable)
         return [(b, d)]
     halves = split(b, step, align)
     if halves is not None:
-        return [pair for h in halves for pair in _decide_bucket(match, h, step, align, at)]
+        return [pair for h in halves for pair in _decide_bucket(h, step, align, at)]
     return [_held(b, d, priced)]
 
 
@@ -186,22 +189,23 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
         return b, chosen
     priced = {b.at: chosen, **ends}
     kept = chosen if not chosen.rewrites else dataclasses.replace(chosen, template=BASELINE, config=None)
-    options = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
+    choices = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
 
     def total(d: Decision) -> float:
         gain = (chosen.measured or {}).get("measured_gain") if d is chosen and chosen.rewrites else None
         return sum(_base_ms(e) / gain if gain and m == b.at else _priced_ms(d, e) for m, e in priced.items())
 
-    m, pick = min(options, key=lambda o: total(o[1]))
+    m, pick = min(choices, key=lambda o: total(o[1]))
     if pick is chosen:
         return b, chosen
-    text = ", ".join(f"{d.template} {total(d):.3f} ms" for _, d in options)
+    text = ", ".join(f"{d.template} {total(d):.3f} ms" for _, d in choices)
     reason = (f"{chosen.template} chosen at M={b.at}; summed over M={', '.join(map(str, sorted(priced)))} "
               f"({text}): {pick.template} is priced least")
     return dataclasses.replace(b, at=m), dataclasses.replace(pick, reason=reason)
 
 
 def _base_ms(d: Decision) -> float:
+    """The site as written, as priced in ``d`` (ms; inf where not priced)."""
     return next((c.predicted_ms for c in d.candidates if c.template == BASELINE and c.predicted_ms is not None),
                 math.inf)
 
