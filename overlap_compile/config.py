@@ -59,6 +59,9 @@ class Options:
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
     # data gradient's collective); not under force_template="baseline" (the graph as written)
     defer_compute: bool = True
+    # each collective that defer_compute gave GEMMs to runs on the high-priority communication
+    # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run
+    prioritize_deferred: bool = True
     # host-launched graphs: M in a symbolic site's leading as-written buckets runs the site as
     # written in Inductor's own code, around the bucketed op (passes/symbolic_branch.py); off
     # until it has run on GPUs (the torch there lowers the branch with its own Inductor)
@@ -80,6 +83,11 @@ class Options:
         """Whether the pass may move compute under collectives left as written (defer_compute;
         never when it is off or every site is forced to stay as written)."""
         return self.enabled and self.defer_compute and self.force_template != "baseline"
+
+    @property
+    def prioritizes_deferred(self) -> bool:
+        """Whether collectives with compute moved under them run on the high-priority stream."""
+        return self.moves_compute and self.prioritize_deferred
 
     @property
     def fills_moe_buffers(self) -> bool:

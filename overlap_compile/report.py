@@ -45,6 +45,9 @@ class SiteReport:
     # a site with a symbolic row count (passes/symbolic_decide.py): per M bucket lo, hi, the M
     # priced (at), template, config, baseline_ms, chosen_ms, reason; None for static sites
     buckets: list | None = None
+    # left as written with GEMMs moved under its collective, which runs on the high-priority
+    # stream (passes/prioritize.py): defer_compute's credit (hidden_ms) is then counted as hidden
+    prioritized: bool = False
 
     @property
     def rewritten(self) -> bool:
@@ -65,6 +68,8 @@ class GraphRecord:
     error: str | None = None  # the pass failed on this graph and left it unchanged (why)
     # collectives left as written that got compute moved under them (passes/defer_compute.py)
     deferred: list[str] = dataclasses.field(default_factory=list)
+    # of those, the collectives run on the high-priority stream, or why not (passes/prioritize.py)
+    prioritized: list[str] = dataclasses.field(default_factory=list)
     # MoE dispatch buffers filled by moe_scatter_rows, or why not (passes/moe_scatter.py)
     moe_buffers: list[str] = dataclasses.field(default_factory=list)
 
@@ -119,9 +124,10 @@ class Report:
             rows.append([s.graph, s.kind, s.node, gemm, s.template, pred, reason])
         errors = [r.error for r in self.records if r.error]
         deferred = [f"{r.name}: {d}" for r in self.records for d in r.deferred]
+        streams = [f"{r.name}: {p}" for r in self.records for p in r.prioritized]
         buffers = [f"{r.name}: {b}" for r in self.records for b in r.moe_buffers]
         if not rows:
-            return "\n".join(errors + deferred + buffers or ["overlap_compile: no GEMM/collective sites found"])
+            return "\n".join(errors + deferred + streams + buffers or ["overlap_compile: no GEMM/collective sites found"])
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header) - 1)]
         lines = []
         for r in [header] + rows:
@@ -129,6 +135,7 @@ class Report:
         lines.insert(1, "-" * min(160, len(lines[0])))
         lines += errors
         lines += [f"compute under a collective left as written, {d}" for d in deferred]
+        lines += [f"collective left as written, {p}" for p in streams]
         lines += buffers
         profiles = sorted({r.profile for r in self.records if r.profile})
         if profiles:
@@ -147,6 +154,7 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(
             {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "deferred": r.deferred,
+                         "prioritized": r.prioritized,
                          "moe_buffers": r.moe_buffers, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
             indent=2,
             default=str,
@@ -241,11 +249,13 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
       site as written against the chosen op (in a host-launched graph, GPU time against GPU time
       where the host's lead hides both host times); where GPUs timed a site as written and the
       chosen op (passes/settle.py, ``search="measure"``), the gain they measured.
+      A site left as written whose collective passes/prioritize.py put on the high-priority
+      stream beside the GEMMs defer_compute moved under it counts that credit here.
     - ``deferred_ms`` / ``with_deferred_share``: what the compute passes/defer_compute.py moves
-      beside the collectives left as written would hide if the collective ran beside it. Not in
-      ``hidden_ms``: nothing makes the two overlap. c10d issues the collective on a stream of
-      default priority and the GEMMs are launched right behind it, and a GEMM starves NCCL of
-      SMs unless the comm stream has the higher priority (DESIGN.md); training steps that
+      beside the collectives left as written, and left on the process group's stream, would hide
+      if the collective ran beside it. Not in ``hidden_ms``: c10d issues the collective on a
+      stream of default priority and the GEMMs are launched right behind it, and a GEMM starves
+      NCCL of SMs unless the comm stream has the higher priority (DESIGN.md); training steps that
       counted on the credit did not gain it (benchmarks/diagnostics/forecast_check.py).
     - ``band_ms`` / ``with_band_share``: what the sites left as written inside the model's error
       band would add if they measured as predicted (on GPUs passes/settle.py measures them).
@@ -280,6 +290,8 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
         if get("rewritten"):
             measured = _measured_gain(get("measured"), get("template"), get("config"))
             g["hidden_ms"] += saved if measured is None else min(comm, measured)
+        elif get("prioritized"):  # compute beside its collective on the high-priority stream
+            g["hidden_ms"] += max(0.0, saved)
         else:  # the site as written with compute beside its collective (defer_compute's credit)
             g["deferred_ms"] += max(0.0, saved)
         g["sites"] += 1

@@ -1,6 +1,7 @@
 """The overlap pass on one graph: find -> decide -> rewrite, then MoE dispatch buffers are filled
 without per-element atomics (moe_scatter.py) and the collectives left as written get independent
-compute under them (defer_compute.py); and the record of what happened."""
+compute under them (defer_compute.py), run on the high-priority stream (prioritize.py); and the
+record of what happened."""
 from __future__ import annotations
 
 import time
@@ -16,6 +17,7 @@ from .find import find
 from .graph_utils import size_reads_after_waits
 from .matches import dtype_name
 from .moe_scatter import scatter_moe_buffers
+from .prioritize import prioritize_deferred
 from .rewrite import rewrite
 
 
@@ -55,10 +57,15 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     rewrite(graph, decisions, options.signal_timeout_ms, options.decode_as_written)
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
-    deferred = [d.describe() for d in defer_independent_compute(graph)] if options.moves_compute else []
+    deferrals = defer_independent_compute(graph) if options.moves_compute else []
+    prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
+    on_stream = {p.collective for p in prioritized if p.done}
+    for s in sites:
+        s.prioritized = not s.rewritten and s.node in on_stream
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
-                       pass_seconds=time.perf_counter() - start, deferred=deferred, moe_buffers=buffers)
+                       pass_seconds=time.perf_counter() - start, deferred=[d.describe() for d in deferrals],
+                       prioritized=[p.describe() for p in prioritized], moe_buffers=buffers)
 
 
 def _site_report(d: Decision, graph_name: str) -> SiteReport:

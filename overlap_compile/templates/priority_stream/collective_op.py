@@ -1,0 +1,125 @@
+"""A collective left as written, issued on priority_stream's high-priority communication stream
+(passes/prioritize.py puts these where passes/defer_compute.py moved GEMMs under a collective):
+
+    torch.ops.overlap_compile.prioritized_collective(inp, kind, reduce_op, world, group_name) -> out
+    torch.ops.overlap_compile.prioritized_join(out)       # the caller's stream waits for ``out``
+
+    compute stream   producer | deferred GEMMs (weight gradients) ........ | join | readers of out
+    comm stream               | collective (NCCL, high priority) | event --^
+
+c10d's functional collectives run on the process group's own stream at default priority, and the
+GEMMs moved beside them fill every SM first, so the collective gets blocks only as GEMM blocks
+retire and hides little (DESIGN.md: "the comm stream must have high priority"). Here the same
+NCCL collective of the same group is enqueued on the high-priority stream (ProcessGroupNCCL with
+``async_op=False`` enqueues on the current stream). ``kind`` is the functional op's name:
+all_gather_into_tensor, reduce_scatter_tensor or all_reduce. Without CUDA tensors on an NCCL
+group (gloo, CPU) the op runs the functional collective and waits for it, and the join does
+nothing. Capturable (the event is a graph edge under capture); import touches no CUDA state.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..base import LIB
+from . import kernels
+
+KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+_usable: dict[tuple[str, str], str | None] = {}
+# (device index, out's address) -> the event recorded after its collective, until its join
+_in_flight: dict[tuple[int, int], torch.cuda.Event] = {}
+_lock = threading.Lock()
+
+
+def out_shape(inp_shape, kind: str, world: int) -> list:
+    """The collective's output shape (the functional op's)."""
+    if kind not in KINDS:
+        raise ValueError(f"prioritized_collective: kind {kind!r} is not supported; allowed: {list(KINDS)}")
+    if world < 1:
+        raise ValueError(f"prioritized_collective: world size {world} must be >= 1")
+    shape = list(inp_shape)
+    if kind == "all_gather_into_tensor":
+        shape[0] = shape[0] * world
+    elif kind == "reduce_scatter_tensor":
+        shape[0] = shape[0] // world
+    return shape
+
+
+def on_comm_stream(group_name: str, device: torch.device) -> bool:
+    """Whether the collective runs on the high-priority stream (CUDA tensors, NCCL group); the
+    answer is kept per (group, device)."""
+    key = (group_name, str(device))
+    if key not in _usable:
+        _usable[key] = kernels.usable(group_name, device)
+    return _usable[key] is None
+
+
+def _functional(inp: torch.Tensor, kind: str, reduce_op: str, world: int, group_name: str) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    if kind == "all_gather_into_tensor":
+        t = c10d.all_gather_into_tensor.default(inp, world, group_name)
+    elif kind == "reduce_scatter_tensor":
+        t = c10d.reduce_scatter_tensor.default(inp, reduce_op, world, group_name)
+    else:
+        t = c10d.all_reduce.default(inp, reduce_op, group_name)
+    return c10d.wait_tensor.default(t)
+
+
+@torch.library.custom_op(f"{LIB}::prioritized_collective", mutates_args=())
+def prioritized_collective(inp: torch.Tensor, kind: str, reduce_op: str, world: int,
+                           group_name: str) -> torch.Tensor:
+    """The functional collective ``kind`` of ``inp`` on the high-priority stream (module doc);
+    the result is ready in the caller's stream order only after ``prioritized_join``."""
+    shape = out_shape(inp.shape, kind, world)
+    if not on_comm_stream(group_name, inp.device):
+        return _functional(inp, kind, reduce_op, world, group_name)
+    import torch.distributed as dist
+
+    from ...runtime.comm import resolve_group
+
+    pg = resolve_group(group_name)
+    inp = inp.contiguous()
+    compute, side = torch.cuda.current_stream(inp.device), kernels.comm_stream(inp.device)
+    out = inp.new_empty(shape)
+    side.wait_stream(compute)  # the input is written and ``out`` exists before the collective
+    with torch.cuda.stream(side):
+        if kind == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(out, inp, group=pg)
+        elif kind == "reduce_scatter_tensor":
+            dist.reduce_scatter_tensor(out, inp, op=kernels.reduce_op(reduce_op), group=pg)
+        else:
+            out.copy_(inp)
+            dist.all_reduce(out, op=kernels.reduce_op(reduce_op), group=pg)
+        done = torch.cuda.Event()
+        done.record(side)
+    # the caching allocator must not hand these blocks out again before the comm stream is done
+    # with them (the compute stream may free ``inp`` right after this call)
+    inp.record_stream(side)
+    out.record_stream(side)
+    with _lock:
+        _in_flight[(out.device.index, out.data_ptr())] = done
+    return out
+
+
+@prioritized_collective.register_fake
+def _(inp, kind, reduce_op, world, group_name):
+    return inp.new_empty(out_shape(inp.shape, kind, world))
+
+
+@torch.library.custom_op(f"{LIB}::prioritized_join", mutates_args=("out",))
+def prioritized_join(out: torch.Tensor) -> None:
+    """The caller's stream waits for the collective that writes ``out``. Declared as writing
+    ``out`` so that Inductor orders every reader of ``out`` after it."""
+    if not out.is_cuda:
+        return
+    with _lock:
+        done = _in_flight.pop((out.device.index, out.data_ptr()), None)
+    if done is not None:
+        torch.cuda.current_stream(out.device).wait_event(done)
+
+
+@prioritized_join.register_fake
+def _(out):
+    return None
