@@ -168,15 +168,15 @@ def plan(models: str, shapes: str, dry: bool) -> list[tuple[str, dict]]:
 def schema_keys(model: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, force: str | None) -> dict:
     """The common benchmark schema's keys (DESIGN.md), beside this benchmark's own. The overlap
     variant's ``config`` names what differs from the backend's defaults: a forced template, and
-    each of ``ATTRIBUTION``'s options turned off (e.g. OVERLAP_COMPILE_DEFER_COMPUTE=0, to see
+    each of ``ATTRIBUTION``'s options set otherwise (e.g. OVERLAP_COMPILE_DEFER_COMPUTE=1, to see
     what that pass gives)."""
     from overlap_compile import config as oc_config
 
     config = {}
     if variant == "overlap":
-        opts = oc_config.current()
+        opts, defaults = oc_config.current(), oc_config.Options()
         config = {**({"force_template": force} if force else {}),
-                  **{name: False for name in ATTRIBUTION if not getattr(opts, name)}}
+                  **{name: getattr(opts, name) for name in ATTRIBUTION if getattr(opts, name) != getattr(defaults, name)}}
     return {"kind": model, "shape": shape["name"] + (" +ckpt" if ckpt else ""), "sizes": shape,
             "method": "inductor" if variant == "default" else variant,
             "config": config or None,

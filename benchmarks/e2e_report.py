@@ -12,8 +12,9 @@ import os
 from benchmarks.results_io import write_rows
 
 # options on by default whose share of the gain a run can isolate by turning one off: option ->
-# the suffix of that run's results file (run_multigpu.sh's E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS)
-ATTRIBUTION = {"defer_compute": "nodefer", "measure_uncertain": "nosettle"}
+# the suffix of that run's results file where the option differs from the backend's default: the
+# name on, "no" + the name off (run_multigpu.sh's E2E_DEFER_ARGS / E2E_NOSETTLE_ARGS)
+ATTRIBUTION = {"defer_compute": "defer", "measure_uncertain": "settle", "prioritize_deferred": "prioritize"}
 
 
 def one_line(r: dict) -> str:
@@ -139,9 +140,10 @@ def verdict(rows: list[dict], rtol: float) -> tuple[bool, list[str]]:
 
 def write(rows: list[dict], out: str) -> str:
     first = rows[0]
-    off = [tag for name, tag in ATTRIBUTION.items() if any((r.get("config") or {}).get(name) is False for r in rows)]
+    tags = [("" if value else "no") + tag for name, tag in ATTRIBUTION.items()
+             for value in (True, False) if any((r.get("config") or {}).get(name) is value for r in rows)]
     path = write_rows(rows, out, "e2e", first["device"], first["world_size"], first["torch"], first["date"],
-                      suffix="".join(f"-{tag}" for tag in off))
+                      suffix="".join(f"-{tag}" for tag in tags))
     stem = os.path.splitext(path)[0]
     with open(stem + ".md", "w") as f:
         f.write(markdown(rows))

@@ -7,8 +7,8 @@
 #     pip download --no-deps --only-binary :all: --python-version 3.12 -d .wheelhouse <pyproject's [bench] list>
 #   and carry .wheelhouse along
 #   knobs: TESTS, TESTS_FLAGS (default -x), OPS_KINDS (or all), OPS_TEMPLATES (methods: templates, auto, async_tp),
-#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, E2E_NODEFER_ARGS / E2E_NOSETTLE_ARGS (the
-#          overlap variant again with defer_compute / measure_uncertain off), MOE_ARGS (e.g. --time-budget 300
+#          OPS_LIMIT, OPS_ARGS (e.g. --time-budget 200), PRED_LIMIT, E2E_ARGS, E2E_DEFER_ARGS / E2E_NOSETTLE_ARGS (the
+#          overlap variant again with defer_compute on / measure_uncertain off), MOE_ARGS (e.g. --time-budget 300
 #          --routing uniform,skewed --modes default,reduce-overhead --experts-sweep 8,16,32,64), HOST_ARGS, SWEEP_ARGS,
 #          <STEP>_TIMEOUT (see each step)
 set -u
@@ -79,13 +79,14 @@ if has e2e; then
   step "e2e (world $W)"
   timeout ${E2E_TIMEOUT:-200} python3 benchmarks/e2e.py --world "$W" --out "$R" ${E2E_ARGS:-} > "$R/e2e.log" 2>&1
   grep -v Warn "$R/e2e.log" | tail -25
-  # the overlap variant again with one default-on option off, to see its share: rows *-nodefer.json
-  # (defer_compute) / *-nosettle.json (measure_uncertain)
-  for switch in NODEFER:DEFER_COMPUTE NOSETTLE:MEASURE_UNCERTAIN; do
-    tag=${switch%%:*}; option=${switch#*:}; args_var=E2E_${tag}_ARGS; timeout_var=E2E_${tag}_TIMEOUT
+  # the overlap variant again with one option set against its default, to see its share: rows
+  # *-defer.json (defer_compute on) / *-nosettle.json (measure_uncertain off)
+  for switch in DEFER:DEFER_COMPUTE:1 NOSETTLE:MEASURE_UNCERTAIN:0; do
+    tag=${switch%%:*}; rest=${switch#*:}; option=${rest%%:*}; value=${rest#*:}
+    args_var=E2E_${tag}_ARGS; timeout_var=E2E_${tag}_TIMEOUT
     if [ -n "${!args_var:-}" ]; then
-      step "e2e with $option off (world $W)"
-      env OVERLAP_COMPILE_$option=0 timeout ${!timeout_var:-200} python3 benchmarks/e2e.py --world "$W" --out "$R" \
+      step "e2e with $option=$value (world $W)"
+      env OVERLAP_COMPILE_$option=$value timeout ${!timeout_var:-200} python3 benchmarks/e2e.py --world "$W" --out "$R" \
         ${!args_var} > "$R/e2e-${tag,,}.log" 2>&1
       grep -v Warn "$R/e2e-${tag,,}.log" | tail -12
     fi

@@ -57,11 +57,14 @@ class Options:
     op_graphs: bool = True
     # every collective left as written gets the compute that does not lead to it moved between
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
-    # data gradient's collective); not under force_template="baseline" (the graph as written)
-    defer_compute: bool = True
+    # data gradient's collective); not under force_template="baseline" (the graph as written).
+    # Off: on GPUs training steps were no faster with it, and Inductor's peak-memory reordering,
+    # which it needs off, kept their peak memory within 5% of torch.compile's (benchmarks/RESULTS.md)
+    defer_compute: bool = False
     # each collective that defer_compute gave GEMMs to runs on the high-priority communication
-    # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run
-    prioritize_deferred: bool = True
+    # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run; off: on GPUs the
+    # training steps measured the same with it as without (benchmarks/RESULTS.md)
+    prioritize_deferred: bool = False
     # host-launched graphs: M in a symbolic site's leading as-written buckets runs the site as
     # written in Inductor's own code, around the bucketed op (passes/symbolic_branch.py); off
     # until it has run on GPUs (the torch there lowers the branch with its own Inductor)

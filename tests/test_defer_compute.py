@@ -121,7 +121,7 @@ def _tp_mlp_backward_code() -> dict:
     for t in (x, w1, w2):
         t.grad = None
     report = oc.Report()
-    with oc.config.patch(templates=()), no_compile_caches():
+    with oc.config.patch(templates=(), defer_compute=True), no_compile_caches():
         torch._dynamo.reset()
         fn = torch.compile(mlp, backend=functools.partial(overlap_backend, report=report))
 
@@ -161,20 +161,22 @@ def test_peak_memory_reordering_is_off_only_where_compute_may_move():
     from overlap_compile import config
     from overlap_compile.inductor_hook import inductor_patches, make_pass
 
-    with config.patch():
+    with config.patch(defer_compute=True):
         assert inductor_patches(make_pass())["reorder_for_peak_memory"] is False
-    for off in ({"defer_compute": False}, {"force_template": "baseline"}, {"enabled": False}):
+    for off in ({}, {"defer_compute": False}, {"defer_compute": True, "force_template": "baseline"},
+                {"defer_compute": True, "enabled": False}):
         with config.patch(**off):
             assert "reorder_for_peak_memory" not in inductor_patches(make_pass()), off
 
 
 def test_the_option_reads_from_the_environment(monkeypatch):
-    """OVERLAP_COMPILE_DEFER_COMPUTE=0 is how the e2e run measures the overlap variant without
-    the pass (run_multigpu.sh's E2E_NODEFER_ARGS); a bad value names what is allowed."""
+    """OVERLAP_COMPILE_DEFER_COMPUTE=1 is how the e2e run measures the overlap variant with the
+    pass, off by default (run_multigpu.sh's E2E_DEFER_ARGS); a bad value names what is allowed."""
     from overlap_compile import config
 
-    monkeypatch.setenv("OVERLAP_COMPILE_DEFER_COMPUTE", "0")
     assert config.current().defer_compute is False
+    monkeypatch.setenv("OVERLAP_COMPILE_DEFER_COMPUTE", "1")
+    assert config.current().defer_compute is True
     monkeypatch.setenv("OVERLAP_COMPILE_DEFER_COMPUTE", "sometimes")
     with pytest.raises(ValueError, match="'defer_compute': got 'sometimes'; allowed: True or False"):
         config.current()

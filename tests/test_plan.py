@@ -63,10 +63,11 @@ def test_llama_8b_block_forecast():
     backward the three collectives with a weight gradient before them stay as written with it
     beside them, the first all-gather (nothing before it) is rewritten; the forecast lies between
     what the decisions hide and all of the collectives' time, and counts the compute beside the
-    collectives left as written apart (``deferred_ms``), not as hidden."""
+    collectives left as written apart (``deferred_ms``), not as hidden. (defer_compute is off by
+    default; then nothing is beside them: test_llama_8b_block_without_defer_compute.)"""
     from benchmarks.plan import e2e_sizes, plan_block
 
-    report = plan_block(e2e_sizes("8b"), 2, "reduce-overhead", "h200")
+    report = plan_block(e2e_sizes("8b"), 2, "reduce-overhead", "h200", defer_compute=True)
     fwd = [s for s in report.sites if s.graph.startswith("forward")]
     bwd = [s for s in report.sites if s.graph.startswith("backward")]
     assert len(fwd) == 4 and len(bwd) == 4, report
@@ -79,6 +80,21 @@ def test_llama_8b_block_forecast():
     assert fc["hidden_share"] < fc["with_deferred_share"] <= 1.0, fc
     assert 0 < fc["standin_ms"] < 0.2 * fc["comm_ms"] and fc["gap_share"] > fc["hidden_share"], fc
     assert fc["sites"] == 8 and fc["rewritten"] >= 3, fc
+
+
+def test_llama_8b_block_without_defer_compute():
+    """By default (defer_compute off) nothing is moved under a collective: no site is priced with
+    compute beside it, the forecast has no deferred credit, and the backward's data-gradient
+    reduce-scatters are priced alone, so a rewrite predicted to hide them is taken."""
+    from benchmarks.plan import e2e_sizes, plan_block
+
+    report = plan_block(e2e_sizes("8b"), 2, "reduce-overhead", "h200")
+    assert not any(r.deferred or r.prioritized for r in report.records), report
+    assert all(s.hidden_ms == 0 for s in report.sites), report
+    fc = report.forecast()["all"]
+    assert fc["deferred_ms"] == 0 and fc["sites"] == 8, fc
+    beside = plan_block(e2e_sizes("8b"), 2, "reduce-overhead", "h200", defer_compute=True)
+    assert sum(s.rewritten for s in report.sites) > sum(s.rewritten for s in beside.sites), (report, beside)
 
 
 def test_cpu_demo_plans_its_block_at_scale():

@@ -129,10 +129,12 @@ def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
 
 
 @pytest.mark.parametrize("off,suffix", [({}, ""), ({"measure_uncertain": False}, "-nosettle"),
-                                        ({"defer_compute": False}, "-nodefer")])
+                                        ({"defer_compute": True}, "-defer"),
+                                        ({"defer_compute": True, "prioritize_deferred": True}, "-defer-prioritize")])
 def test_rows_with_an_option_off_go_to_their_own_file(tmp_path, off, suffix):
-    """run_multigpu.sh's E2E_NOSETTLE_ARGS / E2E_NODEFER_ARGS runs: the overlap rows' config names
-    the option turned off, and the file says so, so they never overwrite the run with it on."""
+    """run_multigpu.sh's E2E_NOSETTLE_ARGS / E2E_DEFER_ARGS runs: the overlap rows' config names
+    the option set against its default, and the file says so, so they never overwrite the run
+    with the defaults."""
     from benchmarks import e2e_report
     from overlap_compile import config
 

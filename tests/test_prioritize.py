@@ -85,6 +85,17 @@ def test_out_shape_follows_the_functional_ops_and_bad_kinds_are_named():
         collective_op.out_shape((6, 4), "broadcast", 2)
 
 
+def test_it_is_off_unless_asked_for_and_never_without_defer_compute():
+    from overlap_compile import config
+
+    with config.patch():
+        assert not config.current().prioritizes_deferred
+    with config.patch(prioritize_deferred=True, defer_compute=True):
+        assert config.current().prioritizes_deferred
+    with config.patch(prioritize_deferred=True):  # defer_compute is off by default
+        assert not config.current().prioritizes_deferred
+
+
 def test_the_forecast_counts_a_prioritized_sites_credit_as_hidden():
     from overlap_compile.report import forecast
 
@@ -128,7 +139,7 @@ def _compiled_mlp_with_prioritized_collectives() -> dict:
     for t in (x, w1, w2):
         t.grad = None
     report = oc.Report()
-    with oc.config.patch(templates=()), no_compile_caches():
+    with oc.config.patch(templates=(), defer_compute=True, prioritize_deferred=True), no_compile_caches():
         torch._dynamo.reset()
         fn = torch.compile(mlp, backend=functools.partial(overlap_backend, report=report))
 

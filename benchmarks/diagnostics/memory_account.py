@@ -14,9 +14,9 @@ that nothing carries into the next one's peak:
 
     inductor          torch.compile
     overlap           backend="overlap" as e2e runs it
-    overlap_reorder   the same with Inductor's reorder_for_peak_memory forced on (inductor_patches
-                      turns it off where defer_compute moves compute; this run only)
-    overlap_nodefer   the same with defer_compute off (OVERLAP_COMPILE_DEFER_COMPUTE=0)
+    overlap_defer     the same with defer_compute on (OVERLAP_COMPILE_DEFER_COMPUTE=1), which turns
+                      Inductor's reorder_for_peak_memory off
+    overlap_reorder   defer_compute on with reorder_for_peak_memory forced back on (this run only)
 
 Phases: ``train`` (forward + backward + AdamW, as e2e's train step) then ``prefill`` (forward under
 no_grad) on the same model and optimizer state. Per phase and rank (GiB):
@@ -56,10 +56,10 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
 from benchmarks.diagnostics.ranks import as_rank, under_torchrun  # noqa: E402
 
-VARIANTS = ("inductor", "overlap", "overlap_reorder", "overlap_nodefer")
+VARIANTS = ("inductor", "overlap", "overlap_defer", "overlap_reorder")
 PHASES = ("train", "prefill")
 # overlap_compile options a variant runs under (beside e2e's --force)
-OPTIONS = {"overlap_nodefer": {"defer_compute": False}}
+OPTIONS = {"overlap_defer": {"defer_compute": True}, "overlap_reorder": {"defer_compute": True}}
 GIB = 2 ** 30
 TABLE = ("peak", "first", "steady", "reserved", "symm", "symm_pool", "op_graphs", "graphs")
 

@@ -41,7 +41,7 @@ def compile_and_compare() -> dict:
     for mode in (None, "reduce-overhead"):
         torch._dynamo.reset()
         report = oc.Report()
-        with oc.config.patch(templates=()):
+        with oc.config.patch(templates=(), defer_compute=True, prioritize_deferred=True):
             fn = torch.compile(mlp, backend=functools.partial(overlap_backend, report=report, mode=mode))
             gx = torch.Generator(device=dev).manual_seed(1 + rank)
             for call in range(6):
