@@ -11,7 +11,8 @@ cannot be cut takes, of the three choices and "as written", the one priced least
 graph after that: per bucket, every site of the graph is made static at its M there (sites of
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
 and, for the symbolic sites, the measuring of uncertain sites, so a bucket chooses what a static
-compile at its representative M would. Neighbouring buckets with the same choice are merged
+compile at its representative M would; its ends are decided the same way (paced, not measured)
+and the bucket is cut where they disagree, as in the first look. Neighbouring buckets with the same choice are merged
 into one table entry; the site is rewritten (template ``BUCKETED``: templates/bucketed.py's op)
 when any bucket rewrites. ``priced`` holds the candidates of the bucket holding the size hint,
 for the Report, and ``buckets`` one row per bucket.
@@ -78,21 +79,22 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
     return _from_buckets(match, per_bucket)
 
 
-def _decide_bucket(b: Bucket, step: int, align: int, at: Callable) -> list:
-    """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
-    at its representative where the decisions at its ends choose the same template and, where it
-    rewrites, it is priced no slower than as written there; else each half of ``b`` decided so;
-    where ``b`` cannot be cut, ``_held``'s choice over the three."""
+def _decide_bucket(b: Bucket, step: int, align: int, at: Callable, at_end: Callable | None = None) -> list:
+    """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m; ``at_end``,
+    where given, decides the ends instead): the decision at its representative where the
+    decisions at its ends choose the same template and, where it rewrites, it is priced no slower
+    than as written there; else each half of ``b`` decided so; where ``b`` cannot be cut,
+    ``_held``'s choice over the three."""
     d = at(b.at)
     if b.hi is None:
         return [(b, d)]
     ends = sorted({m for m in (b.lo, b.hi // step * step) if m != b.at})
-    priced = {m: at(m) for m in ends}
+    priced = {m: (at_end or at)(m) for m in ends}
     if all(e.template == d.template and (not d.rewrites or _holds(d, e)) for e in priced.values()):
         return [(b, d)]
     halves = split(b, step, align)
     if halves is not None:
-        return [pair for h in halves for pair in _decide_bucket(h, step, align, at)]
+        return [pair for h in halves for pair in _decide_bucket(h, step, align, at, at_end)]
     return [_held(b, d, priced)]
 
 
@@ -139,9 +141,11 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
     the per-site decision: per bucket of a site, the graph's sites static at that bucket's M (the
     site's symbolic neighbours of the same M expression at the same M, those of another expression
     at their M scaled by the hints' ratio, static sites as they are) go through ``pace``
-    (host-launch pacing, given a graph) and this site's bucket through ``settle``. A rewrite so
-    chosen is priced at the bucket's ends the same way (paced, not measured); where it is slower
-    than as written at an end, ``_held`` picks the bucket's choice over the three M."""
+    (host-launch pacing, given a graph) and this site's bucket through ``settle``. The bucket's
+    ends are decided the same way (paced, not measured), and the first look's rule holds: where
+    they choose another template, or the choice rewrites and is slower than as written there, the
+    bucket is cut and each half looked at again; a bucket that cannot be cut takes ``_held``'s
+    choice over the three M."""
     idx = [i for i, d in enumerate(decisions) if isinstance(d, BucketedDecision) and d.per_bucket]
     if not idx or profile is None:
         return decisions
@@ -164,16 +168,20 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
         return pace(graph, view, options, profile) if graph is not None else view
 
     for i in idx:
-        d, step = decisions[i], unit_rows(decisions[i].match.rows, decisions[i].match.world_size)
+        d = decisions[i]
+        step, align = unit_rows(d.match.rows, d.match.world_size), _align(d.match)
         for b, own in d.per_bucket:
             first[i, b.at] = own
+
+        def settled(m: int, i: int = i) -> Decision:
+            return settle([view_at(i, m)[i]], options, profile)[0]
+
+        def paced(m: int, i: int = i) -> Decision:
+            return view_at(i, m)[i]
+
         new = []
-        for b, _ in d.per_bucket:
-            (chosen,) = settle([view_at(i, b.at)[i]], options, profile)
-            if chosen.rewrites and b.hi is not None and not options.force_template:
-                ends = {m: view_at(i, m)[i] for m in {b.lo, b.hi // step * step} - {b.at}}
-                b, chosen = _held(b, chosen, ends)
-            new.append((b, chosen))
+        for b, _ in d.per_bucket:  # a forced template runs in every bucket, holding or not
+            new += [(b, settled(b.at))] if options.force_template else _decide_bucket(b, step, align, settled, paced)
         out[i] = _from_buckets(d.match, new)
     return out
 
@@ -182,8 +190,9 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     """(bucket, decision) for ``chosen`` (the decision at ``b.at``) given the decisions at the
     bucket's ends: ``chosen`` where the ends choose as it does, or it rewrites and is priced no
     slower than as written there; else, of ``chosen``, the ends' choices and "as written", the one
-    priced least summed over the representative and the ends (a gain measured at the
-    representative counts there), the bucket's ``at`` then the M it was chosen at."""
+    priced least summed over the representative and the ends (where settle timed a rewrite at the
+    representative, chosen or not, its measured gain counts there), the bucket's ``at`` then the
+    M it was chosen at."""
     same = all(e.template == chosen.template for e in ends.values())
     if (same and not chosen.rewrites) or (chosen.rewrites and all(_holds(chosen, e) for e in ends.values())):
         return b, chosen
@@ -191,8 +200,11 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     kept = chosen if not chosen.rewrites else dataclasses.replace(chosen, template=BASELINE, config=None)
     choices = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
 
-    def total(d: Decision) -> float:
-        gain = (chosen.measured or {}).get("measured_gain") if d is chosen and chosen.rewrites else None
+    measured = chosen.measured or {}
+
+    def total(d: Decision) -> float:  # a rewrite settle timed at the representative: its measured gain there
+        timed = d.rewrites and (d.template, d.config) == (measured.get("template"), measured.get("config"))
+        gain = measured.get("measured_gain") if timed else None
         return sum(_base_ms(e) / gain if gain and m == b.at else _priced_ms(d, e) for m, e in priced.items())
 
     m, pick = min(choices, key=lambda o: total(o[1]))
