@@ -93,9 +93,12 @@ def test_a_collective_takes_work_up_to_its_budget_and_leaves_the_rest_to_the_nex
     assert [(x.collective, x.moved) for x in done] == [(rs.name, [dw1.name]), (ag.name, [dw2.name])]
 
 
-def _tp_mlp_backward_code() -> dict:
-    """A TP/SP MLP (all-gather -> two GEMMs -> reduce-scatter), forward and backward compiled by
-    the overlap backend with no template allowed (every site as written), against eager."""
+def _tp_mlp_backward_code(**options) -> dict:
+    """A TP/SP MLP (all-gather -> two GEMMs -> reduce-scatter; 37 rows per rank), forward and
+    backward compiled by the overlap backend with no template allowed (every site as written),
+    defer_compute on and ``options``, against eager: the errors, the Report's lines, and the
+    generated backward's collective starts, waits and GEMMs in order (tests/test_prioritize.py
+    uses it too)."""
     import functools
 
     import overlap_compile as oc
@@ -114,14 +117,14 @@ def _tp_mlp_backward_code() -> dict:
     torch.manual_seed(0)
     w1, w2 = torch.randn(64, 96, requires_grad=True), torch.randn(96, 64, requires_grad=True)
     torch.manual_seed(1 + dist.get_rank())
-    x = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(37, 64, requires_grad=True)
     eager = mlp(x, w1, w2)
     eager.square().sum().backward()
     want = [t.grad.clone() for t in (x, w1, w2)]
     for t in (x, w1, w2):
         t.grad = None
     report = oc.Report()
-    with oc.config.patch(templates=(), defer_compute=True), no_compile_caches():
+    with oc.config.patch(**{"templates": (), "defer_compute": True, **options}), no_compile_caches():
         torch._dynamo.reset()
         fn = torch.compile(mlp, backend=functools.partial(overlap_backend, report=report))
 
@@ -133,12 +136,16 @@ def _tp_mlp_backward_code() -> dict:
         got, codes = run_and_get_code(step)
     backward = next(code for code in codes if "tangents" in code)
     lines = [ln.strip() for ln in backward.splitlines()]
-    events = [("start" if "all_gather_into_tensor.default(" in ln or "reduce_scatter_tensor.default(" in ln
-               else "wait" if "wait_tensor.default(" in ln else "mm") for ln in lines
-              if "_c10d_functional." in ln and ".default(" in ln or "extern_kernels.mm(" in ln]
+    starts = ("all_gather_into_tensor.default(", "reduce_scatter_tensor.default(", "prioritized_collective.default(")
+    events = [("start" if any(k in ln for k in starts)
+               else "wait" if "wait_tensor.default(" in ln or "prioritized_join.default(" in ln else "mm")
+              for ln in lines if (("_c10d_functional." in ln or "overlap_compile.prioritized" in ln)
+                                  and ".default(" in ln) or "extern_kernels.mm(" in ln]
     return {"out_err": float((got - eager).detach().abs().max()),
             "grad_errs": [float((t.grad - g).abs().max()) for t, g in zip((x, w1, w2), want)],
-            "deferred": [f"{r.name}: {d}" for r in report.records for d in r.deferred], "events": events}
+            "deferred": [f"{r.name}: {d}" for r in report.records for d in r.deferred],
+            "prioritized": [f"{r.name}: {p}" for r in report.records for p in r.prioritized],
+            "flags": [s.prioritized for s in report.sites], "events": events}
 
 
 @pytest.mark.slow

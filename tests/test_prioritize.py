@@ -108,60 +108,25 @@ def test_the_forecast_counts_a_prioritized_sites_credit_as_hidden():
 
 
 def _compiled_mlp_with_prioritized_collectives() -> dict:
-    """A TP/SP MLP (all-gather -> GEMMs -> reduce-scatter) compiled by the overlap backend with
-    every site as written and collectives on CPU tensors taken by prioritize.py: forward and
-    backward against eager, the Report's lines and the ops in the generated code."""
-    import functools
-
-    import overlap_compile as oc
-    from overlap_compile.backend import overlap_backend
-    from overlap_compile.compile_caches import no_compile_caches
+    """test_defer_compute's TP MLP with collectives on CPU tensors taken by prioritize.py."""
     from overlap_compile.passes import prioritize
-    from torch._inductor.utils import run_and_get_code
+
+    from .test_defer_compute import _tp_mlp_backward_code
 
     prioritize.DEVICES = ("cpu", "cuda")
-    group, w = dist.group.WORLD.group_name, dist.get_world_size()
-    c = torch.ops._c10d_functional
-
-    def mlp(x, w1, w2):
-        full = c.wait_tensor(c.all_gather_into_tensor(x, w, group))
-        h = torch.relu(full @ w1)
-        y = c.wait_tensor(c.reduce_scatter_tensor(h @ w2, "sum", w, group))
-        return c.wait_tensor(c.all_reduce(y * 2, "sum", group)) + y
-
-    torch.manual_seed(0)
-    w1, w2 = torch.randn(64, 96, requires_grad=True), torch.randn(96, 64, requires_grad=True)
-    torch.manual_seed(1 + dist.get_rank())
-    x = torch.randn(37 * w, 64, requires_grad=True)  # rows not a multiple of anything but W
-    eager = mlp(x, w1, w2)
-    eager.square().sum().backward()
-    want = [t.grad.clone() for t in (x, w1, w2)]
-    for t in (x, w1, w2):
-        t.grad = None
-    report = oc.Report()
-    with oc.config.patch(templates=(), defer_compute=True, prioritize_deferred=True), no_compile_caches():
-        torch._dynamo.reset()
-        fn = torch.compile(mlp, backend=functools.partial(overlap_backend, report=report))
-
-        def step():
-            y = fn(x, w1, w2)
-            y.square().sum().backward()
-            return y
-
-        got, codes = run_and_get_code(step)
-    backward = next(code for code in codes if "tangents" in code)
-    return {"out_err": float((got - eager).detach().abs().max()),
-            "grad_errs": [float((t.grad - g).abs().max()) for t, g in zip((x, w1, w2), want)],
-            "prioritized": [f"{r.name}: {p}" for r in report.records for p in r.prioritized],
-            "flags": [s.prioritized for s in report.sites],
-            "code_has_ops": "prioritized_collective" in backward and "prioritized_join" in backward}
+    return _tp_mlp_backward_code(prioritize_deferred=True)
 
 
 @pytest.mark.slow
 def test_compiled_tp_mlp_with_prioritized_collectives_equals_eager():
+    """Forward and backward equal eager's; in the generated backward the prioritized collective
+    starts, a GEMM runs, then its join (the ops keep Inductor's order); the Report says so."""
     from overlap_compile.testing.multiprocess import run_distributed
 
     for r in run_distributed(_compiled_mlp_with_prioritized_collectives, world_size=2, timeout_s=300):
         assert r["out_err"] < 1e-4 and max(r["grad_errs"]) < 1e-4, r
         assert any(p.startswith("backward") and "on the high-priority stream" in p for p in r["prioritized"]), r
-        assert r["code_has_ops"] and any(r["flags"]), r
+        assert any(r["flags"]), r
+        ev = r["events"]
+        assert any(ev[i] == "start" and "mm" in ev[i + 1:ev.index("wait", i)] for i in range(len(ev))
+                   if "wait" in ev[i:]), ev
