@@ -58,8 +58,9 @@ class Options:
     # every collective left as written gets the compute that does not lead to it moved between
     # its start and its wait (passes/defer_compute.py: a backward's weight gradients beside its
     # data gradient's collective); not under force_template="baseline" (the graph as written).
-    # Off: on GPUs training steps were no faster with it, and Inductor's peak-memory reordering,
-    # which it needs off, kept their peak memory within 5% of torch.compile's (benchmarks/RESULTS.md)
+    # Off: with it off the site it covered is rewritten instead, and a training step on GPUs ran as
+    # fast, with Inductor's peak-memory reordering (which it turns off) keeping the step's peak
+    # memory within 5% of torch.compile's (benchmarks/RESULTS.md)
     defer_compute: bool = False
     # each collective that defer_compute gave GEMMs to runs on the high-priority communication
     # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run; off: on GPUs the

@@ -254,9 +254,10 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
     - ``deferred_ms`` / ``with_deferred_share``: what the compute passes/defer_compute.py moves
       beside the collectives left as written, and left on the process group's stream, would hide
       if the collective ran beside it. Not in ``hidden_ms``: c10d issues the collective on a
-      stream of default priority and the GEMMs are launched right behind it, and a GEMM starves
-      NCCL of SMs unless the comm stream has the higher priority (DESIGN.md); training steps that
-      counted on the credit did not gain it (benchmarks/diagnostics/forecast_check.py).
+      stream of default priority behind which the GEMMs are launched, and a GEMM may starve NCCL
+      of SMs (DESIGN.md); measured training steps have come out both near and well short of it
+      (benchmarks/diagnostics/forecast_check.py, benchmarks/RESULTS.md). 0 unless defer_compute
+      is on.
     - ``band_ms`` / ``with_band_share``: what the sites left as written inside the model's error
       band would add if they measured as predicted (on GPUs passes/settle.py measures them).
     - ``standin_ms`` / ``gap_share``: e2e.py's "gap closed" compares with a comm-free bound in which
