@@ -60,7 +60,7 @@ class Options:
     # data gradient's collective); not under force_template="baseline" (the graph as written).
     # Off: with it off the site it covered is rewritten instead, and a training step on GPUs ran as
     # fast, with Inductor's peak-memory reordering (which it turns off) keeping the step's peak
-    # memory within 5% of torch.compile's (benchmarks/RESULTS.md)
+    # memory near torch.compile's (benchmarks/RESULTS.md)
     defer_compute: bool = False
     # each collective that defer_compute gave GEMMs to runs on the high-priority communication
     # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run; off: on GPUs the
