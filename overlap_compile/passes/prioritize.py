@@ -1,7 +1,8 @@
 """Run the collectives that passes/defer_compute.py gave GEMMs to on the high-priority
-communication stream, so that the collective gets SMs while those GEMMs run (at default priority
-it gets blocks only as GEMM blocks retire, and hides little). Before (a backward, after
-defer_compute)::
+communication stream, so that the collective is sure of SMs while those GEMMs run. Option
+``prioritize_deferred``, off: on 2 GPUs training steps measured the same with it as without (the
+collectives already ran beside those GEMMs on the process group's stream). Before (a backward,
+after defer_compute)::
 
     rs = reduce_scatter_tensor(cat_5, 'sum', 2, '0')
     mm_9 = mm(permute_15, view_16)                  # weight gradients, moved under the collective

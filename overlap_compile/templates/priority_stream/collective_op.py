@@ -7,9 +7,10 @@
     compute stream   producer | deferred GEMMs (weight gradients) ........ | join | readers of out
     comm stream               | collective (NCCL, high priority) | event --^
 
-c10d's functional collectives run on the process group's own stream at default priority, and the
-GEMMs moved beside them fill every SM first, so the collective gets blocks only as GEMM blocks
-retire and hides little (DESIGN.md: "the comm stream must have high priority"). Here the same
+c10d's functional collectives run on the process group's own stream at default priority, where a
+GEMM launched beside them may take every SM first (DESIGN.md: "the comm stream must have high
+priority"); measured in training steps, it made no difference (README, ``prioritize_deferred``).
+Here the same
 NCCL collective of the same group is enqueued on the high-priority stream (ProcessGroupNCCL with
 ``async_op=False`` enqueues on the current stream). ``kind`` is the functional op's name:
 all_gather_into_tensor, reduce_scatter_tensor or all_reduce. Without CUDA tensors on an NCCL
