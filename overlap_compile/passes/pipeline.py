@@ -61,7 +61,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
     on_stream = {p.collective for p in prioritized if p.done}
     for s in sites:
-        s.prioritized = not s.rewritten and s.node in on_stream
+        s.prioritized = s.node in on_stream  # only collectives left as written are taken
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
                        pass_seconds=time.perf_counter() - start, deferred=[d.describe() for d in deferrals],

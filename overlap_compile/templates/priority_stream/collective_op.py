@@ -19,16 +19,17 @@ nothing. Capturable (the event is a graph edge under capture); import touches no
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 
+from ...runtime import comm
 from ..base import LIB
 from . import kernels
 
 KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
-_usable: dict[tuple[str, str], str | None] = {}
 # (device index, out's address) -> the event recorded after its collective, until its join
 _in_flight: dict[tuple[int, int], torch.cuda.Event] = {}
 _lock = threading.Lock()
@@ -48,24 +49,24 @@ def out_shape(inp_shape, kind: str, world: int) -> list:
     return shape
 
 
+@functools.lru_cache(maxsize=None)
+def _refusal(group_name: str, device: str) -> str | None:
+    return kernels.usable(group_name, torch.device(device))
+
+
 def on_comm_stream(group_name: str, device: torch.device) -> bool:
     """Whether the collective runs on the high-priority stream (CUDA tensors, NCCL group); the
     answer is kept per (group, device)."""
-    key = (group_name, str(device))
-    if key not in _usable:
-        _usable[key] = kernels.usable(group_name, device)
-    return _usable[key] is None
+    return _refusal(group_name, str(device)) is None
 
 
 def _functional(inp: torch.Tensor, kind: str, reduce_op: str, world: int, group_name: str) -> torch.Tensor:
-    c10d = torch.ops._c10d_functional
+    """The functional collective as the graph had it, waited for (gloo, CPU)."""
     if kind == "all_gather_into_tensor":
-        t = c10d.all_gather_into_tensor.default(inp, world, group_name)
-    elif kind == "reduce_scatter_tensor":
-        t = c10d.reduce_scatter_tensor.default(inp, reduce_op, world, group_name)
-    else:
-        t = c10d.all_reduce.default(inp, reduce_op, group_name)
-    return c10d.wait_tensor.default(t)
+        return comm.wait(comm.start_all_gather(inp, world, group_name))
+    if kind == "reduce_scatter_tensor":
+        return comm.wait(comm.start_reduce_scatter(inp, reduce_op, world, group_name))
+    return comm.wait(comm.start_all_reduce(inp, reduce_op, group_name))
 
 
 @torch.library.custom_op(f"{LIB}::prioritized_collective", mutates_args=())
@@ -78,9 +79,7 @@ def prioritized_collective(inp: torch.Tensor, kind: str, reduce_op: str, world: 
         return _functional(inp, kind, reduce_op, world, group_name)
     import torch.distributed as dist
 
-    from ...runtime.comm import resolve_group
-
-    pg = resolve_group(group_name)
+    pg = comm.resolve_group(group_name)
     inp = inp.contiguous()
     compute, side = torch.cuda.current_stream(inp.device), kernels.comm_stream(inp.device)
     out = inp.new_empty(shape)
