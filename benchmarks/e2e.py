@@ -13,7 +13,9 @@ Per model (benchmarks/models) x shape x compile mode x activation checkpointing 
 * ``train``: forward + backward + AdamW step. The first ``--steps`` steps give the losses (same
   seed, same data for every variant: they must match the default backend's within --loss-rtol);
   the first includes compilation (``compile_s`` = first step - steady step); then the median step
-  over ``--iters`` steps after 2 warm-up steps (CUDA events, ranks synchronised, slowest rank).
+  over ``--iters`` samples after 2 warm-up steps (CUDA events, ranks synchronised, slowest rank),
+  each sample ``--train-calls`` steps back to back as a training loop runs them; ``train_cold_ms``:
+  one step after a barrier, from an idle GPU.
 * ``prefill``: forward under no_grad (its own compile, ``prefill_compile_s``), median time.
 * ``--seqs L1,L2,...``: prefill at each length instead (training only if --phases asks), per
   ``--dynamic`` setting: compiled once with the sequence dim dynamic, or once per length; rows carry
@@ -355,7 +357,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
             # with --seqs, prefill is run_seqs' (at each length): here training only
             phases = [p for p in a.phases.split(",") if not (getattr(a, "seqs", None) and p == "prefill")]
             got = run_config(model_name, shape, variant, compile_mode, ckpt, phases, a.steps,
-                             a.iters, a.force, device, dtype)
+                             a.iters, a.force, device, dtype, a.train_calls)
         rows.append({**cfg, **got, "ms": got.get("train_ms", got.get("prefill_ms"))})
         want = cache_checked is not None and (a.check_cache == "all" or (a.check_cache == "first"
                                                                           and model_name not in cache_checked))
@@ -376,7 +378,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
     return rows[-1]
 
 
-ROUND_TIMES = ("train_ms", "prefill_ms")
+ROUND_TIMES = ("train_ms", "train_cold_ms", "prefill_ms")
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
@@ -444,6 +446,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --seqs: compile once with the sequence dim dynamic (on), once per length (off), or both")
     ap.add_argument("--steps", type=int, default=3, help="training steps whose losses are compared (>= 1)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations (median)")
+    ap.add_argument("--train-calls", type=int, default=3,
+                    help="training steps run back to back per timed sample, as a training loop runs them "
+                    "(train_ms); each row also carries train_cold_ms, one step after a barrier")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds over the variants of each (model, shape, mode): each variant compiled and timed "
                     "once per round, the rounds in turn, its times the median over rounds (each kept in "
@@ -484,8 +489,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         for v in vals.split(","):
             if v not in allowed:
                 raise SystemExit(f"{opt}: {v!r} is not one of {', '.join(allowed)}")
-    if a.steps < 1 or a.iters < 1 or a.repeat < 1:
-        raise SystemExit(f"--steps ({a.steps}), --iters ({a.iters}) and --repeat ({a.repeat}) must be >= 1")
+    if a.steps < 1 or a.iters < 1 or a.repeat < 1 or a.train_calls < 1:
+        raise SystemExit(f"--steps ({a.steps}), --iters ({a.iters}), --repeat ({a.repeat}) and --train-calls "
+                         f"({a.train_calls}) must be >= 1")
     if a.dry_run:
         a.world = a.world or 2
         a.shapes = a.shapes or "tiny,tiny-moe"

@@ -37,7 +37,8 @@ def one_line(r: dict) -> str:
                   f"max rel {r.get('max_rel', float('nan')):.1e}")
     modes = f"  [{', '.join(r['failure_modes'])}]" if r.get("failure_modes") else ""
     loss = f"{r['losses'][-1]:.6f}" if r.get("losses") else "-"
-    return (head + f"  train {fmt('train_ms', '8.3f')} ms  prefill {fmt('prefill_ms', '8.3f')} ms  "
+    cold = f" (cold {r['train_cold_ms']:.3f})" if "train_cold_ms" in r else ""
+    return (head + f"  train {fmt('train_ms', '8.3f')} ms{cold}  prefill {fmt('prefill_ms', '8.3f')} ms  "
             f"compile {fmt('compile_s', '6.1f')} s  loss[-1] {loss}{extra}{modes}")
 
 
@@ -56,7 +57,7 @@ def compare(rows: list[dict], loss_rtol: float) -> list[dict]:
         if d is None or r is d:
             continue
         b = bound.get(key(r))
-        for k in ("train_ms", "prefill_ms"):
+        for k in ("train_ms", "train_cold_ms", "prefill_ms"):
             if k in r and k in d:
                 r[k.replace("_ms", "_speedup")] = d[k] / r[k]
                 if b is not None and k in b and r["variant"] not in E2E_BOUNDS:

@@ -65,6 +65,8 @@ def test_training_with_overlap_matches_default(results):
         assert ov["failure_modes"] == [] and ov["recompiles_timed"] == 0, ov["failure_modes"]
         # the common schema's keys, for benchmarks/plot.py
         assert (ov["kind"], ov["method"], ov["mode"], ov["ms"]) == (model, "overlap", "eager", ov["train_ms"])
+        # train_ms: steps back to back (a training loop's steady state); one step after a barrier beside it
+        assert ov["train_calls"] == 3 and ov["train_cold_ms"] > 0 and "train_cold_speedup" in ov
 
 
 def test_activation_checkpointing_matches_default_and_fx_cache_hits(results):
