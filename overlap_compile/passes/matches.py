@@ -172,9 +172,32 @@ class AllGatherGemmMatch(Match):
     def anchor(self) -> fx.Node:
         return self.ag_node
 
+    def reads_gathered(self) -> bool:
+        """Whether the graph reads the gathered matrix beyond the site's GEMMs (a training graph
+        saves it for the weight gradients; prefill does not): where it does not, the template
+        need not write it out (``AllGatherGemmPlan.gathered``), and is timed so."""
+        if not isinstance(self.gathered_node, fx.Node):  # a match built at run time holds no graph
+            return True
+        gemms = {c.mm_node for c in self.consumers}
+        views = {self.gathered_node, *self.gathered_twins}
+        for v in views:
+            if any(u not in gemms and not _reads_size_only(u) for u in v.users):
+                return True
+        inner = set(self.chain_nodes) | views
+        return self.full_node not in views and any(u not in inner and not _reads_size_only(u)
+                                                   for u in self.full_node.users)
+
     def signature_extra(self) -> str:
         s = self.stripes
-        return f"{s.outer}x{s.world}x{s.chunk}|bias={[c.bias_node is not None for c in self.consumers]}"
+        return (f"{s.outer}x{s.world}x{s.chunk}|bias={[c.bias_node is not None for c in self.consumers]}"
+                f"|gathered={self.reads_gathered()}")
+
+
+def _reads_size_only(node: fx.Node) -> bool:
+    """A node that reads a tensor's size, not its data (a dynamic graph's sym_size)."""
+    import torch
+
+    return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size)
 
 
 GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllToAllMatch)

@@ -82,7 +82,7 @@ class TemplateSpec:
                 template=self.name, m=match.m, k=match.k, ns=tuple(c.n for c in match.consumers),
                 world=match.world_size, outer=s.outer, chunk=s.chunk,
                 has_bias=tuple(c.bias_node is not None for c in match.consumers), config=config,
-                timeout_ms=timeout_ms,
+                timeout_ms=timeout_ms, gathered=match.reads_gathered(),
             )
         s = match.stripes
         return GemmCollectivePlan(
