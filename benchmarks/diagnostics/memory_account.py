@@ -146,14 +146,13 @@ def pools(device: str) -> dict[str, float]:
     symm_mem = sys.modules.get("torch.distributed._symmetric_memory")
     symm_ids = {tuple(p.id) for d, p in getattr(symm_mem, "_symm_mem_pools", {}).items()
                 if torch.device(d).index in (index, None)}
+    out["op_graphs"] = op_graphs.pool_bytes(index) / GIB
     for seg in torch.cuda.memory_snapshot():
         pid = tuple(seg.get("segment_pool_id", (0, 0)))
-        if seg.get("device", index) != index or pid == (0, 0):
+        if seg.get("device", index) != index or pid == (0, 0) or (ours is not None and pid == tuple(ours)):
             continue
         if pid in symm_ids:
             out["symm_pool"] += seg["allocated_size"] / GIB
-        elif ours is not None and pid == tuple(ours):
-            out["op_graphs"] += seg["total_size"] / GIB
         else:
             out["graphs"] += seg["total_size"] / GIB
     return out

@@ -122,6 +122,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
+def pool_bytes(device: torch.device | int) -> int:
+    """Bytes the graphs' pool on ``device`` holds (reserved: its blocks serve replays only, and
+    ``torch.cuda.max_memory_allocated`` does not count them once captured); 0 where none."""
+    index = device.index if isinstance(device, torch.device) else device
+    ours = _pools.get(index)
+    if ours is None:
+        return 0
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", (0, 0))) == tuple(ours))
+
+
 def _pool(device: torch.device) -> tuple:
     p = _pools.get(device.index)
     if p is None:

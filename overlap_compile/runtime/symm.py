@@ -43,6 +43,9 @@ class SymmBuffer:
     ptrs: torch.Tensor   # int64 [world] on the device: every rank's address of this buffer
     signal_pad_ptrs_dev: torch.Tensor  # int64 [world] on the device: every rank's signal pad
     _peers: dict = dataclasses.field(default_factory=dict)
+    # bytes of it that torch's symmetric allocator mapped outside the caching allocator (which
+    # then does not count them in max_memory_allocated); 0 where it drew on an allocator pool
+    outside: int = 0
 
     @property
     def buffer_ptrs_dev(self) -> torch.Tensor:
@@ -67,6 +70,16 @@ class SymmBuffer:
 
 _cache: dict[tuple, SymmBuffer] = {}
 _lock = threading.Lock()
+
+
+def bytes_outside_allocator(device: torch.device | int | None = None) -> int:
+    """Bytes of the symmetric buffers alive on ``device`` (default: the current one) that
+    ``torch.cuda.max_memory_allocated`` does not count: add them to it for what the process holds."""
+    index = torch.device(device).index if isinstance(device, (torch.device, str)) else device
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    with _lock:
+        return sum(b.outside for b in _cache.values() if b.local.device.index == index)
 
 
 def cache_key(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -169,7 +182,11 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
     def create():
         # the rendezvous allocates device tables through the caching allocator too: all of it on
         # the worker thread, outside any CUDA-graph pool (persistent.py)
+        before = torch.cuda.memory_allocated(device)
         local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+        # torch's symmetric allocator maps its own memory unless it draws on a pool of the caching
+        # allocator: what the allocator's statistics (max_memory_allocated) do not see
+        outside = max(0, local.untyped_storage().nbytes() - (torch.cuda.memory_allocated(device) - before))
         if zero:
             local.view(-1).view(torch.uint8).zero_()  # bytes: uint32 has no CUDA fill kernel on every torch
             torch.cuda.current_stream(device).synchronize()  # zeroed before the rendezvous lets any peer see it
@@ -177,10 +194,10 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
         offset = local.data_ptr() - handle.buffer_ptrs[rank]
         ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
         pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
-        return local, handle, offset, ptrs, pads
+        return local, handle, offset, ptrs, pads, outside
 
-    local, handle, offset, ptrs, pads = allocate(create)
-    buf = SymmBuffer(local, handle, rank, world, offset, ptrs, pads)
+    local, handle, offset, ptrs, pads, outside = allocate(create)
+    buf = SymmBuffer(local, handle, rank, world, offset, ptrs, pads, outside=outside)
     with _lock:
         _cache[ck] = buf
     return buf
