@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import time
 
@@ -182,6 +183,13 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     from benchmarks.models import build
 
     row: dict = {}
+    # what earlier configurations of the process left allocated (compiled code, caches) is not this
+    # one's: its peak counts from here
+    base = 0
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
     built = build(model_name, {**shape, **SIZE_CHANGES.get(variant, {})}, device, dtype, seed=0)
     if hasattr(built.model, "moe"):  # what the bound changed is visible in its row
         row["capacity_factor"] = built.model.moe.cf
@@ -265,7 +273,8 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
         # variants after it in a process leave them out: not theirs (e2e releases nothing between).
         ours = variant == "overlap"
         row["symm_outside_gib"] = symm.bytes_outside_allocator() / 2**30 if ours else 0.0
-        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 + row["symm_outside_gib"]
+        row["mem_base_gib"] = base / 2**30
+        row["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 + row["symm_outside_gib"]
         if ours:
             row["op_graphs_gib"] = op_graphs.pool_bytes(torch.cuda.current_device()) / 2**30
     if variant == "overlap":
