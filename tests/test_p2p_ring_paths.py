@@ -163,3 +163,16 @@ def test_ring_order_helpers_match_the_schedule():
         assert sorted(d for d, _ in pairs) == sorted(s for _, s in pairs) == [q for q in range(w) if q != r]
         for s in range(w - 1):  # the partial rank r + s + 1 computes at step s is for rank r
             assert reference.rs_stripe((r + s + 1) % w, w, s) == r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_each_receive_buffer_has_one_slot_per_peer(world):
+    """A rank's buffers hold W-1 slots: every peer its own, none for the rank itself (at W=2 a
+    slot per rank would double the symmetric memory for nothing)."""
+    for owner in range(world):
+        slots = [kernels._slot(owner, sender, world) for sender in range(world) if sender != owner]
+        assert sorted(slots) == list(range(world - 1)), (owner, slots)
+    with pytest.raises(ValueError, match="no slot for rank 1 in rank 1's buffer"):
+        kernels._slot(1, 1, world)
+    with pytest.raises(ValueError, match="world size"):
+        kernels._slot(0, world, world)

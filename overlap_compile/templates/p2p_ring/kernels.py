@@ -4,7 +4,9 @@ pair per peer and buffer (runtime.peer_flags, back at 0 after every call). Row s
 (``outer == 1``), one direction; ``slices`` cut RS / A2A messages into row slices. A copy's flag
 writes follow it: a BUSY write queued ahead would delay its start.
 
-All-gather -> GEMMs (push straight from the shard into each peer's inbox [W, rows, K], slot q for q)::
+Every buffer a rank receives into has W-1 slots, one per peer (``_slot``: none for the rank itself).
+
+All-gather -> GEMMs (push straight from the shard into each peer's inbox [W-1, rows, K], one slot per sender)::
 
     compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
     copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
@@ -91,6 +93,24 @@ def _Flags(group_name: str, key: str, world: int, device: torch.device, timeout_
     return peer_flags.PeerFlags(TEMPLATE, group_name, key, world, device, timeout_ms, what)
 
 
+def _slot(owner: int, sender: int, world: int) -> int:
+    """Where ``sender``'s message lies in ``owner``'s buffer of W-1 slots: the peers in ring order
+    after the owner (a rank sends itself nothing, so a slot for it would be memory for nothing)."""
+    if sender == owner or not (0 <= sender < world and 0 <= owner < world):
+        raise ValueError(f"{TEMPLATE}: no slot for rank {sender} in rank {owner}'s buffer (world size {world})")
+    return (sender - owner - 1) % world
+
+
+def _mine(buf: symm.SymmBuffer, sender: int) -> torch.Tensor:
+    """The slot of my buffer that ``sender`` writes into."""
+    return buf.local[_slot(buf.rank, sender, buf.world)]
+
+
+def _theirs(buf: symm.SymmBuffer, owner: int) -> torch.Tensor:
+    """My slot in ``owner``'s buffer (mapped into my address space)."""
+    return buf.peer(owner)[_slot(owner, buf.rank, buf.world)]
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     if bias is None:
         return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
@@ -143,7 +163,7 @@ class _Gather:
 def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
                   key: str = "") -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
     w, rows = plan.world, plan.chunk
-    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather{key}", (w, rows, plan.k), dtype, device)
+    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather{key}", (w - 1, rows, plan.k), dtype, device)
     flags = _Flags(group_name, f"allgather{key}/{w}x{rows}x{plan.k}/{dtype}", w, device, plan.timeout_ms,
                    "all-gather")
     return inbox, flags
@@ -177,7 +197,7 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
         copier.wait_stream(compute)
     with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
         for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
-            inbox.peer(d)[r].copy_(shard)
+            _theirs(inbox, d).copy_(shard)
             flags.busy(d)
             flags.ready(d)
         mine = gathered[r * rows:(r + 1) * rows]
@@ -198,7 +218,7 @@ def _gather_finish(g: _Gather, bs: list[torch.Tensor], biases: list[torch.Tensor
     rows = g.rows
     for step, src in enumerate(g.sources, start=1):
         g.flags.wait_ready(src, step)  # on the compute stream, between GEMMs: the SMs are free
-        piece = g.inbox.local[src]
+        piece = _mine(g.inbox, src)
         if g.gathered is not None:
             landed = torch.cuda.Event()
             landed.record(g.compute)
@@ -301,7 +321,7 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
 def _push_flags(group_name: str, plan, key: str, what: str, dtype: torch.dtype,
                 device: torch.device) -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
     w, rows = plan.world, plan.chunk
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w, rows, plan.n), dtype, device)
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w - 1, rows, plan.n), dtype, device)
     flags = _Flags(group_name, f"{key}/{w}x{rows}x{plan.n}/{dtype}", w, device, plan.timeout_ms, what)
     return data, flags
 
@@ -329,7 +349,7 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
             ev.record(compute)
             with torch.cuda.stream(copier):
                 copier.wait_event(ev)
-                data.peer(d)[r][lo:hi].copy_(part)
+                _theirs(data, d)[lo:hi].copy_(part)
                 if i == len(parts) - 1:  # BUSY before READY (the receiver's release follows READY)
                     flags.busy(d)
                     flags.ready(d)
@@ -373,7 +393,7 @@ def _reduce_own(own_rows: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
     last = (r + w - 1) % w
     if fused and w == 2 and bias is None:
         flags.wait_ready(last, 0)
-        out = torch.addmm(data.local[last], own_rows, b, beta=scale, alpha=scale, out=out)
+        out = torch.addmm(_mine(data, last), own_rows, b, beta=scale, alpha=scale, out=out)
     else:
         acc = None
         # The partial rank r + j + 1 pushes at its step j is for me.
@@ -381,7 +401,7 @@ def _reduce_own(own_rows: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
             acc = _accumulate(acc, data, flags, (r + j + 1) % w, j)
         own = _gemm(own_rows, b, bias)
         flags.wait_ready(last, w - 2)
-        out = sum_into(own if out is None else out, own, data.local[last], acc, scale)
+        out = sum_into(own if out is None else out, own, _mine(data, last), acc, scale)
     flags.release(last)
     if join:
         compute.wait_stream(copier)
@@ -391,7 +411,7 @@ def _reduce_own(own_rows: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
 def _accumulate(acc, data, flags: _Flags, src: int, step: int) -> torch.Tensor:
     """acc (fp32) += the partial ``src`` pushed into my slot ``src``; then free that slot."""
     flags.wait_ready(src, step)
-    slot = data.local[src]
+    slot = _mine(data, src)
     # a copy even when the slot is fp32 already: the slot is released below and a peer's next
     # call may overwrite it while acc is still being summed into
     acc = slot.to(torch.float32, copy=True) if acc is None else acc.add_(slot)
@@ -412,7 +432,7 @@ def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
     _gemm(a[r * rows:(r + 1) * rows], b, bias, out=out[r * rows:(r + 1) * rows])  # stays here, computed last
     for s, (_, src) in enumerate(pairs, start=1):
         flags.wait_ready(src, s)
-        out[src * rows:(src + 1) * rows].copy_(data.local[src])
+        out[src * rows:(src + 1) * rows].copy_(_mine(data, src))
         flags.release(src)
     compute.wait_stream(copier)
     return out
