@@ -180,9 +180,9 @@ def _measured_as_written_up_to(limit: int):
 
 
 def test_a_bucket_measured_otherwise_than_its_ends_are_priced_is_cut(monkeypatch):
-    """On GPUs settle times a bucket at its representative M only. Where that measurement overturns
-    the prediction (here every rewrite up to M = 2560 measures slower than as written, above it the
-    prediction holds), the bucket's ends, paced, still choose as predicted: the bucket is cut and
+    """Where settle's measurement overturns the prediction (here every rewrite up to M = 2560
+    measures slower than as written, above it the prediction holds), a bucket whose upper end lies
+    above the limit chooses otherwise there than at its representative: the bucket is cut and
     its halves looked at again, so no bucket measured below the limit covers M = 3000 or 4096, and
     theirs choose what a static compile at their M does (before, the reduce-scatters' bucket
     (1024, 4096] took the choice measured at 2048 throughout); a bucket that cannot be cut keeps
@@ -203,3 +203,36 @@ def test_a_bucket_measured_otherwise_than_its_ends_are_priced_is_cut(monkeypatch
                 f"vs static {s.template} ({s.reason})")
     for d in dyn.sites:  # measured slower where it was timed: no rewrite from 1024 to the limit
         assert all(b["template"] == "baseline" for b in d.buckets if 1024 <= b["at"] <= limit), d.buckets
+
+
+def test_a_bucket_end_timed_otherwise_than_its_representative_is_cut(monkeypatch):
+    """Sites the model cannot call are timed (settle), at a bucket's ends too: here every rewrite
+    times 1.01x over the site as written (below min_speedup) except at a power of two of rows,
+    where it times 1.13x, as the gate/up all-gather of the Megatron-style block did on 2x H100
+    (1.01-1.04x at its buckets' representatives, 1.13x at 2048 and 4096). The bucket holding
+    M = 2048, timed only at its representative, kept the site as written where a static compile
+    at 2048 rewrites it; timed at its ends too, it is cut, and M = 2048 runs the static choice."""
+    from overlap_compile.passes import settle
+    from overlap_compile.predictor import exhaustive
+
+    def timed(template, match, config, options):
+        m = match.m
+        return 1.0 if template == "baseline" else 1.0 / (1.13 if m & (m - 1) == 0 else 1.01)
+
+    settle.clear_cache()
+    monkeypatch.setattr(exhaustive, "_measure_hook", timed)
+    try:
+        sizes, world = BLOCKS["8b-w2"]
+        dyn = _plan(sizes, world, 2048, True, "reduce-overhead", "h100")
+        static = _StaticPlans("8b-w2", "reduce-overhead", "h100")(2048)
+    finally:
+        settle.clear_cache()
+    timed_there = 0
+    for d, s in zip(dyn.sites, static.sites):
+        b = next(b for b in d.buckets if b["lo"] <= 2048 <= b["hi"])
+        if s.measured and s.rewritten:  # settled at 2048: the timing's 1.13x rewrote it
+            timed_there += 1
+            assert (b["template"], b["config"]) == (s.template, s.config), (
+                f"{d.kind}: bucket ({b['lo']}, {b['hi']}] at {b['at']} {b['template']} ({b['reason']}) "
+                f"vs static at 2048 {s.template} ({s.reason})")
+    assert timed_there, [(s.kind, s.template, s.reason) for s in static.sites]

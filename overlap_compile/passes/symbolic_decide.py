@@ -11,8 +11,8 @@ cannot be cut takes, of the three choices and "as written", the one priced least
 graph after that: per bucket, every site of the graph is made static at its M there (sites of
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
 and, for the symbolic sites, the measuring of uncertain sites, so a bucket chooses what a static
-compile at its representative M would; its ends are decided the same way (paced, not measured)
-and the bucket is cut where they disagree, as in the first look. Neighbouring buckets with the same choice are merged
+compile at its representative M would; its ends are decided the same way (paced, and timed
+where the model cannot call them) and the bucket is cut where they disagree, as in the first look. Neighbouring buckets with the same choice are merged
 into one table entry; the site is rewritten (template ``BUCKETED``: templates/bucketed.py's op)
 when any bucket rewrites. ``priced`` holds the candidates of the bucket holding the size hint,
 for the Report, and ``buckets`` one row per bucket.
@@ -79,9 +79,9 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
     return _from_buckets(match, per_bucket)
 
 
-def _decide_bucket(b: Bucket, step: int, align: int, at: Callable, at_end: Callable | None = None) -> list:
-    """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m; ``at_end``,
-    where given, decides the ends instead): the decision at its representative where the
+def _decide_bucket(b: Bucket, step: int, align: int, at: Callable) -> list:
+    """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
+    at its representative where the
     decisions at its ends choose the same template and, where it rewrites, it is priced no slower
     than as written there; else each half of ``b`` decided so; where ``b`` cannot be cut,
     ``_held``'s choice over the three."""
@@ -89,12 +89,12 @@ def _decide_bucket(b: Bucket, step: int, align: int, at: Callable, at_end: Calla
     if b.hi is None:
         return [(b, d)]
     ends = sorted({m for m in (b.lo, b.hi // step * step) if m != b.at})
-    priced = {m: (at_end or at)(m) for m in ends}
+    priced = {m: at(m) for m in ends}
     if all(e.template == d.template and (not d.rewrites or _holds(d, e)) for e in priced.values()):
         return [(b, d)]
     halves = split(b, step, align)
     if halves is not None:
-        return [pair for h in halves for pair in _decide_bucket(h, step, align, at, at_end)]
+        return [pair for h in halves for pair in _decide_bucket(h, step, align, at)]
     return [_held(b, d, priced)]
 
 
@@ -142,7 +142,9 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
     site's symbolic neighbours of the same M expression at the same M, those of another expression
     at their M scaled by the hints' ratio, static sites as they are) go through ``pace``
     (host-launch pacing, given a graph) and this site's bucket through ``settle``. The bucket's
-    ends are decided the same way (paced, not measured), and the first look's rule holds: where
+    ends are decided the same way, timed too where the model cannot call them (a representative
+    timed alone can choose otherwise than a static compile at the bucket's top, where the
+    measured gain differs), and the first look's rule holds: where
     they choose another template, or the choice rewrites and is slower than as written there, the
     bucket is cut and each half looked at again; a bucket that cannot be cut takes ``_held``'s
     choice over the three M."""
@@ -176,12 +178,9 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
         def settled(m: int, i: int = i) -> Decision:
             return settle([view_at(i, m)[i]], options, profile)[0]
 
-        def paced(m: int, i: int = i) -> Decision:
-            return view_at(i, m)[i]
-
         new = []
         for b, _ in d.per_bucket:  # a forced template runs in every bucket, holding or not
-            new += [(b, settled(b.at))] if options.force_template else _decide_bucket(b, step, align, settled, paced)
+            new += [(b, settled(b.at))] if options.force_template else _decide_bucket(b, step, align, settled)
         out[i] = _from_buckets(d.match, new)
     return out
 
