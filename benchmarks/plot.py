@@ -123,6 +123,12 @@ def _e2e_order(methods) -> list[str]:
     return sorted(methods, key=lambda m: (rank.get(m.split("[")[0], len(rank)), m))
 
 
+def _e2e_colour(method: str) -> str:
+    """One colour per method in every e2e plot, whichever methods a plot lacks (a failed row)."""
+    rank = {m: i for i, m in enumerate(E2E_METHODS)}
+    return f"C{rank.get(method.split('[')[0], len(rank)) % 10}"
+
+
 def _pyplot():
     import matplotlib
 
@@ -179,7 +185,7 @@ def plot_e2e(rows: list[dict], out_dir: str, stem: str) -> list[str]:
         for i, m in enumerate(methods):
             xs = [j + i * width for j in range(len(labels))]
             ys = [shapes[l].get(m, math.nan) for l in labels]
-            ax.bar(xs, ys, width, label=m + (" (bound)" if m in E2E_BOUNDS else ""))
+            ax.bar(xs, ys, width, color=_e2e_colour(m), label=m + (" (bound)" if m in E2E_BOUNDS else ""))
             for x, y, l in zip(xs, ys, labels):
                 g = gaps.get(l, {}).get(m)
                 if g is not None and y == y:
@@ -222,7 +228,7 @@ def plot_e2e_summary(rows: list[dict], out_dir: str, stem: str) -> list[str]:
         for i, m in enumerate(methods):
             xs = [j + i * width for j in range(len(cells))]
             ys = [rel.get(m, math.nan) for _, rel, _ in cells]
-            ax.bar(xs, ys, width, label=m + (" (bound)" if m in E2E_BOUNDS else ""))
+            ax.bar(xs, ys, width, color=_e2e_colour(m), label=m + (" (bound)" if m in E2E_BOUNDS else ""))
             for x, y, (_, _, gaps) in zip(xs, ys, cells):
                 g = gaps.get(m)
                 if g is not None and y == y:

@@ -157,3 +157,12 @@ def test_summary_relative_to_inductor_with_the_gap_closed(tmp_path):
     assert by_cell["reduce-overhead, train"][1] == {"overlap": None}  # no gap: nothing to close
     (png,) = plot.plot_e2e_summary(_rows(), str(tmp_path), "run")
     assert png.endswith("run-e2e-summary.png") and os.path.getsize(png) > 0
+
+
+def test_a_method_keeps_its_colour_in_every_panel():
+    """A panel that lacks a method (its row failed) must not shift the others' colours."""
+    from benchmarks.plot import E2E_METHODS, _e2e_colour
+
+    colours = [_e2e_colour(m) for m in E2E_METHODS]
+    assert len(set(colours)) == len(colours)
+    assert _e2e_colour("overlap") == _e2e_colour("overlap[p2p_ring]") == colours[E2E_METHODS.index("overlap")]
