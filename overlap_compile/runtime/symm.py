@@ -186,7 +186,10 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
         local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
         # torch's symmetric allocator maps its own memory unless it draws on a pool of the caching
         # allocator: what the allocator's statistics (max_memory_allocated) do not see
-        outside = max(0, local.untyped_storage().nbytes() - (torch.cuda.memory_allocated(device) - before))
+        # all or nothing: the caching allocator either served the buffer or never saw it (another
+        # thread's allocations between the two reads must not count as either)
+        nbytes = local.untyped_storage().nbytes()
+        outside = nbytes if torch.cuda.memory_allocated(device) - before < nbytes // 2 else 0
         if zero:
             local.view(-1).view(torch.uint8).zero_()  # bytes: uint32 has no CUDA fill kernel on every torch
             torch.cuda.current_stream(device).synchronize()  # zeroed before the rendezvous lets any peer see it
