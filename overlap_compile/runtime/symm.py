@@ -185,9 +185,8 @@ def symm_buffer(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.
         before = torch.cuda.memory_allocated(device)
         local = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
         # torch's symmetric allocator maps its own memory unless it draws on a pool of the caching
-        # allocator: what the allocator's statistics (max_memory_allocated) do not see
-        # all or nothing: the caching allocator either served the buffer or never saw it (another
-        # thread's allocations between the two reads must not count as either)
+        # allocator, whose statistics (max_memory_allocated) then never see it: all or nothing, so
+        # another thread's allocations between the two reads cannot skew the count
         nbytes = local.untyped_storage().nbytes()
         outside = nbytes if torch.cuda.memory_allocated(device) - before < nbytes // 2 else 0
         if zero:
