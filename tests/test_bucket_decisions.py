@@ -236,3 +236,30 @@ def test_a_bucket_end_timed_otherwise_than_its_representative_is_cut(monkeypatch
                 f"{d.kind}: bucket ({b['lo']}, {b['hi']}] at {b['at']} {b['template']} ({b['reason']}) "
                 f"vs static at 2048 {s.template} ({s.reason})")
     assert timed_there, [(s.kind, s.template, s.reason) for s in static.sites]
+
+
+def test_a_held_bucket_counts_the_gains_timed_at_its_ends():
+    """A bucket that cannot be cut, whose end chose another template, takes the choice priced
+    least over its representative and ends: where settle timed a rewrite at an end, its measured
+    gain counts there, not its prediction. Here tile_fused, predicted 1.25x at M = 4096, measured
+    1.04x there; p2p_ring measured 1.10x at the representative: p2p_ring is held."""
+    from overlap_compile.passes.decision import Decision
+    from overlap_compile.passes.symbolic_decide import _held
+    from overlap_compile.predictor.buckets import Bucket
+    from overlap_compile.predictor.ranking import Candidate
+
+    configs = {"p2p_ring": {"slices": 1}, "tile_fused": {"block": 128}}
+
+    def decision(template, p2p_ms, tile_ms, measured=None):
+        cands = [Candidate("baseline", None, 1.0), Candidate("p2p_ring", configs["p2p_ring"], p2p_ms),
+                 Candidate("tile_fused", configs["tile_fused"], tile_ms)]
+        return Decision(None, template, configs[template], "", cands, measured=measured)
+
+    def timed(template, gain):
+        return {"template": template, "config": configs[template], "measured_gain": gain}
+
+    chosen = decision("p2p_ring", 0.95, 0.99, timed("p2p_ring", 1.10))
+    ends = {2818: decision("p2p_ring", 0.95, 0.99), 4096: decision("tile_fused", 1.05, 0.80, timed("tile_fused", 1.04))}
+    b, picked = _held(Bucket(2818, 4096, 3328), chosen, ends)
+    # p2p_ring: 1/1.10 + 0.95 + 1.05 = 2.909 ms; tile_fused: 0.99 + 0.99 + 1/1.04 = 2.94 (0.80 predicted: 2.78)
+    assert (picked.template, b.at) == ("p2p_ring", 3328), (picked.template, picked.reason)

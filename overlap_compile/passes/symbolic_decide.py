@@ -189,9 +189,9 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     """(bucket, decision) for ``chosen`` (the decision at ``b.at``) given the decisions at the
     bucket's ends: ``chosen`` where the ends choose as it does, or it rewrites and is priced no
     slower than as written there; else, of ``chosen``, the ends' choices and "as written", the one
-    priced least summed over the representative and the ends (where settle timed a rewrite at the
-    representative, chosen or not, its measured gain counts there), the bucket's ``at`` then the
-    M it was chosen at."""
+    priced least summed over the representative and the ends (where settle timed a rewrite at one
+    of them, chosen or not, its measured gain counts there), the bucket's ``at`` then the M it was
+    chosen at."""
     same = all(e.template == chosen.template for e in ends.values())
     if (same and not chosen.rewrites) or (chosen.rewrites and all(_holds(chosen, e) for e in ends.values())):
         return b, chosen
@@ -199,12 +199,14 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     kept = chosen if not chosen.rewrites else dataclasses.replace(chosen, template=BASELINE, config=None)
     choices = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
 
-    measured = chosen.measured or {}
-
-    def total(d: Decision) -> float:  # a rewrite settle timed at the representative: its measured gain there
+    def at_m(d: Decision, e: Decision) -> float:  # a rewrite settle timed at that M: its measured gain there
+        measured = e.measured or {}
         timed = d.rewrites and (d.template, d.config) == (measured.get("template"), measured.get("config"))
         gain = measured.get("measured_gain") if timed else None
-        return sum(_base_ms(e) / gain if gain and m == b.at else _priced_ms(d, e) for m, e in priced.items())
+        return _base_ms(e) / gain if gain else _priced_ms(d, e)
+
+    def total(d: Decision) -> float:
+        return sum(at_m(d, e) for e in priced.values())
 
     m, pick = min(choices, key=lambda o: total(o[1]))
     if pick is chosen:
