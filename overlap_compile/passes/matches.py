@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..predictor.models import dtype_name
 from ..tiling import RowStripes
+from .graph_utils import aten, is_call
 
 KINDS = ("gemm_allreduce", "gemm_reducescatter", "allgather_gemm", "gemm_alltoall", "moe")
 
@@ -181,23 +182,16 @@ class AllGatherGemmMatch(Match):
         gemms = {c.mm_node for c in self.consumers}
         views = {self.gathered_node, *self.gathered_twins}
         for v in views:
-            if any(u not in gemms and not _reads_size_only(u) for u in v.users):
+            if any(u not in gemms and not is_call(u, aten.sym_size.int) for u in v.users):
                 return True
         inner = set(self.chain_nodes) | views
-        return self.full_node not in views and any(u not in inner and not _reads_size_only(u)
+        return self.full_node not in views and any(u not in inner and not is_call(u, aten.sym_size.int)
                                                    for u in self.full_node.users)
 
     def signature_extra(self) -> str:
         s = self.stripes
         return (f"{s.outer}x{s.world}x{s.chunk}|bias={[c.bias_node is not None for c in self.consumers]}"
                 f"|gathered={self.reads_gathered()}")
-
-
-def _reads_size_only(node: fx.Node) -> bool:
-    """A node that reads a tensor's size, not its data (a dynamic graph's sym_size)."""
-    import torch
-
-    return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size)
 
 
 GEMM_COLLECTIVE_MATCHES = (GemmAllReduceMatch, GemmReduceScatterMatch, GemmAllToAllMatch)

@@ -12,8 +12,8 @@ graph after that: per bucket, every site of the graph is made static at its M th
 another symbolic M scaled by the ratio of the hints) and passed through the host-launch pacing
 and, for the symbolic sites, the measuring of uncertain sites, so a bucket chooses what a static
 compile at its representative M would; its ends are decided the same way (paced, and timed
-where the model cannot call them) and the bucket is cut where they disagree, as in the first look. Neighbouring buckets with the same choice are merged
-into one table entry; the site is rewritten (template ``BUCKETED``: templates/bucketed.py's op)
+where the model cannot call them) and the bucket is cut where they disagree, as in the first
+look. Neighbouring buckets with the same choice are merged into one table entry; the site is rewritten (template ``BUCKETED``: templates/bucketed.py's op)
 when any bucket rewrites. ``priced`` holds the candidates of the bucket holding the size hint,
 for the Report, and ``buckets`` one row per bucket.
 """
@@ -81,10 +81,9 @@ def decide_buckets(match: Match, options: Options, profile: Any, decide_one: Cal
 
 def _decide_bucket(b: Bucket, step: int, align: int, at: Callable) -> list:
     """[(Bucket, Decision)] covering ``b`` (``at(m)``: the static decision at M = m): the decision
-    at its representative where the
-    decisions at its ends choose the same template and, where it rewrites, it is priced no slower
-    than as written there; else each half of ``b`` decided so; where ``b`` cannot be cut,
-    ``_held``'s choice over the three."""
+    at its representative where the decisions at its ends choose the same template and, where it
+    rewrites, it is priced no slower than as written there; else each half of ``b`` decided so;
+    where ``b`` cannot be cut, ``_held``'s choice over the three."""
     d = at(b.at)
     if b.hi is None:
         return [(b, d)]
@@ -144,10 +143,9 @@ def second_look(decisions: list[Decision], graph: Any, options: Options, profile
     (host-launch pacing, given a graph) and this site's bucket through ``settle``. The bucket's
     ends are decided the same way, timed too where the model cannot call them (a representative
     timed alone can choose otherwise than a static compile at the bucket's top, where the
-    measured gain differs), and the first look's rule holds: where
-    they choose another template, or the choice rewrites and is slower than as written there, the
-    bucket is cut and each half looked at again; a bucket that cannot be cut takes ``_held``'s
-    choice over the three M."""
+    measured gain differs), and the first look's rule holds: where they choose another template,
+    or the choice rewrites and is slower than as written there, the bucket is cut and each half
+    looked at again; a bucket that cannot be cut takes ``_held``'s choice over the three M."""
     idx = [i for i, d in enumerate(decisions) if isinstance(d, BucketedDecision) and d.per_bucket]
     if not idx or profile is None:
         return decisions
