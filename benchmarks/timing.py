@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 # runtime.op_graphs' outcomes of the template ops' host-launched calls: "replayed" is the one
 # where a call costs a single graph launch
-OP_GRAPH_CALLS = ("eager", "captured", "replayed", "failed")
+OP_GRAPH_CALLS = ("eager", "captured", "replayed", "failed", "declined")
 
 
 def op_graph_counts() -> collections.Counter:

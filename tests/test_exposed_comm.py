@@ -86,6 +86,17 @@ def test_measure_splits_steps_at_the_markers():
     assert got["exposed_ms"] == pytest.approx(0.010) and got["idle_ms"] == pytest.approx(0.0)
     site = got["sites"]["s0"]
     assert site["events"] == 1 and site["how"] == "by order" and site["start_ms"] == pytest.approx(0.005)
+    # compute kernel time per role and per name, per step; communication left out
+    assert got["roles_ms"] == {"gemm": pytest.approx(0.010)}
+    assert got["top_kernels"] == [{"name": "gemm", "ms": pytest.approx(0.010), "count": 1}]
+
+
+def test_compute_kernels_by_role():
+    assert ec.role("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert ec.role("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
+    assert ec.role("triton_poi_fused_add_mul_0") == "fused (triton)"
+    assert ec.role("Memcpy DtoD (Device -> Device)") == "copy"
+    assert ec.role("_sum_kernel") == "other"
 
 
 def test_dry_run_rows_per_site_and_variant(tmp_path):
@@ -105,6 +116,7 @@ def test_dry_run_rows_per_site_and_variant(tmp_path):
     assert all("measured_gain_ms" in r and "predicted_gain_ms" in r for r in rewritten)
     assert {r["graph"] for r in rewritten} >= {"forward", "backward"}
     assert "| overlap |" in ec.markdown(rows)
+    assert all(isinstance(s["compute_roles_ms"], dict) and len(s["idle_ms_ranks"]) == 2 for s in steps.values())
     pytest.importorskip("matplotlib")
     from benchmarks.plot import plot_exposed_comm
 

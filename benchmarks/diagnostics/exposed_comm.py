@@ -45,6 +45,12 @@ COMM_KERNELS = ("nccl", "wait_kernel", "_notify_kernel", "_barrier_kernel", "_pu
 NOT_WORK = ("Event Sync", "Stream Sync", "Stream Wait", "Context Sync", "Device Sync")
 OUTSIDE = "outside the graphs"
 UNMAPPED = "unmapped"
+TOP_KERNELS = 25  # compute kernels kept per variant, most time first
+# what a compute kernel does, by name (first match wins): where a variant's extra compute goes
+ROLES = (("attention", ("flash", "fmha", "attention", "sdpa")),  # before gemm: cuDNN's carry "sm90_"
+         ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "xmma", "cublas", "bmm")),
+         ("copy", ("memcpy", "memset", "copy_kernel", "direct_copy")),
+         ("fused (triton)", ("triton_",)))
 
 
 # ---- interval arithmetic (pure) ------------------------------------------------------------------
@@ -124,6 +130,12 @@ class Event:
     marker: bool = False
     site: str | None = None
     how: str = UNMAPPED
+
+
+def role(name: str) -> str:
+    """A compute kernel's role (ROLES), "other" when no name part matches."""
+    low = name.lower()
+    return next((r for r, parts in ROLES if any(p in low for p in parts)), "other")
 
 
 def collective_of(name: str) -> str | None:
@@ -384,6 +396,8 @@ def measure(events: list[Event], ranges: list[Range], expected: list[Expected]) 
     steps = len(markers)
     total = dict.fromkeys(("span_ms", "compute_ms", "comm_ms", "hidden_ms", "exposed_ms", "idle_ms"), 0.0)
     sites: dict[str, dict] = {}
+    roles: dict[str, float] = {}
+    kernels: dict[str, list] = {}
     for s, m in enumerate(markers):
         t0 = m.end
         t1 = markers[s + 1].start if s + 1 < steps else max(e.end for e in events)
@@ -393,6 +407,12 @@ def measure(events: list[Event], ranges: list[Range], expected: list[Expected]) 
         comm = sorted((e for e in work if e.comm), key=lambda e: e.start)
         attribute(comm, [r for r in ranges if h0 <= r.start < h1], expected, {m.stream for m in markers})
         compute = [(e.start, e.end) for e in work if not e.comm]
+        for e in work:  # kernel time summed (streams overlap), per role and per name
+            if not e.comm:
+                roles[role(e.name)] = roles.get(role(e.name), 0.0) + (e.end - e.start) / 1e3 / steps
+                k = kernels.setdefault(e.name, [0.0, 0.0])
+                k[0] += (e.end - e.start) / 1e3 / steps
+                k[1] += 1 / steps
         hidden, exposed = hidden_and_exposed([(e.start, e.end) for e in comm], compute)
         span = (max(e.end for e in work) - t0) if work else 0.0
         for key, v in (("span_ms", span), ("compute_ms", length(compute)), ("comm_ms", hidden + exposed),
@@ -411,7 +431,10 @@ def measure(events: list[Event], ranges: list[Range], expected: list[Expected]) 
     order = [x.label for x in expected] + [OUTSIDE, UNMAPPED]
     for row in sites.values():  # the weakest tie of any of its kernels
         row["how"] = next(h for h in (UNMAPPED, "by order, ambiguous", "by order", "by range") if h in row["how"])
-    return {"steps": steps, **total, "sites": {k: sites[k] for k in sorted(sites, key=order.index)}}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return {"steps": steps, **total, "roles_ms": roles,
+            "top_kernels": [{"name": n[:160], "ms": v[0], "count": v[1]} for n, v in top],
+            "sites": {k: sites[k] for k in sorted(sites, key=order.index)}}
 
 
 # ---- running a variant -----------------------------------------------------------------------------
@@ -426,6 +449,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.e2e_run import SIZE_CHANGES, RecordsSince, compiled, framework_mode, variant_context
+    from benchmarks.timing import op_graph_calls_since, op_graph_counts
     from benchmarks.models import build
 
     torch._dynamo.reset()
@@ -458,11 +482,13 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
         for _ in range(3):
             step()
         sync()
+        calls_before = op_graph_counts()
         t0 = time.perf_counter()
         for _ in range(a.iters):
             step()
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3 / a.iters
+        timed_calls = op_graph_calls_since(calls_before)
         dist.barrier()
         sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -472,6 +498,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
                     dist.all_reduce(torch.ones(1, dtype=torch.float64, device=device))
                 step()
             sync()
+        profiled_calls = op_graph_calls_since(calls_before)
         if built.compile_with is not None:
             records.collect()
     kev = _kineto(prof)
@@ -480,6 +507,9 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
     expected = expected_sites(recorder.graphs, report.records if variant == "overlap" else [])
     got = measure(events, ranges, expected)
     got["step_ms"] = step_ms
+    # host-launched template ops replayed from graphs (runtime/op_graphs): a capture in a timed or
+    # profiled step is host time the step pays
+    got["op_graph_calls"] = {"timed": timed_calls, "timed_and_profiled": profiled_calls}
     if nocomm_pass is not None:
         got["nocomm_replaced"] = dict(nocomm_pass.replaced)
     return {"measured": got, "expected": [_expected_row(x) for x in expected]}
@@ -513,7 +543,11 @@ def rows_of(per_rank: list[dict], base: dict) -> list[dict]:
     keys = ("span_ms", "compute_ms", "comm_ms", "hidden_ms", "exposed_ms", "idle_ms")
     summary = {**base, "site": SUMMARY, "step_ms": max(m["step_ms"] for m in ms), "steps": ms[0]["steps"],
                **{k: sum(m[k] for m in ms) / len(ms) for k in keys},
-               "exposed_ms_ranks": [m["exposed_ms"] for m in ms]}
+               "exposed_ms_ranks": [m["exposed_ms"] for m in ms], "idle_ms_ranks": [m["idle_ms"] for m in ms],
+               "op_graph_calls_ranks": [m.get("op_graph_calls") for m in ms]}
+    names = dict.fromkeys(r for m in ms for r in m.get("roles_ms", {}))
+    summary["compute_roles_ms"] = {r: sum(m["roles_ms"].get(r, 0.0) for m in ms) / len(ms) for r in names}
+    summary["top_kernels_rank0"] = ms[0].get("top_kernels", [])
     if "nocomm_replaced" in ms[0]:
         summary["nocomm_replaced"] = ms[0]["nocomm_replaced"]
     info = {x["site"]: x for x in per_rank[0]["expected"]}
@@ -560,6 +594,17 @@ def markdown(rows: list[dict]) -> str:
                 "step_ms", "span_ms", "compute_ms", "comm_ms", "hidden_ms", "exposed_ms", "idle_ms")) + " |")
         if "error" in " ".join(r.get("error", "") for r in mine):
             out += [f"- {r['variant']}: {r['error']}" for r in mine if r.get("error")]
+        for r in (r for r in mine if r["site"] == SUMMARY and "idle_ms_ranks" in r):
+            out.append(f"- {r['variant']}: idle per rank {', '.join(_f(v) for v in r['idle_ms_ranks'])} ms; "
+                       f"exposed per rank {', '.join(_f(v) for v in r['exposed_ms_ranks'])} ms; "
+                       f"host-launched op calls per rank (timed steps) "
+                       f"{[{k: v for k, v in (c or {}).get('timed', {}).items() if v} for c in r['op_graph_calls_ranks']]}")
+        summaries = [r for r in mine if r["site"] == SUMMARY and r.get("compute_roles_ms")]
+        names = list(dict.fromkeys(k for r in summaries for k in r["compute_roles_ms"]))
+        if names:  # compute kernel time per role, summed over streams: where extra compute goes
+            out += ["", "| variant | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+            out += [f"| {r['variant']} | " + " | ".join(_f(r["compute_roles_ms"].get(n, 0.0)) for n in names) + " |"
+                    for r in summaries]
         out += ["", "| variant | site | collective | template | attribution | kernels | comm | hidden | exposed "
                 "| as written | measured gain | predicted gain |", "|---" * 12 + "|"]
         for r in sorted((r for r in mine if r["site"] != SUMMARY and "exposed_ms" in r),

@@ -8,6 +8,14 @@ the same addresses in a steady state). State living between calls (symmetric buf
 returns to its initial values each call, so a replay is a fresh call. A key runs as usual the
 first time, is captured the second, replayed after; temporaries share one graph pool per device.
 Inside another capture the op runs as written; a failed capture warns and runs it as written.
+
+Where the addresses do not settle (a training step's activations land elsewhere every step: the
+caching allocator's free lists differ between steps) graphs are captured and never replayed, host
+time and pool memory for nothing. A graph is stale when its site (static key) made more calls since
+its capture than the site has graphs, plus ``STALE_AFTER``, without replaying it (a model whose L
+layers share a site replays each layer's graph L calls later). A site with ``STALE_GRAPHS`` stale
+graphs is captured no more ("declined"): its graphs never replayed are dropped, its calls run as
+written.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ import torch
 CAPTURE_ON_SIGHT = 2  # the n-th call with the same key is captured (1: the first one runs as usual)
 MAX_GRAPHS = 256  # per process; the least recently replayed graph is dropped past this
 MAX_SEEN = 4096  # keys seen once and not (yet) captured; forgotten all at once past this
+STALE_AFTER = 4  # calls past a site's graph count after which a graph never replayed is stale
+STALE_GRAPHS = 2  # stale graphs that make a site declined
 
 _lock = threading.Lock()
 _graphs: "collections.OrderedDict[tuple, torch.cuda.CUDAGraph]" = collections.OrderedDict()
@@ -29,7 +39,12 @@ _failed: dict[tuple, str] = {}  # static key -> why its capture failed (run as w
 _pools: dict[int, tuple] = {}
 _live = collections.Counter()  # device index -> graphs alive in its pool
 _side: dict[int, torch.cuda.Stream] = {}
-stats = collections.Counter()  # "eager", "captured", "replayed", "failed": for tests and benchmarks
+_calls = collections.Counter()  # static key -> its calls so far
+_born: dict[tuple, int] = {}  # key -> its static key's call count when it was captured
+_replays = collections.Counter()  # key -> replays of its graph
+_declined: dict[tuple, str] = {}  # static key -> why it is captured no more
+# "eager", "captured", "replayed", "failed"; "declined": eager calls of declined sites
+stats = collections.Counter()
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -50,6 +65,7 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
         call()
         return
     key = (static_key, device.index, tuple(tensor_key(t) for t in inputs), tuple(o.data_ptr() for o in outputs))
+    _calls[static_key] += 1
     graph = _graphs.get(key)
     if graph is not None:
         if check_errors is not None:
@@ -57,19 +73,27 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
         with _lock:
             if key in _graphs:
                 _graphs.move_to_end(key)
+            _replays[key] += 1
         graph.replay()
         stats["replayed"] += 1
         return
-    if static_key not in _failed:
+    if static_key in _declined:
+        stats["declined"] += 1
+    elif static_key not in _failed:
         seen = _seen.get(key, 0) + 1
         if len(_seen) >= MAX_SEEN:
             _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
         _seen[key] = seen
+        if seen >= CAPTURE_ON_SIGHT and _unsettled(static_key):
+            _seen.pop(key, None)
+            stats["declined"] += 1
+            seen = 0
         graph = _capture(static_key, device, call) if seen >= CAPTURE_ON_SIGHT else None
         if graph is not None:
             with _lock:
                 _seen.pop(key, None)
                 _graphs[key] = graph
+                _born[key] = _calls[static_key]
                 _live[device.index] += 1
                 while len(_graphs) > MAX_GRAPHS:
                     _drop(*_graphs.popitem(last=False))
@@ -82,10 +106,34 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
     stats["eager"] += 1
 
 
+def _unsettled(static_key: tuple) -> bool:
+    """Whether ``static_key`` has STALE_GRAPHS stale graphs (the module doc); if so it is declined
+    from now on and its graphs never replayed are dropped."""
+    with _lock:
+        site = [k for k in _graphs if k[0] == static_key]
+        now = _calls[static_key]
+        stale = [k for k in site if not _replays[k] and now - _born[k] > len(site) + STALE_AFTER]
+        if len(stale) < STALE_GRAPHS:
+            return False
+        _declined[static_key] = (f"{len(stale)} of its {len(site)} graphs were not replayed within "
+                                 f"{len(site) + STALE_AFTER} calls: its buffers move between calls")
+        for k in site:
+            if not _replays[k]:
+                _drop(k, _graphs.pop(k))
+        return True
+
+
+def declined() -> dict[tuple, str]:
+    """The sites (static keys) captured no more, and why."""
+    return dict(_declined)
+
+
 def _drop(key: tuple, graph: torch.cuda.CUDAGraph) -> None:
     """Forget one graph; with the last graph of a device its memory pool goes too (torch frees a
     pool when no graph uses it, and its handle must not be used again)."""
     device = key[1]
+    _replays.pop(key, None)
+    _born.pop(key, None)
     graph.reset()
     _live[device] -= 1
     if _live[device] == 0:
@@ -99,6 +147,8 @@ def clear() -> None:
             _drop(*_graphs.popitem(last=False))
         _seen.clear()
         _failed.clear()
+        _declined.clear()
+        _calls.clear()
         stats.clear()
 
 

@@ -1,0 +1,106 @@
+"""runtime.op_graphs' bookkeeping on a CPU (captures stood in for by a fake graph): a site whose
+buffers settle is captured once and replayed; a site whose buffers move every step (a training
+step's activations) is declined after a few graphs go unreplayed, its graphs dropped; a model
+whose layers share one site (each layer's graph replayed a step later) is never declined."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap_compile.runtime import op_graphs
+
+DEV = torch.device("cuda", 0)  # only its index is read: nothing here touches a GPU
+
+
+class FakeGraph:
+    def __init__(self, call):
+        self.call, self.replays, self.reset_called = call, 0, False
+
+    def replay(self):
+        self.replays += 1
+
+    def reset(self):
+        self.reset_called = True
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    made: list[FakeGraph] = []
+
+    def capture(static_key, device, call):
+        made.append(FakeGraph(call))
+        return made[-1]
+
+    monkeypatch.setattr(op_graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    op_graphs.clear()
+    yield made
+    op_graphs.clear()
+
+
+class Buf:
+    """A stand-in tensor: an address, a shape, strides and a dtype are all a key reads."""
+
+    def __init__(self, addr: int):
+        self.addr = addr
+
+    def data_ptr(self):
+        return self.addr
+
+    shape, dtype = (4, 4), torch.float32
+
+    def stride(self):
+        return (4, 1)
+
+
+def _call(site: tuple, addr: int, ran: list) -> None:
+    op_graphs.run(site, DEV, (Buf(addr),), (Buf(addr + 1),), lambda: ran.append(addr))
+
+
+def test_settled_buffers_are_captured_once_and_replayed(graphs):
+    ran: list[int] = []
+    for _ in range(50):
+        _call(("site",), 1000, ran)
+    assert (op_graphs.stats["eager"], op_graphs.stats["captured"], op_graphs.stats["replayed"]) == (1, 1, 48)
+    assert len(graphs) == 1 and graphs[0].replays == 49 and not op_graphs.declined()
+
+
+def test_buffers_moving_every_step_get_the_site_declined_and_its_graphs_dropped(graphs):
+    # each step's buffers come back once (a warm-up pair), never after: captured, never replayed
+    ran: list[int] = []
+    for step in range(40):
+        for _ in range(2):
+            _call(("site",), 1000 * (step + 1), ran)
+    declined = op_graphs.declined()
+    assert list(declined) == [("site",)] and "not replayed" in declined[("site",)]
+    captured = op_graphs.stats["captured"]
+    # a capture every other call: the graph count grows half as fast as the calls, so a graph goes
+    # stale within about twice STALE_AFTER + STALE_GRAPHS calls
+    assert 0 < captured <= 2 * (op_graphs.STALE_GRAPHS + op_graphs.STALE_AFTER)
+    assert all(g.reset_called for g in graphs)  # their pool memory can go back
+    assert op_graphs.stats["declined"] > 0 and len(ran) == 80 - captured  # every other call ran as written
+    # declined stays declined: a later settled pattern runs as written
+    before = op_graphs.stats["captured"]
+    for _ in range(5):
+        _call(("site",), 99_000, ran)
+    assert op_graphs.stats["captured"] == before
+
+
+def test_layers_sharing_a_site_replay_a_step_later_and_are_not_declined(graphs):
+    ran: list[int] = []
+    layers = 32
+    for _ in range(6):
+        for layer in range(layers):
+            _call(("site",), 1000 * (layer + 1), ran)
+    assert not op_graphs.declined()
+    assert op_graphs.stats["captured"] == layers and op_graphs.stats["replayed"] == 4 * layers
+
+
+def test_one_site_declined_leaves_another_captured(graphs):
+    ran: list[int] = []
+    for step in range(40):
+        _call(("moving",), 1000 * (step + 1), ran)
+        _call(("moving",), 1000 * (step + 1), ran)
+        _call(("settled",), 5, ran)
+    assert list(op_graphs.declined()) == [("moving",)]
+    assert op_graphs.stats["replayed"] >= 38
