@@ -38,3 +38,24 @@ def test_dry_run_rows_are_real_numbers():
     assert all(r["config"]["defer_compute"] is True for r in rows if r["variant"] in ("overlap_defer", "overlap_reorder"))
     table = ma.markdown(rows)
     assert all(f"| {v} |" in table for v in ma.VARIANTS)
+
+
+def test_live_at_peak_replays_the_trace_and_groups_by_site():
+    from benchmarks.diagnostics.memory_account import live_at_peak
+
+    lib = [{"filename": "/x/torch/_ops.py", "line": 1, "name": "__call__"},
+           {"filename": "/r/overlap_compile/templates/p2p_ring/kernels.py", "line": 42, "name": "run"}]
+    gen = [{"filename": "/tmp/torchinductor_u/ab/cabc.py", "line": 7, "name": "call"}]
+    mib = 2 ** 20
+    trace = [{"action": "alloc", "addr": 1, "size": 4 * mib, "frames": gen},
+             {"action": "alloc", "addr": 2, "size": 8 * mib, "frames": lib},
+             {"action": "alloc", "addr": 3, "size": 2 * mib, "frames": lib},
+             {"action": "free_requested", "addr": 2, "size": 8 * mib},
+             {"action": "free_completed", "addr": 2, "size": 8 * mib},  # counted once, when requested
+             {"action": "alloc", "addr": 4, "size": 1 * mib, "frames": gen},
+             {"action": "free_requested", "addr": 99, "size": 1},  # allocated before the trace: ignored
+             ]
+    got = live_at_peak(trace)
+    assert got["peak_mib"] == 14
+    assert got["sites"] == [{"site": "kernels.py:42 run", "mib": 10, "count": 2},
+                            {"site": "cabc.py:7 call", "mib": 4, "count": 1}]

@@ -187,6 +187,67 @@ def release(device: str) -> float:
     return Meter(device).now()
 
 
+# ---- what is live at the peak (--at-peak) ---------------------------------------------------------
+
+# frames worth naming an allocation by, most telling first: the library, Inductor's generated code,
+# the benchmark's models; else the innermost frame outside torch
+TELLING = ("overlap_compile/", "torchinductor", "benchmarks/models/")
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """Where an allocation came from, as "file:line function" (frames innermost first)."""
+    for parts in (TELLING, None):
+        for f in frames:
+            name = f.get("filename", "")
+            if (parts and any(p in name for p in parts)) or (parts is None and "/torch/" not in name):
+                return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
+    return "(no python frame)"
+
+
+def live_at_peak(trace: list[dict], top: int = 15) -> dict:
+    """Replays an allocator trace (torch.cuda.memory._snapshot()["device_traces"][device]):
+    the most bytes allocated at once during it, counted from its start, and what was live then,
+    grouped by allocation site (MiB, count), most bytes first. A free counts when requested
+    (the allocator's allocated bytes drop then, a record_stream'd block's reuse waits)."""
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live[addr] = (e["size"], allocation_site(e.get("frames") or []))
+            now += e["size"]
+            if now > peak:
+                peak, at_peak = now, dict(live)
+        elif action in ("free_requested", "free_completed") and addr in live:
+            now -= live.pop(addr)[0]
+    groups: dict[str, list] = {}
+    for size, site in at_peak.values():
+        g = groups.setdefault(site, [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_mib": peak / 2 ** 20,
+            "sites": [{"site": k, "mib": v[0] / 2 ** 20, "count": v[1]} for k, v in ranked]}
+
+
+@contextlib.contextmanager
+def allocator_trace(device: str, on: bool):
+    """Records the caching allocator's history (python stacks) inside; yields a dict that gets
+    ``trace`` (this device's events) on exit. Off (or on CPU): records nothing."""
+    got: dict = {}
+    if not (on and device.startswith("cuda")):
+        yield got
+        return
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python", device=device)
+    try:
+        yield got
+    finally:
+        snap = torch.cuda.memory._snapshot(device)
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+        got["trace"] = snap["device_traces"][torch.device(device).index]
+
+
 # ---- one variant on this rank ----------------------------------------------------------------------
 
 
@@ -234,9 +295,12 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             peaks = []
             for name, calls in (("first", 1), ("warmup", a.warmup), ("steady", a.steps)):
                 meter.reset()
-                for _ in range(calls):
-                    call()
-                peak, reserved = meter.peak()
+                with allocator_trace(device, a.at_peak and name == "steady") as traced:
+                    for _ in range(calls):
+                        call()
+                    peak, reserved = meter.peak()
+                if "trace" in traced:
+                    row["at_peak"] = live_at_peak(traced["trace"])
                 peaks.append((peak, reserved))
                 if name != "warmup":
                     row[name] = peak
@@ -341,6 +405,12 @@ def markdown(rows: list[dict]) -> str:
         cells += [f"{r[c]:.3f}" for c in TABLE] + [f"{r[c]:.3f}" if c in r else "-" for c in ("vs", "vs_steady")]
         cells.append(sites)
         lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:  # what was live at the steady peak, rank 0 (--at-peak)
+        if r.get("at_peak") and r["rank"] == 0:
+            lines += ["", f"**{r['model']}, {r['compile_mode']}, {r['phase']}, {r['variant']}**: "
+                          f"{r['at_peak']['peak_mib']:.0f} MiB allocated at the steady calls' peak, counted from "
+                          f"their start; live then, by allocation site:", "", "| site | MiB | blocks |", "|---|---|---|"]
+            lines += [f"| `{x['site']}` | {x['mib']:.1f} | {x['count']} |" for x in r["at_peak"]["sites"]]
     return "\n".join(lines)
 
 
@@ -375,6 +445,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="calls between the first one and the steady ones")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds after which no further variant starts (default 270 on GPUs, none on a dry run)")
+    ap.add_argument("--at-peak", action="store_true",
+                    help="CUDA: record the allocator's history over the steady calls and list what was live at "
+                         "their peak, by allocation site (row 'at_peak'; markdown beside the table)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, tiny shapes")
     ap.add_argument("--world", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
