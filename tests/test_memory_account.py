@@ -57,5 +57,8 @@ def test_live_at_peak_replays_the_trace_and_groups_by_site():
              ]
     got = live_at_peak(trace)
     assert got["peak_mib"] == 14
-    assert got["sites"] == [{"site": "kernels.py:42 run", "mib": 10, "count": 2},
-                            {"site": "cabc.py:7 call", "mib": 4, "count": 1}]
+    # a window after the first peak: its own peak, with what was allocated before it still counted
+    assert live_at_peak(trace, start=5)["peak_mib"] == 7
+    assert live_at_peak(trace, start=5)["sites"][0] == {"site": "cabc.py:7 call", "mib": 5, "count": 2, "before": 1}
+    assert got["sites"] == [{"site": "kernels.py:42 run", "mib": 10, "count": 2, "before": 0},
+                            {"site": "cabc.py:7 call", "mib": 4, "count": 1, "before": 0}]

@@ -194,58 +194,73 @@ def release(device: str) -> float:
 TELLING = ("overlap_compile/", "torchinductor", "benchmarks/models/")
 
 
-def allocation_site(frames: list[dict]) -> str:
-    """Where an allocation came from, as "file:line function" (frames innermost first)."""
-    for parts in (TELLING, None):
-        for f in frames:
-            name = f.get("filename", "")
-            if (parts and any(p in name for p in parts)) or (parts is None and "/torch/" not in name):
-                return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
-    return "(no python frame)"
+def allocation_site(frames: list[dict], depth: int = 2) -> str:
+    """Where an allocation came from, as "file:line function" (frames innermost first), with up
+    to ``depth`` telling frames from the innermost one outwards ("<" between caller and callee)."""
+    def named(f: dict) -> str:
+        return f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+
+    telling = [f for f in frames if any(p in f.get("filename", "") for p in TELLING)]
+    if telling:
+        return " < ".join(named(f) for f in telling[:depth])
+    outside = [f for f in frames if "/torch/" not in f.get("filename", "")]
+    return named(outside[0]) if outside else "(no python frame)"
 
 
-def live_at_peak(trace: list[dict], top: int = 15) -> dict:
-    """Replays an allocator trace (torch.cuda.memory._snapshot()["device_traces"][device]):
-    the most bytes allocated at once during it, counted from its start, and what was live then,
-    grouped by allocation site (MiB, count), most bytes first. A free counts when requested
-    (the allocator's allocated bytes drop then, a record_stream'd block's reuse waits)."""
-    live: dict[int, tuple[int, str]] = {}
+def live_at_peak(trace: list[dict], start: int = 0, end: int | None = None, top: int = 25) -> dict:
+    """Replays an allocator trace (torch.cuda.memory._snapshot()["device_traces"][device]): the
+    most bytes allocated at once between entries ``start`` and ``end``, counted from the trace's
+    beginning, and what was live then (allocated anywhere before), grouped by allocation site
+    (MiB, count), most bytes first. A free counts when requested (the allocator's allocated
+    bytes drop then; a record_stream'd block's reuse waits)."""
+    live: dict[int, tuple[int, str, bool]] = {}
     now = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for e in trace:
+    at_peak: dict[int, tuple[int, str, bool]] = {}
+    end = len(trace) if end is None else end
+    for i, e in enumerate(trace[:end]):
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
-            live[addr] = (e["size"], allocation_site(e.get("frames") or []))
+            live[addr] = (e["size"], allocation_site(e.get("frames") or []), i < start)
             now += e["size"]
-            if now > peak:
+            if i >= start and now > peak:
                 peak, at_peak = now, dict(live)
         elif action in ("free_requested", "free_completed") and addr in live:
             now -= live.pop(addr)[0]
     groups: dict[str, list] = {}
-    for size, site in at_peak.values():
-        g = groups.setdefault(site, [0, 0])
+    for size, site, before in at_peak.values():
+        g = groups.setdefault(site, [0, 0, 0])
         g[0] += size
         g[1] += 1
+        g[2] += before
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
     return {"peak_mib": peak / 2 ** 20,
-            "sites": [{"site": k, "mib": v[0] / 2 ** 20, "count": v[1]} for k, v in ranked]}
+            "sites": [{"site": k, "mib": v[0] / 2 ** 20, "count": v[1], "before": v[2]} for k, v in ranked]}
 
 
-@contextlib.contextmanager
-def allocator_trace(device: str, on: bool):
-    """Records the caching allocator's history (python stacks) inside; yields a dict that gets
-    ``trace`` (this device's events) on exit. Off (or on CPU): records nothing."""
-    got: dict = {}
-    if not (on and device.startswith("cuda")):
-        yield got
-        return
-    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python", device=device)
-    try:
-        yield got
-    finally:
-        snap = torch.cuda.memory._snapshot(device)
-        torch.cuda.memory._record_memory_history(enabled=None, device=device)
-        got["trace"] = snap["device_traces"][torch.device(device).index]
+class AllocatorTrace:
+    """The caching allocator's history (python stacks) from ``__enter__`` to ``__exit__``, with
+    ``mark()`` giving the position reached so far; ``trace`` (this device's events) after exit.
+    Off (or on CPU) it records nothing and marks 0."""
+
+    def __init__(self, device: str, on: bool) -> None:
+        self.device, self.on = device, on and device.startswith("cuda")
+        self.trace: list[dict] = []
+
+    def _events(self) -> list[dict]:
+        return torch.cuda.memory._snapshot(self.device)["device_traces"][torch.device(self.device).index]
+
+    def __enter__(self) -> "AllocatorTrace":
+        if self.on:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=self.device)
+        return self
+
+    def mark(self) -> int:
+        return len(self._events()) if self.on else 0
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            self.trace = self._events()
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
 
 
 # ---- one variant on this rank ----------------------------------------------------------------------
@@ -261,6 +276,8 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
 
     meter = Meter(device)
     base = meter.now()
+    tracer = AllocatorTrace(device, a.at_peak)
+    tracer.__enter__()  # from before the model is built: everything the variant allocates has its site
     built = build(model_name, shape, device, dtype, seed=0)
     opt = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
     report = oc.Report()
@@ -295,12 +312,13 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             peaks = []
             for name, calls in (("first", 1), ("warmup", a.warmup), ("steady", a.steps)):
                 meter.reset()
-                with allocator_trace(device, a.at_peak and name == "steady") as traced:
-                    for _ in range(calls):
-                        call()
-                    peak, reserved = meter.peak()
-                if "trace" in traced:
-                    row["at_peak"] = live_at_peak(traced["trace"])
+                if name == "steady":
+                    row["_window"] = (tracer.mark(), None)
+                for _ in range(calls):
+                    call()
+                peak, reserved = meter.peak()
+                if name == "steady":
+                    row["_window"] = (row["_window"][0], tracer.mark())
                 peaks.append((peak, reserved))
                 if name != "warmup":
                     row[name] = peak
@@ -317,6 +335,11 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             row["measured_sites"] = sum(1 for s in phase_sites if s.measured)  # timed while compiling
             row["templates"] = dict(collections.Counter(s.template for s in sites))
             rows.append(row)
+    tracer.__exit__(None, None, None)
+    for row in rows:  # what was live at the steady calls' peak, wherever it was allocated
+        start, end = row.pop("_window")
+        if tracer.trace:
+            row["at_peak"] = live_at_peak(tracer.trace, start, end)
     return rows
 
 
@@ -409,8 +432,8 @@ def markdown(rows: list[dict]) -> str:
         if r.get("at_peak") and r["rank"] == 0:
             lines += ["", f"**{r['model']}, {r['compile_mode']}, {r['phase']}, {r['variant']}**: "
                           f"{r['at_peak']['peak_mib']:.0f} MiB allocated at the steady calls' peak, counted from "
-                          f"their start; live then, by allocation site:", "", "| site | MiB | blocks |", "|---|---|---|"]
-            lines += [f"| `{x['site']}` | {x['mib']:.1f} | {x['count']} |" for x in r["at_peak"]["sites"]]
+                          f"the variant's start; live then, by allocation site:", "", "| site | MiB | blocks | of them allocated before the steady calls |", "|---|---|---|---|"]
+            lines += [f"| `{x['site']}` | {x['mib']:.1f} | {x['count']} | {x['before']} |" for x in r["at_peak"]["sites"]]
     return "\n".join(lines)
 
 
@@ -446,8 +469,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds after which no further variant starts (default 270 on GPUs, none on a dry run)")
     ap.add_argument("--at-peak", action="store_true",
-                    help="CUDA: record the allocator's history over the steady calls and list what was live at "
-                         "their peak, by allocation site (row 'at_peak'; markdown beside the table)")
+                    help="CUDA: record the allocator's history from each variant's start and list what was live at "
+                         "its steady calls' peak, by allocation site (row 'at_peak'; markdown beside the table)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, tiny shapes")
     ap.add_argument("--world", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))

@@ -127,6 +127,8 @@ def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Call
     failed (graphed: on some rank of the group)."""
     import torch
 
+    from ..runtime import cublas_workspaces
+
     if not graphed:
         try:
             for _ in range(WARMUP):
@@ -140,7 +142,7 @@ def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Call
             fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with cublas_workspaces.released(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
     except Exception:
         graph = None
@@ -331,6 +333,8 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
 
     import torch
 
+    from ..runtime import cublas_workspaces
+
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     box: dict[str, Any] = {}
 
@@ -341,6 +345,8 @@ def on_fresh_thread(fn: Callable[[], Any]) -> Any:
             box["value"] = fn()
         except BaseException as e:  # handed to the caller's thread
             box["error"] = e
+        finally:  # this thread's cuBLAS handle kept a workspace per stream it ran GEMMs on
+            cublas_workspaces.release()
 
     worker = threading.Thread(target=run, name="overlap_compile-exhaustive")
     worker.start()

@@ -193,11 +193,15 @@ def _pool(device: torch.device) -> tuple:
 def _capture(static_key: tuple, device: torch.device, call: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
     """The op's stream work recorded on the side stream (nothing runs), or None after a failed
     capture (remembered: that site runs as written from then on)."""
+    from . import cublas_workspaces
+
     caller, side = torch.cuda.current_stream(device), _side_stream(device)
     side.wait_stream(caller)
     graph = torch.cuda.CUDAGraph()
     error: BaseException | None = None
-    with torch.cuda.stream(side):
+    # the side stream's cuBLAS workspace: allocated in the graphs' pool during the capture, none
+    # left outside it (runtime/cublas_workspaces.py)
+    with cublas_workspaces.released(), torch.cuda.stream(side):
         # thread-local: another thread's CUDA calls (a compile worker) cannot spoil this capture
         graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
         try:
