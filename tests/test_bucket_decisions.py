@@ -263,3 +263,27 @@ def test_a_held_bucket_counts_the_gains_timed_at_its_ends():
     b, picked = _held(Bucket(2818, 4096, 3328), chosen, ends)
     # p2p_ring: 1/1.10 + 0.95 + 1.05 = 2.909 ms; tile_fused: 0.99 + 0.99 + 1/1.04 = 2.94 (0.80 predicted: 2.78)
     assert (picked.template, b.at) == ("p2p_ring", 3328), (picked.template, picked.reason)
+
+
+def test_the_report_gives_a_bucket_the_gain_settle_timed_not_its_prediction():
+    """A bucket whose choice settle timed reads as that timing ("1.04x timed"): the decision went
+    by it, and a prediction below 1 beside a rewrite (tile_fused predicted 0.94x, timed 1.04x)
+    would read as a choice slower than as written. Untimed buckets say their gain is predicted."""
+    from overlap_compile.passes.decision import Decision
+    from overlap_compile.passes.symbolic_decide import _from_buckets
+    from overlap_compile.predictor.buckets import Bucket
+    from overlap_compile.predictor.ranking import Candidate
+    from overlap_compile.passes.symbolic_find import SymbolicRows
+
+    cfg = {"block": 128}
+    cands = [Candidate("baseline", None, 1.0), Candidate("tile_fused", cfg, 1.0 / 0.94)]
+    timed = Decision(None, "tile_fused", cfg, "", cands,
+                     measured={"template": "tile_fused", "config": cfg, "measured_gain": 1.04})
+    untimed = Decision(None, "tile_fused", cfg, "", [Candidate("baseline", None, 1.0), Candidate("tile_fused", cfg, 0.8)])
+
+    class Match:
+        rows = SymbolicRows("2*s0", 1024, 2, None, 2, None, 1)
+
+    got = _from_buckets(Match(), [(Bucket(2, 512, 256), timed), (Bucket(512, None, 1024), untimed)])
+    assert "M<=512 tile_fused 1.04x timed" in got.reason and "M>=512 tile_fused 1.25x predicted" in got.reason, got.reason
+    assert "0.94x" not in got.reason

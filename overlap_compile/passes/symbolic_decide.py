@@ -117,7 +117,8 @@ def _from_buckets(match: Match, per_bucket: list) -> BucketedDecision:
         base = d.candidates[0].predicted_ms if d.candidates else None
         chosen = next((c.predicted_ms for c in d.candidates if c.template == d.template and c.config == d.config), base)
         rows_out.append({"lo": b.lo, "hi": b.hi, "at": b.at, "template": d.template, "config": d.config,
-                         "baseline_ms": base, "chosen_ms": chosen, "reason": d.reason})
+                         "baseline_ms": base, "chosen_ms": chosen, "reason": d.reason,
+                         "measured_gain": _timed_gain(d)})
         entry = {"max_m": b.hi, "template": d.template, "config": d.config}
         if table and (table[-1]["template"], table[-1]["config"]) == (d.template, d.config):
             table[-1]["max_m"] = b.hi
@@ -198,9 +199,7 @@ def _held(b: Bucket, chosen: Decision, ends: dict) -> tuple[Bucket, Decision]:
     choices = [(b.at, chosen), *[(m, e) for m, e in ends.items() if e.rewrites], (b.at, kept)]
 
     def at_m(d: Decision, e: Decision) -> float:  # a rewrite settle timed at that M: its measured gain there
-        measured = e.measured or {}
-        timed = d.rewrites and (d.template, d.config) == (measured.get("template"), measured.get("config"))
-        gain = measured.get("measured_gain") if timed else None
+        gain = _timed_gain(d, e)
         return _base_ms(e) / gain if gain else _priced_ms(d, e)
 
     def total(d: Decision) -> float:
@@ -228,6 +227,14 @@ def _scaled(match: Match, m: float) -> int:
     return m if match.rows.hi is None else min(m, match.rows.hi // step * step)
 
 
+def _timed_gain(d: Decision, where: Decision | None = None) -> float | None:
+    """The gain settle measured for ``d``'s choice at the M of ``where`` (by default d's own; None
+    where it timed none of it there)."""
+    m = (where or d).measured or {}
+    timed = d.rewrites and (d.template, d.config) == (m.get("template"), m.get("config"))
+    return m.get("measured_gain") if timed else None
+
+
 def _bucket_text(r: dict) -> str:
     span = f"M<={r['hi']}" if r["hi"] is not None else f"M>={r['lo']}"
     if r["template"] == BASELINE:
@@ -235,5 +242,7 @@ def _bucket_text(r: dict) -> str:
         if r["baseline_ms"] is None or "force_template" in r["reason"] or "cannot" in r["reason"]:
             why = f" ({r['reason']})"
         return f"{span} as written{why}"
-    gain = (f" {r['baseline_ms'] / r['chosen_ms']:.2f}x" if r["baseline_ms"] and r["chosen_ms"] else "")
+    if r.get("measured_gain"):  # what settle timed decides, so that is what the Report says
+        return f"{span} {r['template']} {r['measured_gain']:.2f}x timed"
+    gain = (f" {r['baseline_ms'] / r['chosen_ms']:.2f}x predicted" if r["baseline_ms"] and r["chosen_ms"] else "")
     return f"{span} {r['template']}{gain}"
