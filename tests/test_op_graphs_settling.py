@@ -104,3 +104,39 @@ def test_one_site_declined_leaves_another_captured(graphs):
         _call(("settled",), 5, ran)
     assert list(op_graphs.declined()) == [("moving",)]
     assert op_graphs.stats["replayed"] >= 38
+
+
+def test_a_failed_capture_puts_the_generator_back(monkeypatch):
+    """A capture that fails leaves torch's CUDA generator in capture mode (every random op after
+    it raises "Offset increment outside graph capture"); the fallback to the op as written first
+    ends a clean capture of nothing (runtime/failed_capture.recover) on the side stream."""
+    import contextlib
+
+    from overlap_compile.runtime import cublas_workspaces, failed_capture
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Broken:
+        def capture_begin(self, **kw):
+            pass
+
+        def capture_end(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    side = Stream()
+    recovered = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Broken)
+    monkeypatch.setattr(op_graphs, "_side_stream", lambda device: side)
+    monkeypatch.setattr(op_graphs, "_pool", lambda device: (0, 1))
+    monkeypatch.setattr(cublas_workspaces, "released", contextlib.nullcontext)
+    monkeypatch.setattr(failed_capture, "recover", lambda device, stream: recovered.append((device, stream)))
+    op_graphs.clear()
+    with pytest.warns(UserWarning, match="could not be captured"):
+        assert op_graphs._capture(("site",), DEV, lambda: None) is None
+    assert recovered == [(DEV, side)]
+    assert ("site",) in op_graphs.failures()
+    op_graphs.clear()

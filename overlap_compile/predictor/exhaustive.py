@@ -127,7 +127,7 @@ def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Call
     failed (graphed: on some rank of the group)."""
     import torch
 
-    from ..runtime import cublas_workspaces
+    from ..runtime import cublas_workspaces, failed_capture
 
     if not graphed:
         try:
@@ -145,6 +145,8 @@ def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Call
         with cublas_workspaces.released(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
     except Exception:
+        if graph is not None:  # the capture began: the generator out of capture mode again
+            failed_capture.recover(torch.device(device), torch.cuda.Stream(device))
         graph = None
     if max(_agree_max([0.0 if graph is not None else 1.0], pg, device)) > 0:
         return None

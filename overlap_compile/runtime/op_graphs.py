@@ -219,6 +219,9 @@ def _capture(static_key: tuple, device: torch.device, call: Callable[[], None]) 
     why = f"{type(error).__name__}: {error}"
     _failed[static_key] = why
     del graph
+    from . import failed_capture
+
+    failed_capture.recover(device, side)  # the generator out of capture mode, as before the attempt
     if _live[device.index] == 0:
         _pools.pop(device.index, None)  # the failed capture was the pool's only user: it is gone
     stats["failed"] += 1
