@@ -12,8 +12,12 @@ communication when it is an NCCL kernel, a peer copy, a device copy off the comp
 template's flag / wait kernel (``COMM_KERNELS``); the rest is compute. Per collective site of the
 step: communication time, the part under compute (hidden), the rest (exposed), the template, the
 predicted gain and the measured one (exposed as written, in the default variant, minus exposed
-here). ``attribution``: "by range" (launched inside the template op's call, which the dispatcher
-records as a profiler range; not under CUDA graphs), "by order" (the step's communication kernels
+here). The step's row also has each rank's idle and exposed time, the template ops' host-launched
+outcomes over the timed steps (runtime.op_graphs) and compute kernel time summed per role
+(``ROLES``) with rank 0's top kernels: a per-kernel sum compares only between variants at the same
+place in the process (the GPUs' clocks fall as they heat). ``attribution``: "by range" (launched
+inside the template op's call, which the dispatcher records as a profiler range; not under CUDA
+graphs), "by order" (the step's communication kernels
 in issue order against the graphs' collectives in graph order), "unmapped". Dry run: the
 "kernels" are CPU ops (c10d calls, outermost aten ops), the times no GPU's. Writes
 exposed_comm-<device>-w<W>-torch<v>-<date>-<model>-<mode>.json, .md and a stacked-bar .png.
