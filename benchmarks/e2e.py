@@ -25,7 +25,9 @@ Per model (benchmarks/models) x shape x compile mode x activation checkpointing 
   pass's own share of the compile (compile time without the pass ~ compile_s - pass_s; the
   default variant's compile_s is the same model compiled without it).
 * ``op_graph_calls``: how the template ops' host-launched calls went over the timed training steps,
-  warm-up included (runtime.op_graphs: eager / captured / replayed / failed; benchmarks/timing.py).
+  warm-up included (runtime.op_graphs: eager / captured / replayed / failed / declined;
+  benchmarks/timing.py); ``op_graphs_declined``: the sites captured no more because their buffers
+  moved between calls.
 * ``fxgraph_cache_hit``: the overlap variant compiled a second time after torch._dynamo.reset()
   with Inductor's FX graph cache on (``--check-cache``: first overlap config of each model).
 * failure modes met: ``graph_breaks`` (Dynamo's reasons), ``recompiles_timed`` (graphs compiled

@@ -277,6 +277,7 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
         row["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 + row["symm_outside_gib"]
         if ours:
             row["op_graphs_gib"] = op_graphs.pool_bytes(torch.cuda.current_device()) / 2**30
+            row["op_graphs_declined"] = len(op_graphs.declined())  # sites whose buffers never settled
     if variant == "overlap":
         # "measured": the sites settled by measuring (passes/settle.py), or with
         # OVERLAP_COMPILE_SEARCH=measure every site's measured and predicted gain; comm_ms /
