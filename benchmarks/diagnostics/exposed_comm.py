@@ -411,12 +411,12 @@ def measure(events: list[Event], ranges: list[Range], expected: list[Expected]) 
         comm = sorted((e for e in work if e.comm), key=lambda e: e.start)
         attribute(comm, [r for r in ranges if h0 <= r.start < h1], expected, {m.stream for m in markers})
         compute = [(e.start, e.end) for e in work if not e.comm]
-        for e in work:  # kernel time summed (streams overlap), per role and per name
-            if not e.comm:
-                roles[role(e.name)] = roles.get(role(e.name), 0.0) + (e.end - e.start) / 1e3 / steps
-                k = kernels.setdefault(e.name, [0.0, 0.0])
-                k[0] += (e.end - e.start) / 1e3 / steps
-                k[1] += 1 / steps
+        for e in (e for e in work if not e.comm):  # kernel time summed (streams overlap), per role and name
+            ms, r = (e.end - e.start) / 1e3 / steps, role(e.name)
+            roles[r] = roles.get(r, 0.0) + ms
+            k = kernels.setdefault(e.name, [0.0, 0.0])
+            k[0] += ms
+            k[1] += 1 / steps
         hidden, exposed = hidden_and_exposed([(e.start, e.end) for e in comm], compute)
         span = (max(e.end for e in work) - t0) if work else 0.0
         for key, v in (("span_ms", span), ("compute_ms", length(compute)), ("comm_ms", hidden + exposed),

@@ -175,14 +175,12 @@ def release(device: str) -> float:
         settle.clear_cache()
     gc.collect()
     if device.startswith("cuda"):
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:  # one per (cuBLAS handle, stream) that ran a GEMM, kept for the process
-            from overlap_compile.runtime import op_graphs
+        from overlap_compile.runtime import cublas_workspaces, op_graphs
 
-            clear()
-            # op_graphs' capture stream gets its cuBLAS workspace from a GEMM outside any capture
-            # when it is made: a new one next time, not a capture allocating it
-            op_graphs._side.clear()
+        cublas_workspaces.release()  # one per (cuBLAS handle, stream) that ran a GEMM, kept for the process
+        # op_graphs' capture stream gets its cuBLAS workspace from a GEMM outside any capture
+        # when it is made: a new one next time, not a capture allocating it
+        op_graphs._side.clear()
         torch.cuda.empty_cache()
     return Meter(device).now()
 
@@ -238,8 +236,8 @@ def live_at_peak(trace: list[dict], start: int = 0, end: int | None = None, top:
 
 
 class AllocatorTrace:
-    """The caching allocator's history (python stacks) from ``__enter__`` to ``__exit__``, with
-    ``mark()`` giving the position reached so far; ``trace`` (this device's events) after exit.
+    """The caching allocator's history (python stacks) from ``start()`` to ``stop()``, with
+    ``mark()`` giving the position reached so far; ``trace`` (this device's events) after stop.
     Off (or on CPU) it records nothing and marks 0."""
 
     def __init__(self, device: str, on: bool) -> None:
@@ -249,15 +247,14 @@ class AllocatorTrace:
     def _events(self) -> list[dict]:
         return torch.cuda.memory._snapshot(self.device)["device_traces"][torch.device(self.device).index]
 
-    def __enter__(self) -> "AllocatorTrace":
+    def start(self) -> None:
         if self.on:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=self.device)
-        return self
 
     def mark(self) -> int:
         return len(self._events()) if self.on else 0
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         if self.on:
             self.trace = self._events()
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
@@ -277,7 +274,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
     meter = Meter(device)
     base = meter.now()
     tracer = AllocatorTrace(device, a.at_peak)
-    tracer.__enter__()  # from before the model is built: everything the variant allocates has its site
+    tracer.start()  # from before the model is built: everything the variant allocates has its site
     built = build(model_name, shape, device, dtype, seed=0)
     opt = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
     report = oc.Report()
@@ -335,7 +332,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             row["measured_sites"] = sum(1 for s in phase_sites if s.measured)  # timed while compiling
             row["templates"] = dict(collections.Counter(s.template for s in sites))
             rows.append(row)
-    tracer.__exit__(None, None, None)
+    tracer.stop()
     for row in rows:  # what was live at the steady calls' peak, wherever it was allocated
         start, end = row.pop("_window")
         if tracer.trace:

@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import cublas_workspaces, failed_capture
+
 CAPTURE_ON_SIGHT = 2  # the n-th call with the same key is captured (1: the first one runs as usual)
 MAX_GRAPHS = 256  # per process; the least recently replayed graph is dropped past this
 MAX_SEEN = 4096  # keys seen once and not (yet) captured; forgotten all at once past this
@@ -193,8 +195,6 @@ def _pool(device: torch.device) -> tuple:
 def _capture(static_key: tuple, device: torch.device, call: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
     """The op's stream work recorded on the side stream (nothing runs), or None after a failed
     capture (remembered: that site runs as written from then on)."""
-    from . import cublas_workspaces
-
     caller, side = torch.cuda.current_stream(device), _side_stream(device)
     side.wait_stream(caller)
     graph = torch.cuda.CUDAGraph()
@@ -219,8 +219,6 @@ def _capture(static_key: tuple, device: torch.device, call: Callable[[], None]) 
     why = f"{type(error).__name__}: {error}"
     _failed[static_key] = why
     del graph
-    from . import failed_capture
-
     failed_capture.recover(device, side)  # the generator out of capture mode, as before the attempt
     if _live[device.index] == 0:
         _pools.pop(device.index, None)  # the failed capture was the pool's only user: it is gone
