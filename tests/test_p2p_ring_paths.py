@@ -176,3 +176,99 @@ def test_each_receive_buffer_has_one_slot_per_peer(world):
         kernels._slot(1, 1, world)
     with pytest.raises(ValueError, match="world size"):
         kernels._slot(0, world, world)
+
+
+# ---- the group's mailbox (mailbox.py) ------------------------------------------------------------
+
+class _FakeSymm:
+    """runtime.symm.symm_buffer over plain CPU tensors, counting allocations by key."""
+
+    def __init__(self, rank=0, world=2):
+        self.made: dict[tuple, object] = {}
+        self.rank, self.world = rank, world
+
+    def __call__(self, group_name, key, shape, dtype, device, zero=False):
+        k = (group_name, key, tuple(shape), dtype)
+        if k not in self.made:
+            ts = [torch.zeros(shape, dtype=dtype) for _ in range(self.world)]
+            self.made[k] = dataclasses.make_dataclass("Buf", ["local", "rank", "world", "ts"])(
+                ts[self.rank], self.rank, self.world, ts)
+            self.made[k].peer = lambda q, ts=ts: ts[q]
+        return self.made[k]
+
+
+@pytest.fixture
+def fake_symm(monkeypatch):
+    from overlap_compile.templates.p2p_ring import mailbox
+
+    fake = _FakeSymm()
+    monkeypatch.setattr(symm, "symm_buffer", fake)
+    monkeypatch.setattr(mailbox, "_current", {})
+    return fake
+
+
+def _data_keys(fake):
+    return sorted(k[1] for k in fake.made if not k[1].endswith("/flags"))
+
+
+def test_gathers_scatters_and_all_to_alls_share_one_mailbox_and_its_flags(fake_symm):
+    dev = torch.device("cpu")
+    ag = _plan_ag(rows=6, k=8)
+    rs = _plan_rs("gemm_reducescatter", rows=6, n=8)
+    a2a = _plan_rs("gemm_alltoall", rows=4, n=8)
+    box_ag, flags_ag = kernels._gather_flags("g", ag, torch.bfloat16, dev)
+    box_rs, flags_rs = kernels._push_flags("g", rs, None, "gemm_reducescatter", torch.bfloat16, dev)
+    box_a2a, flags_a2a = kernels._push_flags("g", a2a, None, "gemm_alltoall", torch.bfloat16, dev)
+    assert box_ag.buf is box_rs.buf is box_a2a.buf
+    assert flags_ag.buf is flags_rs.buf is flags_a2a.buf
+    assert _data_keys(fake_symm) == ["p2p_ring/mailbox/2x48/torch.bfloat16"]
+    # a slot of W-1 = 1, each call's [rows, cols] face of it, the same memory
+    assert tuple(box_ag.local.shape) == (1, 6, 8) and tuple(box_a2a.local.shape) == (1, 4, 8)
+    box_rs.local[0].fill_(3.0)
+    assert box_ag.local[0].eq(3.0).all() and box_a2a.peer(0)[0].eq(3.0).all()
+    box_ag.peer(1)[0, 5, 7] = 9.0  # rank 1's copy, as rank 0 writes into it
+    assert fake_symm.made[("g", "p2p_ring/mailbox/2x48/torch.bfloat16", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
+    # another dtype or group gets its own
+    kernels._gather_flags("g", ag, torch.float32, dev)
+    kernels._gather_flags("h", ag, torch.bfloat16, dev)
+    assert len(_data_keys(fake_symm)) == 3
+
+
+def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
+    from overlap_compile.templates.p2p_ring import mailbox
+
+    dev = torch.device("cpu")
+    small, flags_small = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=3, n=5), None, "rs",
+                                             torch.bfloat16, dev)
+    big, flags_big = kernels._gather_flags("g", _plan_ag(rows=7, k=9), torch.bfloat16, dev)
+    assert mailbox.capacity("g", torch.bfloat16, dev) == 63
+    assert big.buf is not small.buf and flags_big.buf is not flags_small.buf  # fresh flags with fresh memory
+    again, _ = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=3, n=5), None, "rs", torch.bfloat16, dev)
+    assert again.buf is big.buf  # later small calls use the grown one
+    assert _data_keys(fake_symm) == ["p2p_ring/mailbox/2x15/torch.bfloat16", "p2p_ring/mailbox/2x63/torch.bfloat16"]
+    with pytest.raises(ValueError, match="world size >= 2"):
+        mailbox.mailbox("g", 1, 3, 5, torch.bfloat16, dev)
+
+
+def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
+    dev = torch.device("cpu")
+    kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
+    kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev, kernels.ALLREDUCE)
+    kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), "reducescatter" + kernels.ALLREDUCE,
+                        "rs", torch.bfloat16, dev)
+    keys = _data_keys(fake_symm)
+    assert keys == ["p2p_ring/allgather/allreduce", "p2p_ring/mailbox/2x48/torch.bfloat16",
+                    "p2p_ring/reducescatter/allreduce"]
+
+
+def _plan_ag(rows, k, w=2):
+    from overlap_compile.templates.plans import AllGatherGemmPlan
+
+    return AllGatherGemmPlan(template="p2p_ring", m=w * rows, k=k, ns=(4,), world=w, outer=1, chunk=rows,
+                             has_bias=(False,), config=dict(P2P), timeout_ms=100)
+
+
+def _plan_rs(kind, rows, n, w=2):
+    return GemmCollectivePlan(template="p2p_ring", kind=kind, m=w * rows, n=n, k=4, world=w,
+                              reduce_op="sum" if kind == "gemm_reducescatter" else None, outer=1, chunk=rows,
+                              has_bias=False, config=dict(P2P), timeout_ms=100)

@@ -6,8 +6,9 @@ pipeline of 3 row chunks; the all-gather also with its gathered output left unwr
 any tile), bf16, fp16 and fp32 (an fp32 partial must be copied out of its slot before the slot is
 released), with and without bias; 20 calls back to back with fresh inputs and no
 synchronisation between them (a race between calls shows as a wrong result), then CUDA-graph
-replays with the output poisoned with NaN. After all that: no bounded wait failed, and every
-flag is back at 0. World sizes 2 and 4 (each skipped without enough GPUs).
+replays with the output poisoned with NaN. After all that: no bounded wait failed, every
+flag is back at 0, and every call but the all-reduce received into the group's one mailbox (grown
+between cases, the earlier ones still under their captured graphs). World sizes 2 and 4 (each skipped without enough GPUs).
 """
 from __future__ import annotations
 
@@ -138,6 +139,14 @@ def checks() -> list[str]:
         fails.append(f"rank {rank}: {e}")
     dist.barrier()
     torch.cuda.synchronize()
+    # the all-gathers, reduce-scatters and all-to-alls received into the group's mailbox (one per
+    # dtype and size it grew to), the all-reduces into buffers of their own
+    own = sorted({ck[1] for ck in symm._cache if ck[1].startswith("p2p_ring/") and not ck[1].endswith("/flags")
+                  and "mailbox" not in ck[1] and "allreduce" not in ck[1]})
+    if own:
+        fails.append(f"rank {rank}: standalone calls left buffers of their own beside the mailbox: {own}")
+    if not any("p2p_ring/mailbox" in ck[1] for ck in symm._cache):
+        fails.append(f"rank {rank}: no p2p_ring mailbox was allocated")
     for ck, buf in list(symm._cache.items()):
         if ck[1].endswith("/flags") and buf.local.view(torch.int32).abs().sum().item() != 0:
             fails.append(f"rank {rank}: flags {ck[1]} not back at 0: {buf.local.view(torch.int32).tolist()}")

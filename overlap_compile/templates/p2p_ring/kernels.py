@@ -51,9 +51,13 @@ import torch
 from ...runtime import comm, peer_flags, spin_wait, symm
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_chunks, allreduce_gather, allreduce_stripes
 from .reference import a2a_pair, ag_source, bounds, check_config, rs_stripe
+from . import mailbox
 from .sum_kernel import sum_into
 
 TEMPLATE = "p2p_ring"
+# the all-reduce's buffers: it holds a reduce-scatter's and an all-gather's messages at once, so it
+# cannot share the group's mailbox (one message per peer at a time)
+ALLREDUCE = "/allreduce"
 
 
 # Timeouts of its flag waits (runtime.peer_flags names the template and the wait).
@@ -161,12 +165,21 @@ class _Gather:
 
 
 def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
-                  key: str = "") -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
-    w, rows = plan.world, plan.chunk
-    inbox = symm.symm_buffer(group_name, f"{TEMPLATE}/allgather{key}", (w - 1, rows, plan.k), dtype, device)
-    flags = _Flags(group_name, f"allgather{key}/{w}x{rows}x{plan.k}/{dtype}", w, device, plan.timeout_ms,
-                   "all-gather")
-    return inbox, flags
+                  key: str | None = None) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
+    """The inbox and its flags: the group's mailbox (key None), or the all-reduce's own buffer."""
+    return _receive_buffer(group_name, plan.world, plan.chunk, plan.k, dtype, device, plan.timeout_ms,
+                           None if key is None else "allgather" + key, "all-gather")
+
+
+def _receive_buffer(group_name: str, w: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                    timeout_ms: int, key: str | None, what: str):
+    """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox, shared by every
+    call that holds one message per peer at a time (key None), or a buffer of ``key``'s own."""
+    if key is None:
+        box = mailbox.mailbox(group_name, w, rows, cols, dtype, device)
+        return box, _Flags(group_name, box.key, w, device, timeout_ms, what)
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w - 1, rows, cols), dtype, device)
+    return data, _Flags(group_name, f"{key}/{w}x{rows}x{cols}/{dtype}", w, device, timeout_ms, what)
 
 
 def _gather_dests(r: int, w: int) -> list[int]:
@@ -180,7 +193,7 @@ def _scatter_dests(r: int, w: int) -> list[int]:
 
 
 def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan, gathered: torch.Tensor,
-                  key: str = "", claimed: bool = False) -> _Gather:
+                  key: str | None = None, claimed: bool = False) -> _Gather:
     """Push ``shard`` into every peer's inbox on the copy stream and copy it into its rows of
     ``gathered``. ``claimed``: the caller already waited for the peers' slots (_claim)."""
     w, rows, dev = plan.world, plan.chunk, shard.device
@@ -270,16 +283,16 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     out = a.new_empty(plan.m, plan.n) if out is None else out
     chunks = allreduce_chunks(plan)
     if len(chunks) == 1:  # run_reducescatter checks the reduce op
-        _claim(a, group_name, [plan], [""])
+        _claim(a, group_name, [plan], [ALLREDUCE])
         r, rows = comm.rank_and_size(group_name)[0], plan.m // plan.world
         mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan), out=out[r * rows:(r + 1) * rows],
-                                 claimed=True)  # summed straight into its rows of the result
-        gather = _gather_start(mine, group_name, allreduce_gather(plan), out, claimed=True)
+                                 claimed=True, key="reducescatter" + ALLREDUCE)  # summed straight into its rows
+        gather = _gather_start(mine, group_name, allreduce_gather(plan), out, key=ALLREDUCE, claimed=True)
         _gather_finish(gather, [], [], [])
         gather.compute.wait_stream(gather.copier)
         return out
     _check_reduce_op(plan)
-    keys = [f"/c{i}" for i in range(len(chunks))]
+    keys = [f"{ALLREDUCE}/c{i}" for i in range(len(chunks))]
     _claim(a, group_name, [sub for _, _, sub in chunks], keys)
     r = comm.rank_and_size(group_name)[0]
     dests = _scatter_dests(r, plan.world)
@@ -318,15 +331,12 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
     peer_flags.copy_stream(dev).wait_stream(torch.cuda.current_stream(dev))
 
 
-def _push_flags(group_name: str, plan, key: str, what: str, dtype: torch.dtype,
-                device: torch.device) -> tuple[symm.SymmBuffer, peer_flags.PeerFlags]:
-    w, rows = plan.world, plan.chunk
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w - 1, rows, plan.n), dtype, device)
-    flags = _Flags(group_name, f"{key}/{w}x{rows}x{plan.n}/{dtype}", w, device, plan.timeout_ms, what)
-    return data, flags
+def _push_flags(group_name: str, plan, key: str | None, what: str, dtype: torch.dtype,
+                device: torch.device) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
+    return _receive_buffer(group_name, plan.world, plan.chunk, plan.n, dtype, device, plan.timeout_ms, key, what)
 
 
-def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int], claimed: bool = False):
+def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: list[int], claimed: bool = False):
     """Compute the partial / block for each destination in ``order`` on the compute stream and
     push each into slot ``me`` of its destination's buffer on the copy stream. Returns the data
     buffer, the flags and the streams; the caller computes its own piece and collects.
@@ -359,14 +369,14 @@ def _push_all(a, b, bias, group_name, plan, key: str, what: str, order: list[int
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                       plan: GemmCollectivePlan, out: torch.Tensor | None = None,
-                      claimed: bool = False) -> torch.Tensor:
+                      claimed: bool = False, key: str | None = None) -> torch.Tensor:
     """Rank r's reduced stripe ``[rows, n]`` of ``a @ b + bias`` summed over ranks (/W for avg).
-    ``claimed``: see _push_all."""
+    ``claimed``: see _push_all; ``key``: see _receive_buffer."""
     _check_reduce_op(plan)
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
-    pushed = _push_all(a, b, bias, group_name, plan, "reducescatter", "gemm_reducescatter",
-                       _scatter_dests(r, plan.world), claimed)
+    pushed = _push_all(a, b, bias, group_name, plan, key, "gemm_reducescatter", _scatter_dests(r, plan.world),
+                       claimed)
     return _reduce_own(a[r * plan.chunk:(r + 1) * plan.chunk], b, bias, plan, pushed, out, fused=False)
 
 
@@ -426,7 +436,7 @@ def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
     pairs = [a2a_pair(r, w, s) for s in range(1, w)]
-    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, "alltoall", "gemm_alltoall",
+    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, None, "gemm_alltoall",
                                                 [dst for dst, _ in pairs])
     out = a.new_empty(plan.m, plan.n) if out is None else out
     _gemm(a[r * rows:(r + 1) * rows], b, bias, out=out[r * rows:(r + 1) * rows])  # stays here, computed last
