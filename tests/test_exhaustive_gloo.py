@@ -104,3 +104,38 @@ def test_items_of_a_site_share_their_operands():
     assert a2 is a and b2 is b and a.shape == (4, 3) and b.shape == (3, 5)
     c = rnd.item()(2, 2)  # another shape in that slot: a new tensor there
     assert c.shape == (2, 2) and rnd.item()(2, 2) is c
+
+
+def _buffers_after_timing() -> dict:
+    """A template's timing that makes a symmetric buffer (as tile_fused's and p2p_ring's do on
+    GPUs) leaves none behind; a buffer made before the timing stays."""
+    import overlap_compile as oc
+    from overlap_compile.predictor import exhaustive
+    from overlap_compile.runtime import symm
+    from torch.distributed._functional_collectives import all_reduce
+
+    group = dist.group.WORLD.group_name
+    before = (group, "test/made-before", (4,), torch.float32, "cpu", 0)
+    symm._cache[before] = "made before"
+    made = []
+    site_call = exhaustive._site_call
+
+    def making_a_buffer(template, *args, **kwargs):
+        if template != "baseline":
+            key = (group, f"test/{template}/{len(made)}", (4,), torch.float32, "cpu", 0)
+            symm._cache[key] = "made by the timing"
+            made.append(key)
+        return site_call(template, *args, **kwargs)
+
+    exhaustive._site_call = making_a_buffer
+    try:
+        oc.explain(lambda a, b: all_reduce(a @ b, "sum", group) + 1, torch.randn(64, 32), torch.randn(32, 48),
+                   search="exhaustive", min_speedup=1.0, templates=("p2p_ring",))
+    finally:
+        exhaustive._site_call = site_call
+    return {"made": len(made), "left": [k for k in made if k in symm._cache], "before": before in symm._cache}
+
+
+def test_timing_leaves_no_symmetric_buffer_behind():
+    for r in run_distributed(_buffers_after_timing, world_size=2, timeout_s=300):
+        assert r["made"] >= 1 and r["left"] == [] and r["before"], r

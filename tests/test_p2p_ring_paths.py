@@ -38,6 +38,25 @@ def test_cache_key_separates_what_must_not_share_a_buffer():
         symm.cache_key("0", "x", (2, -1), torch.float32, dev)
 
 
+def test_buffers_first_made_inside_dropped_after_are_forgotten_at_its_end():
+    kept = ("g", "test/kept", (4,), torch.float32, "cpu", 0)
+    made = ("g", "test/made", (4,), torch.float32, "cpu", 0)
+    symm._cache[kept] = "kept buffer"
+    try:
+        with symm.dropped_after(None):
+            symm._cache[made] = "made inside"
+            assert made in symm._cache
+        assert made not in symm._cache and symm._cache[kept] == "kept buffer"
+        with pytest.raises(RuntimeError, match="timing failed"):  # forgotten on the way out of an error too
+            with symm.dropped_after(None):
+                symm._cache[made] = "made inside"
+                raise RuntimeError("timing failed")
+        assert made not in symm._cache
+    finally:
+        symm._cache.pop(kept, None)
+        symm._cache.pop(made, None)
+
+
 def test_node_reasons():
     assert symm.node_reason(2, 2, []) is None
     assert symm.node_reason(4, 8, []) is None

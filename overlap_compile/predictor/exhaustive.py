@@ -313,15 +313,21 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily(), torch.no_grad():
-            calls, operands = [], _Operands(device, match.dtype)
-            for t, c in items:
-                try:
-                    calls.append(_site_call(t, match, c, options, device, operands.item(), profile))
-                except Exception:  # e.g. a plan this site cannot take: the item fails, the others run
-                    calls.append(_failed)
-            local = _time_all(calls, device, pg, graphed, queued)
-        return _agree_max(local, pg, device)
+        from ..runtime import symm
+
+        # the symmetric buffers of the templates timed here go when the timing ends: most will
+        # not be chosen, and the chosen one makes its own at its first call
+        with symm.dropped_after(device if device.startswith("cuda") else None):
+            with unset_fake_temporarily(), torch.no_grad():
+                calls, operands = [], _Operands(device, match.dtype)
+                for t, c in items:
+                    try:
+                        calls.append(_site_call(t, match, c, options, device, operands.item(), profile))
+                    except Exception:  # e.g. a plan this site cannot take: the item fails, the others run
+                        calls.append(_failed)
+                local = _time_all(calls, device, pg, graphed, queued)
+                del calls
+            return _agree_max(local, pg, device)
 
     return on_fresh_thread(measure)
 

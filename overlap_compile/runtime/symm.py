@@ -12,6 +12,7 @@ on the copy engine, or Triton kernels reading / writing peers' memory over NVLin
 
     t, ptrs = tensor_and_ptrs(group_name, key, shape, dtype, device, zero=False)   # kernels' form
     peer_view(group_name, t, rank)                                                  # by tensor
+    with dropped_after(device): ...      # buffers first made inside are forgotten at its end
     write_value32(flags, index, value)   # flags[index] = value in stream order (flags: uint32, 1-D,
                                          # local or a peer view), fenced so earlier work lands first
 
@@ -23,6 +24,7 @@ templates keep their flags in a ``symm_buffer`` of their own. Importing touches 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import threading
@@ -80,6 +82,25 @@ def bytes_outside_allocator(device: torch.device | int | None = None) -> int:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     with _lock:
         return sum(b.outside for b in _cache.values() if b.local.device.index == index)
+
+
+@contextlib.contextmanager
+def dropped_after(device: torch.device | str | int | None):
+    """Symmetric buffers first made inside the block are forgotten when it ends, once ``device``
+    is idle: their memory goes as soon as no tensor refers to them (a peer's mapping of mine goes
+    when it leaves its own block). For work every rank of the group runs alike that makes buffers
+    nothing will use again: settle timing templates it may not choose (predictor/exhaustive.py).
+    A later call of the template makes its buffers anew (collective, outside any capture)."""
+    with _lock:
+        before = set(_cache)
+    try:
+        yield
+    finally:
+        if device is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device)
+        with _lock:
+            for k in [k for k in _cache if k not in before]:
+                del _cache[k]
 
 
 def cache_key(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
