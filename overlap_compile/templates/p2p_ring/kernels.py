@@ -5,11 +5,13 @@ pair per peer and buffer (runtime.peer_flags, back at 0 after every call). Row s
 writes follow it: a BUSY write queued ahead would delay its start.
 
 Every buffer a rank receives into has W-1 slots, one per peer (``_slot``: none for the rank itself).
+The all-gathers, reduce-scatters and all-to-alls of a group share one (mailbox.py): a message
+waits for the peer to be done with my previous one, whichever call sent it.
 
 All-gather -> GEMMs (push straight from the shard into each peer's inbox [W-1, rows, K], one slot per sender)::
 
-    compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
-    copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
+    copy stream   wait BUSY[d] == 0 for every destination d (d done with my slot since my last message)
+                  for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
                   READY[me] = 1 on d; then gathered[rows of r] <- shard
     compute       y[rows of r] = shard @ b; for s = 1..W-1: src = ag_source(r, s): wait READY[src];
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
@@ -203,11 +205,12 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
     compute, copier = _start(dev, plan)
     dests = _gather_dests(r, w)
     if not claimed:
-        # Each destination done with my slot since my last call: waited on the compute stream,
-        # before this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
-        for d in dests:
-            flags.wait_free(d)
-        copier.wait_stream(compute)
+        # Each destination done with my slot since its last message from me: waited on the copy
+        # stream, queued before this call's first GEMM (a wait kernel queued behind a running GEMM
+        # might find no SM slot), so my own shard's GEMM does not wait for a slower peer
+        with torch.cuda.stream(copier):
+            for d in dests:
+                flags.wait_free(d)
     with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
         for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
             _theirs(inbox, d).copy_(shard)
