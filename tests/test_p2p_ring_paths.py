@@ -230,54 +230,57 @@ def _data_keys(fake):
     return sorted(k[1] for k in fake.made if not k[1].endswith("/flags"))
 
 
-def test_gathers_scatters_and_all_to_alls_share_one_mailbox_and_its_flags(fake_symm):
+def test_calls_of_one_kind_share_its_mailbox_and_flags_whatever_their_rows(fake_symm):
     dev = torch.device("cpu")
-    ag = _plan_ag(rows=6, k=8)
-    rs = _plan_rs("gemm_reducescatter", rows=6, n=8)
-    a2a = _plan_rs("gemm_alltoall", rows=4, n=8)
-    box_ag, flags_ag = kernels._gather_flags("g", ag, torch.bfloat16, dev)
-    box_rs, flags_rs = kernels._push_flags("g", rs, None, "gemm_reducescatter", torch.bfloat16, dev)
-    box_a2a, flags_a2a = kernels._push_flags("g", a2a, None, "gemm_alltoall", torch.bfloat16, dev)
-    assert box_ag.buf is box_rs.buf is box_a2a.buf
-    assert flags_ag.buf is flags_rs.buf is flags_a2a.buf
-    assert _data_keys(fake_symm) == ["p2p_ring/mailbox/2x48/torch.bfloat16"]
-    # a slot of W-1 = 1, each call's [rows, cols] face of it, the same memory
-    assert tuple(box_ag.local.shape) == (1, 6, 8) and tuple(box_a2a.local.shape) == (1, 4, 8)
-    box_rs.local[0].fill_(3.0)
-    assert box_ag.local[0].eq(3.0).all() and box_a2a.peer(0)[0].eq(3.0).all()
-    box_ag.peer(1)[0, 5, 7] = 9.0  # rank 1's copy, as rank 0 writes into it
-    assert fake_symm.made[("g", "p2p_ring/mailbox/2x48/torch.bfloat16", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
-    # another dtype or group gets its own
-    kernels._gather_flags("g", ag, torch.float32, dev)
-    kernels._gather_flags("h", ag, torch.bfloat16, dev)
-    assert len(_data_keys(fake_symm)) == 3
+    ag_a, flags_a = kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
+    ag_b, flags_b = kernels._gather_flags("g", _plan_ag(rows=3, k=8), torch.bfloat16, dev)  # another bucket
+    assert ag_a.buf is ag_b.buf and flags_a.buf is flags_b.buf
+    assert tuple(ag_a.local.shape) == (1, 6, 8) and tuple(ag_b.local.shape) == (1, 3, 8)  # W-1 = 1 slot
+    ag_b.local[0].fill_(3.0)  # the same memory: the smaller call's face is the start of the slot
+    assert ag_a.local[0].flatten()[:24].eq(3.0).all() and ag_a.local[0].flatten()[24:].eq(0.0).all()
+    ag_a.peer(1)[0, 5, 7] = 9.0  # rank 1's copy, as rank 0 writes into it
+    assert fake_symm.made[("g", "p2p_ring/allgather/mailbox/2x48/torch.bfloat16", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
+    # the kinds keep apart (an all-gather must not wait for the reduce-scatter just before it),
+    # and so do dtypes and groups
+    rs, flags_rs = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), None, "rs", torch.bfloat16, dev)
+    a2a, _ = kernels._push_flags("g", _plan_rs("gemm_alltoall", rows=6, n=8), None, "a2a", torch.bfloat16, dev)
+    assert len({id(ag_a.buf), id(rs.buf), id(a2a.buf)}) == 3 and flags_rs.buf is not flags_a.buf
+    kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.float32, dev)
+    kernels._gather_flags("h", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
+                                     "p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
+                                     "p2p_ring/allgather/mailbox/2x48/torch.float32",
+                                     "p2p_ring/alltoall/mailbox/2x48/torch.bfloat16",
+                                     "p2p_ring/reducescatter/mailbox/2x48/torch.bfloat16"]
 
 
 def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
     from overlap_compile.templates.p2p_ring import mailbox
 
     dev = torch.device("cpu")
-    small, flags_small = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=3, n=5), None, "rs",
-                                             torch.bfloat16, dev)
+    small, flags_small = kernels._gather_flags("g", _plan_ag(rows=3, k=5), torch.bfloat16, dev)
     big, flags_big = kernels._gather_flags("g", _plan_ag(rows=7, k=9), torch.bfloat16, dev)
-    assert mailbox.capacity("g", torch.bfloat16, dev) == 63
+    assert mailbox.capacity("g", "allgather", torch.bfloat16, dev) == 63
     assert big.buf is not small.buf and flags_big.buf is not flags_small.buf  # fresh flags with fresh memory
-    again, _ = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=3, n=5), None, "rs", torch.bfloat16, dev)
+    again, _ = kernels._gather_flags("g", _plan_ag(rows=3, k=5), torch.bfloat16, dev)
     assert again.buf is big.buf  # later small calls use the grown one
-    assert _data_keys(fake_symm) == ["p2p_ring/mailbox/2x15/torch.bfloat16", "p2p_ring/mailbox/2x63/torch.bfloat16"]
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/2x15/torch.bfloat16",
+                                     "p2p_ring/allgather/mailbox/2x63/torch.bfloat16"]
     with pytest.raises(ValueError, match="world size >= 2"):
-        mailbox.mailbox("g", 1, 3, 5, torch.bfloat16, dev)
+        mailbox.mailbox("g", "allgather", 1, 3, 5, torch.bfloat16, dev)
+    with pytest.raises(ValueError, match="kind 'gather' is not one of"):
+        mailbox.mailbox("g", "gather", 2, 3, 5, torch.bfloat16, dev)
 
 
 def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
     dev = torch.device("cpu")
     kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
     kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev, kernels.ALLREDUCE)
-    kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), "reducescatter" + kernels.ALLREDUCE,
-                        "rs", torch.bfloat16, dev)
-    keys = _data_keys(fake_symm)
-    assert keys == ["p2p_ring/allgather/allreduce", "p2p_ring/mailbox/2x48/torch.bfloat16",
-                    "p2p_ring/reducescatter/allreduce"]
+    kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE, "rs", torch.bfloat16, dev)
+    kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE + "/c1", "rs",
+                        torch.bfloat16, dev)
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
+                                     "p2p_ring/reducescatter/allreduce", "p2p_ring/reducescatter/allreduce/c1"]
 
 
 def _plan_ag(rows, k, w=2):

@@ -5,13 +5,13 @@ pair per peer and buffer (runtime.peer_flags, back at 0 after every call). Row s
 writes follow it: a BUSY write queued ahead would delay its start.
 
 Every buffer a rank receives into has W-1 slots, one per peer (``_slot``: none for the rank itself).
-The all-gathers, reduce-scatters and all-to-alls of a group share one (mailbox.py): a message
-waits for the peer to be done with my previous one, whichever call sent it.
+The all-gathers of a group share one, grown to the largest call, and so do its reduce-scatters
+and its all-to-alls (mailbox.py).
 
 All-gather -> GEMMs (push straight from the shard into each peer's inbox [W-1, rows, K], one slot per sender)::
 
-    copy stream   wait BUSY[d] == 0 for every destination d (d done with my slot since my last message)
-                  for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
+    compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
+    copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
                   READY[me] = 1 on d; then gathered[rows of r] <- shard
     compute       y[rows of r] = shard @ b; for s = 1..W-1: src = ag_source(r, s): wait READY[src];
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
@@ -168,20 +168,20 @@ class _Gather:
 
 def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
                   key: str | None = None) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
-    """The inbox and its flags: the group's mailbox (key None), or the all-reduce's own buffer."""
-    return _receive_buffer(group_name, plan.world, plan.chunk, plan.k, dtype, device, plan.timeout_ms,
-                           None if key is None else "allgather" + key, "all-gather")
+    """The inbox and its flags: the group's all-gather mailbox (key None), or the all-reduce's own buffer."""
+    return _receive_buffer(group_name, "allgather", plan.world, plan.chunk, plan.k, dtype, device, plan.timeout_ms,
+                           key, "all-gather")
 
 
-def _receive_buffer(group_name: str, w: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
-                    timeout_ms: int, key: str | None, what: str):
-    """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox, shared by every
-    call that holds one message per peer at a time (key None), or a buffer of ``key``'s own."""
+def _receive_buffer(group_name: str, kind: str, w: int, rows: int, cols: int, dtype: torch.dtype,
+                    device: torch.device, timeout_ms: int, key: str | None, what: str):
+    """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox of ``kind``
+    (key None: one message per peer at a time), or a buffer of ``kind + key``'s own."""
     if key is None:
-        box = mailbox.mailbox(group_name, w, rows, cols, dtype, device)
+        box = mailbox.mailbox(group_name, kind, w, rows, cols, dtype, device)
         return box, _Flags(group_name, box.key, w, device, timeout_ms, what)
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (w - 1, rows, cols), dtype, device)
-    return data, _Flags(group_name, f"{key}/{w}x{rows}x{cols}/{dtype}", w, device, timeout_ms, what)
+    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{kind}{key}", (w - 1, rows, cols), dtype, device)
+    return data, _Flags(group_name, f"{kind}{key}/{w}x{rows}x{cols}/{dtype}", w, device, timeout_ms, what)
 
 
 def _gather_dests(r: int, w: int) -> list[int]:
@@ -205,12 +205,11 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
     compute, copier = _start(dev, plan)
     dests = _gather_dests(r, w)
     if not claimed:
-        # Each destination done with my slot since its last message from me: waited on the copy
-        # stream, queued before this call's first GEMM (a wait kernel queued behind a running GEMM
-        # might find no SM slot), so my own shard's GEMM does not wait for a slower peer
-        with torch.cuda.stream(copier):
-            for d in dests:
-                flags.wait_free(d)
+        # Each destination done with my slot since my last call: waited on the compute stream,
+        # before this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
+        for d in dests:
+            flags.wait_free(d)
+        copier.wait_stream(compute)
     with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
         for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
             _theirs(inbox, d).copy_(shard)
@@ -289,7 +288,7 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         _claim(a, group_name, [plan], [ALLREDUCE])
         r, rows = comm.rank_and_size(group_name)[0], plan.m // plan.world
         mine = run_reducescatter(a, b, bias, group_name, allreduce_stripes(plan), out=out[r * rows:(r + 1) * rows],
-                                 claimed=True, key="reducescatter" + ALLREDUCE)  # summed straight into its rows
+                                 claimed=True, key=ALLREDUCE)  # summed straight into its rows
         gather = _gather_start(mine, group_name, allreduce_gather(plan), out, key=ALLREDUCE, claimed=True)
         _gather_finish(gather, [], [], [])
         gather.compute.wait_stream(gather.copier)
@@ -302,7 +301,7 @@ def run_allreduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     stripes = [allreduce_stripes(sub) for _, _, sub in chunks]
     # every chunk's partials pushed first: chunk by chunk, the copy queue tied a chunk's partials
     # to the previous chunk's sum (it ran slower than the unchunked op)
-    pushed = [_push_all(a[lo:hi], b, bias, group_name, st, "reducescatter" + key, "gemm_reducescatter", dests,
+    pushed = [_push_all(a[lo:hi], b, bias, group_name, st, key, "gemm_reducescatter", dests,
                         claimed=True)
               for (lo, hi, _), st, key in zip(chunks, stripes, keys)]
     pending = None
@@ -325,7 +324,7 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
     dev, r = a.device, comm.rank_and_size(group_name)[0]
     for sub, key in zip(plans, keys):
         rs = allreduce_stripes(sub)
-        _, rs_flags = _push_flags(group_name, rs, "reducescatter" + key, "gemm_reducescatter", a.dtype, dev)
+        _, rs_flags = _push_flags(group_name, rs, key, "gemm_reducescatter", a.dtype, dev)
         for d in _scatter_dests(r, sub.world):
             rs_flags.wait_free(d)
         _, ag_flags = _gather_flags(group_name, allreduce_gather(sub), a.dtype, dev, key)
@@ -336,7 +335,9 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
 
 def _push_flags(group_name: str, plan, key: str | None, what: str, dtype: torch.dtype,
                 device: torch.device) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
-    return _receive_buffer(group_name, plan.world, plan.chunk, plan.n, dtype, device, plan.timeout_ms, key, what)
+    kind = "alltoall" if plan.kind == "gemm_alltoall" else "reducescatter"
+    return _receive_buffer(group_name, kind, plan.world, plan.chunk, plan.n, dtype, device, plan.timeout_ms, key,
+                           what)
 
 
 def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: list[int], claimed: bool = False):

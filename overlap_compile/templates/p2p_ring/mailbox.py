@@ -1,21 +1,24 @@
-"""One receive buffer per (group, dtype, device) for every all-gather, reduce-scatter and
-all-to-all call of p2p_ring, with one READY / BUSY flag set guarding it (runtime.peer_flags).
+"""One receive buffer per (group, kind, dtype, device) for p2p_ring's all-gathers,
+reduce-scatters and all-to-alls, grown to the largest call of its kind, with one READY / BUSY
+flag set guarding it (runtime.peer_flags).
 
-    box = mailbox(group_name, rows, cols, dtype, device)
+    box = mailbox(group_name, "allgather", world, rows, cols, dtype, device)
     box.local[slot]            # [rows, cols]: slot ``slot`` of my buffer, the first rows x cols
     box.peer(q)[slot]          #   elements of a row of W-1 x capacity; the same on rank q
     box.key                    # the flags' key: calls sharing the memory share the flags
 
 Each (sender, receiver) pair owns one slot, and a sender waits on BUSY until the receiver has
-read its previous message, whichever call sent it. So an all-gather's inbox and a reduce-scatter's
-slots can be the same memory: the forward's all-gather and the reduce-scatter after it then hold
-one buffer instead of two. The all-reduce keeps buffers of its own (it holds a reduce-scatter's
-and an all-gather's messages at once, kernels._claim).
+read its previous message of that kind. Sites of one kind with different row counts (the
+buckets of a symbolic site, every prefill length a server sees) share the buffer: a buffer per
+shape would grow with every new length. The kinds keep buffers apart: an all-gather then waits
+only for the peer to have read the previous all-gather's shard (long done), not the reduce-scatter
+just before it, which would hold its own shard's GEMM for a slower peer. The all-reduce keeps
+buffers of its own (it holds a reduce-scatter's and an all-gather's messages at once, kernels._claim).
 
-The memory grows to the largest call seen: a call that needs more allocates a new buffer (with
-fresh flags) and later calls use it. The smaller one is kept, since a captured CUDA graph may
-address it; allocation is collective, so every rank grows at the same call, and it is refused
-during a capture (runtime.symm), like torch's ``get_symm_mem_workspace``.
+A call that needs more than the buffer holds allocates a larger one (with fresh flags) that later
+calls use. The smaller one is kept, since a captured CUDA graph may address it; allocation is
+collective, so every rank grows at the same call, and it is refused during a capture
+(runtime.symm), like torch's ``get_symm_mem_workspace``.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from ...runtime import symm
 
 TEMPLATE = "p2p_ring"
 
-_current: dict[tuple, int] = {}  # (group, dtype, device) -> capacity (elements per slot) in use
+_current: dict[tuple, int] = {}  # (group, kind, dtype, device) -> capacity (elements per slot) in use
+KINDS = ("allgather", "reducescatter", "alltoall")
 _lock = threading.Lock()
 
 
@@ -61,28 +65,30 @@ class Mailbox:
         return t[:, :self.rows * self.cols].unflatten(1, (self.rows, self.cols))
 
 
-def capacity(group_name: str, dtype: torch.dtype, device: torch.device) -> int:
-    """Elements per slot of the buffer calls use now (0: none yet)."""
+def capacity(group_name: str, kind: str, dtype: torch.dtype, device: torch.device) -> int:
+    """Elements per slot of the buffer calls of ``kind`` use now (0: none yet)."""
     with _lock:
-        return _current.get(_where(group_name, dtype, device), 0)
+        return _current.get(_where(group_name, kind, dtype, device), 0)
 
 
-def mailbox(group_name: str, world: int, rows: int, cols: int, dtype: torch.dtype,
+def mailbox(group_name: str, kind: str, world: int, rows: int, cols: int, dtype: torch.dtype,
             device: torch.device) -> Mailbox:
-    """The group's shared receive buffer, grown to hold ``rows x cols`` per slot if it does not."""
+    """The group's receive buffer for ``kind``, grown to hold ``rows x cols`` per slot if it does not."""
+    if kind not in KINDS:
+        raise ValueError(f"{TEMPLATE} mailbox: kind {kind!r} is not one of {list(KINDS)}")
     if world < 2 or rows < 0 or cols < 0:
         raise ValueError(f"{TEMPLATE} mailbox: needs a world size >= 2 and sizes >= 0, got world {world}, "
                          f"rows {rows}, cols {cols}")
     need = max(1, rows * cols)
-    where = _where(group_name, dtype, device)
+    where = _where(group_name, kind, dtype, device)
     with _lock:
         cap = _current.get(where, 0)
         if need > cap:
             cap = _current[where] = need
-    key = f"mailbox/{world}x{cap}/{dtype}"
+    key = f"{kind}/mailbox/{world}x{cap}/{dtype}"
     buf = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (world - 1, cap), dtype, device)
     return Mailbox(buf, rows, cols, key)
 
 
-def _where(group_name: str, dtype: torch.dtype, device: torch.device) -> tuple:
-    return (group_name, str(dtype), str(torch.device(device)))
+def _where(group_name: str, kind: str, dtype: torch.dtype, device: torch.device) -> tuple:
+    return (group_name, kind, str(dtype), str(torch.device(device)))
