@@ -218,11 +218,9 @@ class _FakeSymm:
 
 @pytest.fixture
 def fake_symm(monkeypatch):
-    from overlap_compile.templates.p2p_ring import mailbox
-
     fake = _FakeSymm()
     monkeypatch.setattr(symm, "symm_buffer", fake)
-    monkeypatch.setattr(mailbox, "_current", {})
+    monkeypatch.setattr(symm, "_grown", {})
     return fake
 
 
@@ -239,7 +237,7 @@ def test_calls_of_one_kind_share_its_mailbox_and_flags_whatever_their_rows(fake_
     ag_b.local[0].fill_(3.0)  # the same memory: the smaller call's face is the start of the slot
     assert ag_a.local[0].flatten()[:24].eq(3.0).all() and ag_a.local[0].flatten()[24:].eq(0.0).all()
     ag_a.peer(1)[0, 5, 7] = 9.0  # rank 1's copy, as rank 0 writes into it
-    assert fake_symm.made[("g", "p2p_ring/allgather/mailbox/2x48/torch.bfloat16", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
+    assert fake_symm.made[("g", "p2p_ring/allgather/mailbox/grown48", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
     # the kinds keep apart (an all-gather must not wait for the reduce-scatter just before it),
     # and so do dtypes and groups
     rs, flags_rs = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), None, "rs", torch.bfloat16, dev)
@@ -247,11 +245,11 @@ def test_calls_of_one_kind_share_its_mailbox_and_flags_whatever_their_rows(fake_
     assert len({id(ag_a.buf), id(rs.buf), id(a2a.buf)}) == 3 and flags_rs.buf is not flags_a.buf
     kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.float32, dev)
     kernels._gather_flags("h", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
-                                     "p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
-                                     "p2p_ring/allgather/mailbox/2x48/torch.float32",
-                                     "p2p_ring/alltoall/mailbox/2x48/torch.bfloat16",
-                                     "p2p_ring/reducescatter/mailbox/2x48/torch.bfloat16"]
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/grown48",
+                                     "p2p_ring/allgather/mailbox/grown48",
+                                     "p2p_ring/allgather/mailbox/grown48",
+                                     "p2p_ring/alltoall/mailbox/grown48",
+                                     "p2p_ring/reducescatter/mailbox/grown48"]
 
 
 def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
@@ -260,14 +258,16 @@ def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
     dev = torch.device("cpu")
     small, flags_small = kernels._gather_flags("g", _plan_ag(rows=3, k=5), torch.bfloat16, dev)
     big, flags_big = kernels._gather_flags("g", _plan_ag(rows=7, k=9), torch.bfloat16, dev)
-    assert mailbox.capacity("g", "allgather", torch.bfloat16, dev) == 63
+    assert big.buf.local.shape[-1] == 63 and small.buf.local.shape[-1] == 15
     assert big.buf is not small.buf and flags_big.buf is not flags_small.buf  # fresh flags with fresh memory
     again, _ = kernels._gather_flags("g", _plan_ag(rows=3, k=5), torch.bfloat16, dev)
     assert again.buf is big.buf  # later small calls use the grown one
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/2x15/torch.bfloat16",
-                                     "p2p_ring/allgather/mailbox/2x63/torch.bfloat16"]
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/grown15",
+                                     "p2p_ring/allgather/mailbox/grown63"]
     with pytest.raises(ValueError, match="world size >= 2"):
         mailbox.mailbox("g", "allgather", 1, 3, 5, torch.bfloat16, dev)
+    with pytest.raises(ValueError, match="negative size"):
+        symm.grown_buffer("g", "p2p_ring/x", (1,), -4, torch.bfloat16, dev)
     with pytest.raises(ValueError, match="kind 'gather' is not one of"):
         mailbox.mailbox("g", "gather", 2, 3, 5, torch.bfloat16, dev)
 
@@ -279,7 +279,7 @@ def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE, "rs", torch.bfloat16, dev)
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE + "/c1", "rs",
                         torch.bfloat16, dev)
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/allgather/mailbox/2x48/torch.bfloat16",
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/allgather/mailbox/grown48",
                                      "p2p_ring/reducescatter/allreduce", "p2p_ring/reducescatter/allreduce/c1"]
 
 

@@ -10,6 +10,7 @@ on the copy engine, or Triton kernels reading / writing peers' memory over NVLin
     buf.signal_pad_ptrs_dev        # int64 [world] on the device: every rank's signal pad
     buf.barrier(channel, timeout)  # every rank of the group reached this point in stream order
 
+    buf = grown_buffer(group_name, key, (slots,), numel, dtype, device)     # room for numel per slot, grows
     t, ptrs = tensor_and_ptrs(group_name, key, shape, dtype, device, zero=False)   # kernels' form
     peer_view(group_name, t, rank)                                                  # by tensor
     with dropped_after(device): ...      # buffers first made inside are forgotten at its end
@@ -71,6 +72,7 @@ class SymmBuffer:
 
 
 _cache: dict[tuple, SymmBuffer] = {}
+_grown: dict[tuple, int] = {}  # (group, key, slots, dtype, device) -> elements per slot of grown_buffer's current one
 _lock = threading.Lock()
 
 
@@ -82,6 +84,23 @@ def bytes_outside_allocator(device: torch.device | int | None = None) -> int:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     with _lock:
         return sum(b.outside for b in _cache.values() if b.local.device.index == index)
+
+
+def grown_buffer(group_name: str, key: str, slots: tuple[int, ...], numel: int, dtype: torch.dtype,
+                 device: torch.device) -> SymmBuffer:
+    """The buffer of ``key`` holding at least ``numel`` elements per slot (shape ``slots +
+    (capacity,)``), grown to the largest request so far: calls whose sizes vary with M (a symbolic
+    site's every length) share one instead of one per size. A larger request makes a larger
+    buffer that later calls use; the smaller is kept, since a captured CUDA graph may address it.
+    Requests come in the same order on every rank, so every rank grows at the same call."""
+    if numel < 0 or any(s < 0 for s in slots):
+        raise ValueError(f"symmetric buffer {key!r}: negative size (slots {slots}, {numel} elements)")
+    where = (group_name, key, tuple(slots), str(dtype), str(torch.device(device)))
+    with _lock:
+        cap = _grown.get(where, 0)
+        if numel > cap or cap == 0:
+            cap = _grown[where] = max(1, numel)
+    return symm_buffer(group_name, f"{key}/grown{cap}", (*slots, cap), dtype, device)
 
 
 @contextlib.contextmanager

@@ -113,16 +113,13 @@ def _release_core(group_name: str | None, idle: bool) -> None:
                 if not idle:
                     _kept.append(buf)
             _drop_keys(symm._usable, lambda k: of_group(k, 0))
+            _drop_keys(symm._grown, lambda k: of_group(k, 0))
     agreement = mods.get("overlap_compile.runtime.agreement")
     if agreement is not None:
         with agreement._lock:
             _drop_keys(agreement._checked, lambda k: of_group(k, 0))
             if group_name is None:  # a new default group brings a new store: its checks count from 1
                 agreement._sequence.clear()
-    mailbox = mods.get("overlap_compile.templates.p2p_ring.mailbox")
-    if mailbox is not None:
-        with mailbox._lock:
-            _drop_keys(mailbox._current, lambda k: of_group(k, 0))
     base = mods.get("overlap_compile.templates.base")
     if base is not None:
         _drop_keys(base._routes, lambda k: of_group(k, 2))

@@ -15,25 +15,19 @@ only for the peer to have read the previous all-gather's shard (long done), not 
 just before it, which would hold its own shard's GEMM for a slower peer. The all-reduce keeps
 buffers of its own (it holds a reduce-scatter's and an all-gather's messages at once, kernels._claim).
 
-A call that needs more than the buffer holds allocates a larger one (with fresh flags) that later
-calls use. The smaller one is kept, since a captured CUDA graph may address it; allocation is
-collective, so every rank grows at the same call, and it is refused during a capture
-(runtime.symm), like torch's ``get_symm_mem_workspace``.
+A call that needs more than the buffer holds makes a larger one, with fresh flags, that later
+calls use (runtime.symm.grown_buffer: the smaller is kept for the CUDA graphs that captured it).
 """
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
 from ...runtime import symm
 
 TEMPLATE = "p2p_ring"
-
-_current: dict[tuple, int] = {}  # (group, kind, dtype, device) -> capacity (elements per slot) in use
 KINDS = ("allgather", "reducescatter", "alltoall")
-_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -65,12 +59,6 @@ class Mailbox:
         return t[:, :self.rows * self.cols].unflatten(1, (self.rows, self.cols))
 
 
-def capacity(group_name: str, kind: str, dtype: torch.dtype, device: torch.device) -> int:
-    """Elements per slot of the buffer calls of ``kind`` use now (0: none yet)."""
-    with _lock:
-        return _current.get(_where(group_name, kind, dtype, device), 0)
-
-
 def mailbox(group_name: str, kind: str, world: int, rows: int, cols: int, dtype: torch.dtype,
             device: torch.device) -> Mailbox:
     """The group's receive buffer for ``kind``, grown to hold ``rows x cols`` per slot if it does not."""
@@ -79,16 +67,6 @@ def mailbox(group_name: str, kind: str, world: int, rows: int, cols: int, dtype:
     if world < 2 or rows < 0 or cols < 0:
         raise ValueError(f"{TEMPLATE} mailbox: needs a world size >= 2 and sizes >= 0, got world {world}, "
                          f"rows {rows}, cols {cols}")
-    need = max(1, rows * cols)
-    where = _where(group_name, kind, dtype, device)
-    with _lock:
-        cap = _current.get(where, 0)
-        if need > cap:
-            cap = _current[where] = need
-    key = f"{kind}/mailbox/{world}x{cap}/{dtype}"
-    buf = symm.symm_buffer(group_name, f"{TEMPLATE}/{key}", (world - 1, cap), dtype, device)
-    return Mailbox(buf, rows, cols, key)
-
-
-def _where(group_name: str, kind: str, dtype: torch.dtype, device: torch.device) -> tuple:
-    return (group_name, kind, str(dtype), str(torch.device(device)))
+    buf = symm.grown_buffer(group_name, f"{TEMPLATE}/{kind}/mailbox", (world - 1,), rows * cols, dtype, device)
+    # the flags go with the memory: a grown buffer starts with fresh ones
+    return Mailbox(buf, rows, cols, f"{kind}/mailbox/{world}x{buf.local.shape[-1]}/{dtype}")
