@@ -26,7 +26,7 @@ from .reference import check_config, check_plan, stripe_grid
 from .jit_kernels import MODE_AG, MODE_RS, SR, _HAVE_TRITON, tl, triton  # noqa: F401  (re-exported)
 from .launch import (  # noqa: F401  (re-exported: kernels.<name>)
     TEMPLATE, TileWaitTimeout, _after_call, _comm_stream, _driver_checked, _err, _err_buf, _err_host, _fallbacks,
-    _first_call, _format_error, _gemm_cfg, _launch_gemm, _launch_small, _loaded, _local, _num_sms, _state_lock,
+    _first_call, _format_error, _gemm_cfg, _grown, _launch_gemm, _launch_small, _loaded, _local, _num_sms, _state_lock,
     _streams, _stream_driver, _symm, _symm_api, _symm_ok, _T, _timeouts, _use_asm, _warmed, _zeros_cached, available,
     barrier, check_errors, stream_notify, usable)
 
@@ -146,15 +146,16 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     rows_local = st.stripe_rows
     c = plan.config
     bm, bn = c["block_m"], c["block_n"]
-    ptag = f"{plan.m}x{plan.k}/w{w}"
-    mine, mine_tbl = _symm(group_name, f"shard/{ptag}", (rows_local, plan.k), shard.dtype, device)
+    # my shard where the peers pull it from: one buffer for every M (a barrier orders each call's
+    # staging after the peers' pulls of the last one)
+    staged = _grown(group_name, f"shard/k{plan.k}/w{w}", rows_local * plan.k, shard.dtype, device)
+    mine = _face(staged.local, rows_local, plan.k)
     arrived = _zeros_cached(("ag", device.index, group_name), w, device)
     given = outs
     gathered = given[0] if given else torch.empty(plan.m, plan.k, dtype=shard.dtype, device=device)
     compute, comm = torch.cuda.current_stream(device), _comm_stream(device)
     comm.wait_stream(compute)
     with torch.cuda.stream(comm):
-        symm = _symm_api()
         barrier(group_name, device, w, rank, plan.timeout_ms)  # peers finished pulling my last shard
         mine.copy_(shard)
         barrier(group_name, device, w, rank, plan.timeout_ms)  # every shard is in its symmetric buffer
@@ -166,7 +167,7 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     with torch.cuda.stream(comm):
         for j in range(1, w):
             src = (rank + j) % w
-            peer = symm.peer_view(group_name, mine, src)
+            peer = _face(staged.peer(src), rows_local, plan.k)
             P.rank_copy_data(_stripe_pieces(gathered, st, src), _shard_pieces(peer, st), arrived, src, stream_notify)
     shard.record_stream(comm)  # read by the staging copy on the comm stream
     for piece, part in zip(_stripe_pieces(gathered, st, rank), _shard_pieces(shard, st)):
@@ -206,6 +207,10 @@ def _stripe_pieces(x: torch.Tensor, st: Any, k: int) -> list[torch.Tensor]:
     """Stripe k of the row-major matrix x as contiguous pieces (one per outer block)."""
     v = x.view(st.outer, st.world, st.chunk, x.shape[-1])
     return [v[o, k] for o in range(st.outer)]
+
+
+def _face(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return flat[:rows * cols].view(rows, cols)
 
 
 def _shard_pieces(x: torch.Tensor, st: Any) -> list[torch.Tensor]:
