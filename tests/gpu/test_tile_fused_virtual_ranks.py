@@ -84,30 +84,33 @@ def test_every_call_right_with_two_virtual_ranks(kind, m, n, k, dtype):
     assert r["wrong"] == 0, r
 
 
-def race_allgather(m: int, n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
+def race_allgather(m: int | tuple[int, ...], n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
     """All-gather + GEMM with ``world`` virtual ranks, call after call, inputs changing: the call
-    start barriers, the staging copy, the peers' chunk pulls and their flags, the GEMM's waits."""
+    start barriers, the staging copy, the peers' chunk pulls and their flags, the GEMM's waits.
+    ``m`` a tuple: the input sets take its row counts in turn (one staging buffer serves them all)."""
     from overlap_compile.templates.plans import AllGatherGemmPlan
     from overlap_compile.templates.tile_fused import kernels as K
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    rows = m // world
+    ms = m if isinstance(m, tuple) else (m,)
     cfg = {"block_m": 128, "block_n": 128, "group_m": 8, "comm_ctas": 8}
-    plan = AllGatherGemmPlan("tile_fused", m, k, (n,), world, 1, rows, (False,), cfg, timeout_ms=5000)
+    plans = [AllGatherGemmPlan("tile_fused", ms[v % len(ms)], k, (n,), world, 1, ms[v % len(ms)] // world, (False,),
+                               cfg, timeout_ms=5000) for v in range(VARIANTS)]
     g = torch.Generator(device=dev).manual_seed(11)
-    inputs = [([torch.randn(rows, k, device=dev, dtype=dtype, generator=g) / 4 for _ in range(world)],
-               torch.randn(k, n, device=dev, dtype=dtype, generator=g) / 4) for _ in range(VARIANTS)]
+    inputs = [([torch.randn(p.chunk, k, device=dev, dtype=dtype, generator=g) / 4 for _ in range(world)],
+               torch.randn(k, n, device=dev, dtype=dtype, generator=g) / 4) for p in plans]
     expected = [torch.cat(shards).double() @ b.double() for shards, b in inputs]
     with virtual_ranks(world, dev) as group:
-        warm_up_tile_fused(group, [lambda r=r: K._run_ag(inputs[0][0][r], [inputs[0][1]], [None], "virtual", plan)
-                                   for r in range(world)])
+        for v in range(min(len(ms), VARIANTS)):  # each row count's kernels (warm-up sets the rank by index)
+            warm_up_tile_fused(group, [lambda r=r, v=v: K._run_ag(inputs[v][0][r], [inputs[v][1]], [None], "virtual",
+                                                                  plans[v]) for r in range(world)])
 
         def calls_of(r: int) -> torch.Tensor:
             errs = []
             for i in range(calls):
                 shards, b = inputs[i % VARIANTS]
-                _, y = K.run_allgather(shards[r], [b], [None], "virtual", plan)
+                _, y = K.run_allgather(shards[r], [b], [None], "virtual", plans[i % VARIANTS])
                 exp = expected[i % VARIANTS]
                 errs.append((y.double() - exp).norm() / exp.norm())
                 if not group.pace(i):
@@ -119,7 +122,7 @@ def race_allgather(m: int, n: int, k: int, world: int, calls: int, dtype: torch.
     return _tally(errs, calls, dtype)
 
 
-@pytest.mark.parametrize("m,n,k", [(2 * 1000, 1000, 520), (4096, 4096, 1024)])
+@pytest.mark.parametrize("m,n,k", [(2 * 1000, 1000, 520), (4096, 4096, 1024), ((2 * 1000, 2 * 700, 2 * 1200), 1000, 520)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_allgather_every_call_right_with_two_virtual_ranks(m, n, k, dtype):
     """Two ranks' persistent GEMMs share one GPU here: a kernel a GEMM waits on that can only
