@@ -158,7 +158,10 @@ def test_committed_zoo_rows_keep_the_deferred_credit_out():
         kept = sum(s["deferred_ms"] for s in c["sites"])
         assert fc["deferred_ms"] == pytest.approx(kept)
         assert fc["hidden_ms"] == pytest.approx(sum(s["gain_ms"] for s in c["sites"]))
-    err = forecast_check.errors(cells)["train"]
+    # where a credit was given (cells compiled with defer_compute on): without it the forecast is closer
+    credited = [c for c in train if c["forecast"]["deferred_ms"] > 0]
+    assert credited
+    err = forecast_check.errors(credited)["train"]
     assert err["gap_share"][1] < err["with_deferred_share"][1], err
     bwd = [c for c in train if "measured_backward_ms" in c and "backward" in c["graphs"]]
     promised = sum(c["graphs"]["backward"]["hidden_ms"] + c["graphs"]["backward"]["deferred_ms"] for c in bwd)
