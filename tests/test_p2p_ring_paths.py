@@ -228,28 +228,25 @@ def _data_keys(fake):
     return sorted(k[1] for k in fake.made if not k[1].endswith("/flags"))
 
 
-def test_calls_of_one_kind_share_its_mailbox_and_flags_whatever_their_rows(fake_symm):
+def test_gathers_scatters_and_all_to_alls_of_any_rows_share_one_mailbox_and_its_flags(fake_symm):
     dev = torch.device("cpu")
     ag_a, flags_a = kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
     ag_b, flags_b = kernels._gather_flags("g", _plan_ag(rows=3, k=8), torch.bfloat16, dev)  # another bucket
-    assert ag_a.buf is ag_b.buf and flags_a.buf is flags_b.buf
-    assert tuple(ag_a.local.shape) == (1, 6, 8) and tuple(ag_b.local.shape) == (1, 3, 8)  # W-1 = 1 slot
+    rs, flags_rs = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), None, "rs", torch.bfloat16, dev)
+    a2a, flags_a2a = kernels._push_flags("g", _plan_rs("gemm_alltoall", rows=4, n=8), None, "a2a", torch.bfloat16, dev)
+    assert ag_a.buf is ag_b.buf is rs.buf is a2a.buf
+    assert flags_a.buf is flags_b.buf is flags_rs.buf is flags_a2a.buf
+    assert tuple(ag_a.local.shape) == (1, 6, 8) and tuple(a2a.local.shape) == (1, 4, 8)  # W-1 = 1 slot
     ag_b.local[0].fill_(3.0)  # the same memory: the smaller call's face is the start of the slot
     assert ag_a.local[0].flatten()[:24].eq(3.0).all() and ag_a.local[0].flatten()[24:].eq(0.0).all()
+    assert rs.local[0].flatten()[:24].eq(3.0).all()
     ag_a.peer(1)[0, 5, 7] = 9.0  # rank 1's copy, as rank 0 writes into it
-    assert fake_symm.made[("g", "p2p_ring/allgather/mailbox/grown48", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
-    # the kinds keep apart (an all-gather must not wait for the reduce-scatter just before it),
-    # and so do dtypes and groups
-    rs, flags_rs = kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), None, "rs", torch.bfloat16, dev)
-    a2a, _ = kernels._push_flags("g", _plan_rs("gemm_alltoall", rows=6, n=8), None, "a2a", torch.bfloat16, dev)
-    assert len({id(ag_a.buf), id(rs.buf), id(a2a.buf)}) == 3 and flags_rs.buf is not flags_a.buf
+    assert fake_symm.made[("g", "p2p_ring/mailbox/grown48", (1, 48), torch.bfloat16)].ts[1][0, 47] == 9.0
+    # another dtype or group gets its own
     kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.float32, dev)
     kernels._gather_flags("h", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/grown48",
-                                     "p2p_ring/allgather/mailbox/grown48",
-                                     "p2p_ring/allgather/mailbox/grown48",
-                                     "p2p_ring/alltoall/mailbox/grown48",
-                                     "p2p_ring/reducescatter/mailbox/grown48"]
+    assert sorted((k[0], str(k[3])) for k in fake_symm.made if not k[1].endswith("/flags")) == [
+        ("g", "torch.bfloat16"), ("g", "torch.float32"), ("h", "torch.bfloat16")]
 
 
 def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
@@ -262,14 +259,12 @@ def test_the_mailbox_grows_to_the_largest_call_and_keeps_the_smaller(fake_symm):
     assert big.buf is not small.buf and flags_big.buf is not flags_small.buf  # fresh flags with fresh memory
     again, _ = kernels._gather_flags("g", _plan_ag(rows=3, k=5), torch.bfloat16, dev)
     assert again.buf is big.buf  # later small calls use the grown one
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/mailbox/grown15",
-                                     "p2p_ring/allgather/mailbox/grown63"]
+    assert _data_keys(fake_symm) == ["p2p_ring/mailbox/grown15",
+                                     "p2p_ring/mailbox/grown63"]
     with pytest.raises(ValueError, match="world size >= 2"):
-        mailbox.mailbox("g", "allgather", 1, 3, 5, torch.bfloat16, dev)
+        mailbox.mailbox("g", 1, 3, 5, torch.bfloat16, dev)
     with pytest.raises(ValueError, match="negative size"):
         symm.grown_buffer("g", "p2p_ring/x", (1,), -4, torch.bfloat16, dev)
-    with pytest.raises(ValueError, match="kind 'gather' is not one of"):
-        mailbox.mailbox("g", "gather", 2, 3, 5, torch.bfloat16, dev)
 
 
 def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
@@ -279,7 +274,7 @@ def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE, "rs", torch.bfloat16, dev)
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE + "/c1", "rs",
                         torch.bfloat16, dev)
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/allgather/mailbox/grown48",
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/mailbox/grown48",
                                      "p2p_ring/reducescatter/allreduce", "p2p_ring/reducescatter/allreduce/c1"]
 
 

@@ -7,8 +7,8 @@ any tile), bf16, fp16 and fp32 (an fp32 partial must be copied out of its slot b
 released), with and without bias; 20 calls back to back with fresh inputs and no
 synchronisation between them (a race between calls shows as a wrong result), then CUDA-graph
 replays with the output poisoned with NaN. After all that: no bounded wait failed, every
-flag is back at 0, and every call but the all-reduce received into the group's mailbox of its kind
-(grown between cases, the earlier ones still under their captured graphs). World sizes 2 and 4 (each skipped without enough GPUs).
+flag is back at 0, and every call but the all-reduce received into the group's one mailbox (grown
+between cases, the earlier ones still under their captured graphs). World sizes 2 and 4 (each skipped without enough GPUs).
 """
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def checks() -> list[str]:
         fails.append(f"rank {rank}: {e}")
     dist.barrier()
     torch.cuda.synchronize()
-    # the all-gathers, reduce-scatters and all-to-alls received into the group's mailbox of their
-    # kind (one per dtype and size it grew to), the all-reduces into buffers of their own
+    # the all-gathers, reduce-scatters and all-to-alls received into the group's mailbox (one per
+    # dtype and size it grew to), the all-reduces into buffers of their own
     own = sorted({ck[1] for ck in symm._cache if ck[1].startswith("p2p_ring/") and not ck[1].endswith("/flags")
                   and "mailbox" not in ck[1] and "allreduce" not in ck[1]})
     if own:

@@ -5,13 +5,13 @@ pair per peer and buffer (runtime.peer_flags, back at 0 after every call). Row s
 writes follow it: a BUSY write queued ahead would delay its start.
 
 Every buffer a rank receives into has W-1 slots, one per peer (``_slot``: none for the rank itself).
-The all-gathers of a group share one, grown to the largest call, and so do its reduce-scatters
-and its all-to-alls (mailbox.py).
+The all-gathers, reduce-scatters and all-to-alls of a group share one, grown to the largest call
+(mailbox.py): a message waits for the peer to be done with my previous one, whichever call sent it.
 
 All-gather -> GEMMs (push straight from the shard into each peer's inbox [W-1, rows, K], one slot per sender)::
 
-    compute       wait BUSY[d] == 0 for every destination d (d done with my slot since my last call)
-    copy stream   for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
+    copy stream   wait BUSY[d] == 0 for every destination d (d done with my slot since my last message)
+                  for d = r+1, r+2, ...: peer(d).inbox[me] <- shard (copy engine); BUSY[d] = 1;
                   READY[me] = 1 on d; then gathered[rows of r] <- shard
     compute       y[rows of r] = shard @ b; for s = 1..W-1: src = ag_source(r, s): wait READY[src];
                   y[rows of src] = inbox[src] @ b, while the copy stream copies inbox[src] into
@@ -168,17 +168,17 @@ class _Gather:
 
 def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
                   key: str | None = None) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
-    """The inbox and its flags: the group's all-gather mailbox (key None), or the all-reduce's own buffer."""
+    """The inbox and its flags: the group's mailbox (key None), or the all-reduce's own buffer."""
     return _receive_buffer(group_name, "allgather", plan.world, plan.chunk, plan.k, dtype, device, plan.timeout_ms,
                            key, "all-gather")
 
 
 def _receive_buffer(group_name: str, kind: str, w: int, rows: int, cols: int, dtype: torch.dtype,
                     device: torch.device, timeout_ms: int, key: str | None, what: str):
-    """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox of ``kind``
-    (key None: one message per peer at a time), or a buffer of ``kind + key``'s own."""
+    """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox (key None: one
+    message per peer at a time, whatever its kind), or a buffer of ``kind + key``'s own."""
     if key is None:
-        box = mailbox.mailbox(group_name, kind, w, rows, cols, dtype, device)
+        box = mailbox.mailbox(group_name, w, rows, cols, dtype, device)
         return box, _Flags(group_name, box.key, w, device, timeout_ms, what)
     data = symm.symm_buffer(group_name, f"{TEMPLATE}/{kind}{key}", (w - 1, rows, cols), dtype, device)
     return data, _Flags(group_name, f"{kind}{key}/{w}x{rows}x{cols}/{dtype}", w, device, timeout_ms, what)
@@ -205,11 +205,12 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
     compute, copier = _start(dev, plan)
     dests = _gather_dests(r, w)
     if not claimed:
-        # Each destination done with my slot since my last call: waited on the compute stream,
-        # before this call's first GEMM (a wait kernel queued behind a running GEMM might find no SM slot).
-        for d in dests:
-            flags.wait_free(d)
-        copier.wait_stream(compute)
+        # Each destination done with my slot since its last message from me: waited on the copy
+        # stream, queued before this call's first GEMM (a wait kernel queued behind a running GEMM
+        # might find no SM slot), so my own shard's GEMM does not wait for a slower peer
+        with torch.cuda.stream(copier):
+            for d in dests:
+                flags.wait_free(d)
     with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
         for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
             _theirs(inbox, d).copy_(shard)

@@ -1,19 +1,18 @@
-"""One receive buffer per (group, kind, dtype, device) for p2p_ring's all-gathers,
-reduce-scatters and all-to-alls, grown to the largest call of its kind, with one READY / BUSY
-flag set guarding it (runtime.peer_flags).
+"""One receive buffer per (group, dtype, device) for every all-gather, reduce-scatter and
+all-to-all call of p2p_ring, grown to the largest call, with one READY / BUSY flag set guarding it
+(runtime.peer_flags).
 
-    box = mailbox(group_name, "allgather", world, rows, cols, dtype, device)
+    box = mailbox(group_name, world, rows, cols, dtype, device)
     box.local[slot]            # [rows, cols]: slot ``slot`` of my buffer, the first rows x cols
     box.peer(q)[slot]          #   elements of a row of W-1 x capacity; the same on rank q
     box.key                    # the flags' key: calls sharing the memory share the flags
 
-Each (sender, receiver) pair owns one slot, and a sender waits on BUSY until the receiver has
-read its previous message of that kind. Sites of one kind with different row counts (the
-buckets of a symbolic site, every prefill length a server sees) share the buffer: a buffer per
-shape would grow with every new length. The kinds keep buffers apart: an all-gather then waits
-only for the peer to have read the previous all-gather's shard (long done), not the reduce-scatter
-just before it, which would hold its own shard's GEMM for a slower peer. The all-reduce keeps
-buffers of its own (it holds a reduce-scatter's and an all-gather's messages at once, kernels._claim).
+Each (sender, receiver) pair owns one slot, and a sender waits on BUSY until the receiver has read
+its previous message, whichever call sent it. So an all-gather's inbox and a reduce-scatter's slots
+are the same memory (one buffer where a block's sites held two), and so are the sites of one kind
+with different row counts (a symbolic site's every length: a buffer per shape grew with each new
+one). The all-reduce keeps buffers of its own (it holds a reduce-scatter's and an all-gather's
+messages at once, kernels._claim).
 
 A call that needs more than the buffer holds makes a larger one, with fresh flags, that later
 calls use (runtime.symm.grown_buffer: the smaller is kept for the CUDA graphs that captured it).
@@ -27,7 +26,6 @@ import torch
 from ...runtime import symm
 
 TEMPLATE = "p2p_ring"
-KINDS = ("allgather", "reducescatter", "alltoall")
 
 
 @dataclasses.dataclass
@@ -59,14 +57,11 @@ class Mailbox:
         return t[:, :self.rows * self.cols].unflatten(1, (self.rows, self.cols))
 
 
-def mailbox(group_name: str, kind: str, world: int, rows: int, cols: int, dtype: torch.dtype,
-            device: torch.device) -> Mailbox:
-    """The group's receive buffer for ``kind``, grown to hold ``rows x cols`` per slot if it does not."""
-    if kind not in KINDS:
-        raise ValueError(f"{TEMPLATE} mailbox: kind {kind!r} is not one of {list(KINDS)}")
+def mailbox(group_name: str, world: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Mailbox:
+    """The group's receive buffer, grown to hold ``rows x cols`` per slot if it does not."""
     if world < 2 or rows < 0 or cols < 0:
         raise ValueError(f"{TEMPLATE} mailbox: needs a world size >= 2 and sizes >= 0, got world {world}, "
                          f"rows {rows}, cols {cols}")
-    buf = symm.grown_buffer(group_name, f"{TEMPLATE}/{kind}/mailbox", (world - 1,), rows * cols, dtype, device)
+    buf = symm.grown_buffer(group_name, f"{TEMPLATE}/mailbox", (world - 1,), rows * cols, dtype, device)
     # the flags go with the memory: a grown buffer starts with fresh ones
-    return Mailbox(buf, rows, cols, f"{kind}/mailbox/{world}x{buf.local.shape[-1]}/{dtype}")
+    return Mailbox(buf, rows, cols, f"mailbox/{world}x{buf.local.shape[-1]}/{dtype}")
