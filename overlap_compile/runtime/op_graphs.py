@@ -14,8 +14,10 @@ caching allocator's free lists differ between steps) graphs are captured and nev
 time and pool memory for nothing. A graph is stale when its site (static key) made more calls since
 its capture than the site has graphs, plus ``STALE_AFTER``, without replaying it (a model whose L
 layers share a site replays each layer's graph L calls later). A site with ``STALE_GRAPHS`` stale
-graphs is captured no more ("declined"): its graphs never replayed are dropped, its calls run as
-written.
+graphs is "declined": its graphs never replayed are dropped, and its calls run as written until one
+call's buffers come back ``SETTLED_SIGHTINGS`` times. Then that call is captured as before: the
+same site in an inference graph after training (its plan is the training forward's), whose
+buffers do settle, still gets its graph, while a training step's buffers seldom come back that often.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ MAX_GRAPHS = 256  # per process; the least recently replayed graph is dropped pa
 MAX_SEEN = 4096  # keys seen once and not (yet) captured; forgotten all at once past this
 STALE_AFTER = 4  # calls past a site's graph count after which a graph never replayed is stale
 STALE_GRAPHS = 2  # stale graphs that make a site declined
+SETTLED_SIGHTINGS = 4  # sightings of one call's buffers after which a declined site captures it
 
 _lock = threading.Lock()
 _graphs: "collections.OrderedDict[tuple, torch.cuda.CUDAGraph]" = collections.OrderedDict()
@@ -79,18 +82,16 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
         graph.replay()
         stats["replayed"] += 1
         return
-    if static_key in _declined:
-        stats["declined"] += 1
-    elif static_key not in _failed:
+    if static_key not in _failed:
+        needed = SETTLED_SIGHTINGS if static_key in _declined else CAPTURE_ON_SIGHT
         seen = _seen.get(key, 0) + 1
         if len(_seen) >= MAX_SEEN:
             _seen.clear()  # a model whose addresses never repeat: nothing here will be captured anyway
         _seen[key] = seen
-        if seen >= CAPTURE_ON_SIGHT and _unsettled(static_key):
+        if seen >= needed and _unsettled(static_key):
             _seen.pop(key, None)
-            stats["declined"] += 1
             seen = 0
-        graph = _capture(static_key, device, call) if seen >= CAPTURE_ON_SIGHT else None
+        graph = _capture(static_key, device, call) if seen >= needed else None
         if graph is not None:
             with _lock:
                 _seen.pop(key, None)
@@ -104,6 +105,8 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
             graph.replay()
             stats["captured"] += 1
             return
+    if static_key in _declined:
+        stats["declined"] += 1
     call()  # as written: a first sighting, a failed capture, or a site whose capture failed before
     stats["eager"] += 1
 
