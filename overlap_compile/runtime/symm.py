@@ -11,6 +11,7 @@ on the copy engine, or Triton kernels reading / writing peers' memory over NVLin
     buf.barrier(channel, timeout)  # every rank of the group reached this point in stream order
 
     buf = grown_buffer(group_name, key, (slots,), numel, dtype, device)     # room for numel per slot, grows
+    face(buf.local, (rows, cols))                                           # one call's part of it
     t, ptrs = tensor_and_ptrs(group_name, key, shape, dtype, device, zero=False)   # kernels' form
     peer_view(group_name, t, rank)                                                  # by tensor
     with dropped_after(device): ...      # buffers first made inside are forgotten at its end
@@ -97,10 +98,17 @@ def grown_buffer(group_name: str, key: str, slots: tuple[int, ...], numel: int, 
         raise ValueError(f"symmetric buffer {key!r}: negative size (slots {slots}, {numel} elements)")
     where = (group_name, key, tuple(slots), str(dtype), str(torch.device(device)))
     with _lock:
-        cap = _grown.get(where, 0)
-        if numel > cap or cap == 0:
-            cap = _grown[where] = max(1, numel)
+        cap = _grown[where] = max(_grown.get(where, 0), numel, 1)
     return symm_buffer(group_name, f"{key}/grown{cap}", (*slots, cap), dtype, device)
+
+
+def face(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first prod(``shape``) elements of ``t``'s last dim viewed as ``shape``: one call's part
+    of a grown_buffer (its local tensor or a peer's)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return t[..., :n].unflatten(-1, tuple(shape))
 
 
 @contextlib.contextmanager

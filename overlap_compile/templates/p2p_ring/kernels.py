@@ -336,9 +336,9 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
 
 def _push_flags(group_name: str, plan, key: str | None, what: str, dtype: torch.dtype,
                 device: torch.device) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
-    kind = "alltoall" if plan.kind == "gemm_alltoall" else "reducescatter"
-    return _receive_buffer(group_name, kind, plan.world, plan.chunk, plan.n, dtype, device, plan.timeout_ms, key,
-                           what)
+    # a key names the all-reduce's reduce-scatter buffers; every other push receives into the mailbox
+    return _receive_buffer(group_name, "reducescatter", plan.world, plan.chunk, plan.n, dtype, device,
+                           plan.timeout_ms, key, what)
 
 
 def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: list[int], claimed: bool = False):

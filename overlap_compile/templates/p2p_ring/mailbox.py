@@ -54,7 +54,7 @@ class Mailbox:
         return self._face(self.buf.peer(rank))
 
     def _face(self, t: torch.Tensor) -> torch.Tensor:
-        return t[:, :self.rows * self.cols].unflatten(1, (self.rows, self.cols))
+        return symm.face(t, (self.rows, self.cols))
 
 
 def mailbox(group_name: str, world: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Mailbox:

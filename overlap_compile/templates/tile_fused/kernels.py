@@ -149,7 +149,7 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     # my shard where the peers pull it from: one buffer for every M (a barrier orders each call's
     # staging after the peers' pulls of the last one)
     staged = _grown(group_name, f"shard/k{plan.k}/w{w}", rows_local * plan.k, shard.dtype, device)
-    mine = _face(staged.local, rows_local, plan.k)
+    mine = _symm_api().face(staged.local, (rows_local, plan.k))
     arrived = _zeros_cached(("ag", device.index, group_name), w, device)
     given = outs
     gathered = given[0] if given else torch.empty(plan.m, plan.k, dtype=shard.dtype, device=device)
@@ -167,7 +167,7 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     with torch.cuda.stream(comm):
         for j in range(1, w):
             src = (rank + j) % w
-            peer = _face(staged.peer(src), rows_local, plan.k)
+            peer = _symm_api().face(staged.peer(src), (rows_local, plan.k))
             P.rank_copy_data(_stripe_pieces(gathered, st, src), _shard_pieces(peer, st), arrived, src, stream_notify)
     shard.record_stream(comm)  # read by the staging copy on the comm stream
     for piece, part in zip(_stripe_pieces(gathered, st, rank), _shard_pieces(shard, st)):
@@ -207,10 +207,6 @@ def _stripe_pieces(x: torch.Tensor, st: Any, k: int) -> list[torch.Tensor]:
     """Stripe k of the row-major matrix x as contiguous pieces (one per outer block)."""
     v = x.view(st.outer, st.world, st.chunk, x.shape[-1])
     return [v[o, k] for o in range(st.outer)]
-
-
-def _face(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return flat[:rows * cols].view(rows, cols)
 
 
 def _shard_pieces(x: torch.Tensor, st: Any) -> list[torch.Tensor]:
