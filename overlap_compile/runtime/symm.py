@@ -88,18 +88,20 @@ def bytes_outside_allocator(device: torch.device | int | None = None) -> int:
 
 
 def grown_buffer(group_name: str, key: str, slots: tuple[int, ...], numel: int, dtype: torch.dtype,
-                 device: torch.device) -> SymmBuffer:
+                 device: torch.device, zero: bool = False) -> SymmBuffer:
     """The buffer of ``key`` holding at least ``numel`` elements per slot (shape ``slots +
     (capacity,)``), grown to the largest request so far: calls whose sizes vary with M (a symbolic
     site's every length) share one instead of one per size. A larger request makes a larger
     buffer that later calls use; the smaller is kept, since a captured CUDA graph may address it.
-    Requests come in the same order on every rank, so every rank grows at the same call."""
+    Requests come in the same order on every rank, so every rank grows at the same call.
+    ``zero``: each buffer zeroed when made (symm_buffer's), for flags whose users leave them at
+    zero after every call, so that the grown one starts where the smaller was left."""
     if numel < 0 or any(s < 0 for s in slots):
         raise ValueError(f"symmetric buffer {key!r}: negative size (slots {slots}, {numel} elements)")
     where = (group_name, key, tuple(slots), str(dtype), str(torch.device(device)))
     with _lock:
         cap = _grown[where] = max(_grown.get(where, 0), numel, 1)
-    return symm_buffer(group_name, f"{key}/grown{cap}", (*slots, cap), dtype, device)
+    return symm_buffer(group_name, f"{key}/grown{cap}", (*slots, cap), dtype, device, zero)
 
 
 def face(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -134,9 +134,15 @@ def check_cases(cases: list[dict], iters: int) -> list[tuple]:
 def _cases():
     return [
         dict(kind="gemm_reducescatter", m=2 * 1000, n=1000, k=520, bias=True),            # odd tiles
+        # other M at the same N: the receive buffer and its flags grow to the larger, then the
+        # smaller M uses their start (the flags as the larger M's calls left them)
+        dict(kind="gemm_reducescatter", m=2 * 1200, n=1000, k=520),
+        dict(kind="gemm_reducescatter", m=2 * 700, n=1000, k=520),
         dict(kind="gemm_reducescatter", m=4096, n=4096, k=1024, bn=256),
         dict(kind="gemm_reducescatter", m=2 * 3 * 136, n=392, k=200, outer=3, bm=64, bn=64),  # dim-1 scatter
         dict(kind="gemm_allreduce", m=4 * 500, n=1000, k=520, bias=True),               # odd tiles, W=2 and 4
+        dict(kind="gemm_allreduce", m=4 * 600, n=1000, k=520),                          # grows, as above
+        dict(kind="gemm_allreduce", m=4 * 350, n=1000, k=520),
         dict(kind="gemm_allreduce", m=4096, n=4096, k=1024, bn=256),
         dict(kind="allgather_gemm", m=2 * 1000, n=1000, k=520, bias=True, n2=300),
         # other M at the same K: the shard's buffer grows to the larger, then the smaller M uses its start

@@ -31,30 +31,41 @@ def _tally(errs: torch.Tensor, calls: int, dtype: torch.dtype) -> dict:
     return {"calls": calls, "wrong": int(((errs > tol) | errs.isnan()).sum()), "max_rel": float(errs.max())}
 
 
-def race(kind: str, m: int, n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
+def race(kind: str, m: int | tuple[int, ...], n: int, k: int, world: int, calls: int, dtype: torch.dtype) -> dict:
+    """GEMM + reduce-scatter / all-reduce with ``world`` virtual ranks, call after call, inputs
+    changing. ``m`` a tuple: the input sets take its row counts in turn (one set of receive
+    buffers and flags serves them all, each call starting from the flags the last one left)."""
     from overlap_compile.templates.plans import GemmCollectivePlan
     from overlap_compile.templates.tile_fused import kernels as K
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
+    ms = m if isinstance(m, tuple) else (m,)
     cfg = {"block_m": 128, "block_n": 128, "group_m": 8, "comm_ctas": 8}
-    outer, chunk = (1, m) if kind == "gemm_allreduce" else (1, m // world)
-    plan = GemmCollectivePlan("tile_fused", kind, m, n, k, world, "sum", outer, chunk, False, cfg, timeout_ms=5000)
+    plans = []
+    for v in range(VARIANTS):
+        mv = ms[v % len(ms)]
+        outer, chunk = (1, mv) if kind == "gemm_allreduce" else (1, mv // world)
+        plans.append(GemmCollectivePlan("tile_fused", kind, mv, n, k, world, "sum", outer, chunk, False, cfg,
+                                        timeout_ms=5000))
     g = torch.Generator(device=dev).manual_seed(7)
-    inputs = [[(torch.randn(m, k, device=dev, dtype=dtype, generator=g) / 4,
+    inputs = [[(torch.randn(p.m, k, device=dev, dtype=dtype, generator=g) / 4,
                 torch.randn(k, n, device=dev, dtype=dtype, generator=g) / 4) for _ in range(world)]
-              for _ in range(VARIANTS)]
+              for p in plans]
     full = [sum(a.double() @ b.double() for a, b in v) for v in inputs]  # the sum over ranks
-    rows = m // world
-    expected = [[f if kind == "gemm_allreduce" else f[r * rows:(r + 1) * rows] for r in range(world)] for f in full]
+    expected = [[f if kind == "gemm_allreduce" else f[r * p.chunk:(r + 1) * p.chunk] for r in range(world)]
+                for f, p in zip(full, plans)]
     with virtual_ranks(world, dev) as group:
-        warm_up_tile_fused(group, [lambda r=r: K._run_rs(*inputs[0][r], None, "virtual", plan) for r in range(world)])
+        # each row count's kernels, and the buffers grown to the largest before any rank runs
+        for v in range(min(len(ms), VARIANTS)):
+            warm_up_tile_fused(group, [lambda r=r, v=v: K._run_rs(*inputs[v][r], None, "virtual", plans[v])
+                                       for r in range(world)])
 
         def calls_of(r: int) -> torch.Tensor:
             errs = []
             for i in range(calls):
                 a, b = inputs[i % VARIANTS][r]
-                out = K.run(a, b, None, "virtual", plan)
+                out = K.run(a, b, None, "virtual", plans[i % VARIANTS])
                 exp = expected[i % VARIANTS][r]
                 errs.append((out.double() - exp).norm() / exp.norm())
                 if not group.pace(i):
@@ -68,8 +79,10 @@ def race(kind: str, m: int, n: int, k: int, world: int, calls: int, dtype: torch
 
 @pytest.mark.parametrize("kind,m,n,k", [("gemm_reducescatter", 2 * 1000, 1000, 520),
                                         ("gemm_reducescatter", 4096, 4096, 1024),
+                                        ("gemm_reducescatter", (2 * 1000, 2 * 700, 2 * 1200), 1000, 520),
                                         ("gemm_allreduce", 2 * 500, 1000, 520),
-                                        ("gemm_allreduce", 4096, 4096, 1024)])
+                                        ("gemm_allreduce", 4096, 4096, 1024),
+                                        ("gemm_allreduce", (2 * 1000, 2 * 700, 2 * 1200), 1000, 520)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_call_right_with_two_virtual_ranks(kind, m, n, k, dtype):
     from overlap_compile.templates.tile_fused import kernels as K

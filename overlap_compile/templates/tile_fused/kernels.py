@@ -15,6 +15,7 @@ wait makes every later one return at once and ``check_errors`` raises TileWaitTi
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,6 +59,44 @@ def gather_grid(sms: int, comm_ctas: int, world: int, tiles: int) -> int:
     return max(1, min(max(comm_ctas, sms), (world - 1) * tiles))
 
 
+def _rs_buffers(group_name: str, plan: GemmCollectivePlan, grid: TileGrid, dtype: torch.dtype, device: torch.device,
+                gather: bool) -> tuple:
+    """A call's part of its site's buffers: ``(recv, recv_tbl, arrived, arrived_tbl, ready,
+    gathered)``. ``recv``: [W*T, BM, BN] tiles the peers push into, ``arrived``: an int32 flag per
+    tile the peers raise, each with its table of every rank's address of it; ``ready``: the local
+    flags the GEMM raises; ``gathered``: the all-reduce's ``(gat, gat_tbl, done, done_tbl)``, the
+    same pair for the reduced tiles, else None. One set per (group, N, tile, W, dtype) whatever M
+    and K, each grown to the largest call (``_grown``) and a call using its start (``face``: the
+    buffer's own address, which the tables hold), so a symbolic site's lengths do not each add one."""
+    tiles, bm, bn = plan.world * grid.num_tiles, grid.block_m, grid.block_n
+    tag = f"n{plan.n}/{bm}x{bn}/w{plan.world}"
+
+    # The flags are shared across M like the data: every call leaves them at 0, so the next call,
+    # whatever its tile numbering, starts from zeros (no epochs). Each is raised once a call and
+    # consumed once (P.consume subtracts the wait's target): ready[slot] by the GEMM, consumed by
+    # the push (peer stripes) or the reduce (mine); arrived[q*T+t] by peer q's push, done[q*T+t]
+    # by its reduce, consumed by my reduce and gather; flags past W*T are not touched. A peer
+    # signals my flags in the next call only once past its call-start barrier, which needs my
+    # arrival, queued on my comm stream behind this call's reduce and gather; my next GEMM follows
+    # this call's join. A grown buffer starts zeroed; the smaller, kept for captured graphs,
+    # keeps the zeros its last call left. (A timed-out wait leaves its call's flags as they were,
+    # for one M as for many: check_errors.)
+    def grown(name: str, shape: tuple[int, ...], dt: torch.dtype, zero: bool = False) -> tuple:
+        buf = _grown(group_name, f"{name}/{tag}", math.prod(shape), dt, device, zero)
+        return _symm_api().face(buf.local, shape), buf
+
+    recv, recv_buf = grown("recv", (tiles, bm, bn), dtype)
+    arrived, arrived_buf = grown("arrived", (tiles,), torch.int32, zero=True)
+    # local, as many as arrived: one set per capacity (a captured graph may address a smaller one)
+    cap = arrived_buf.local.numel()
+    ready = _zeros_cached(("ready", device.index, group_name, tag, cap), cap, device)[:tiles]
+    if not gather:
+        return recv, recv_buf.ptrs, arrived, arrived_buf.ptrs, ready, None
+    gat, gat_buf = grown("gather", (tiles, bm, bn), dtype)
+    done, done_buf = grown("done", (tiles,), torch.int32, zero=True)
+    return recv, recv_buf.ptrs, arrived, arrived_buf.ptrs, ready, (gat, gat_buf.ptrs, done, done_buf.ptrs)
+
+
 def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Tensor | None = None) -> torch.Tensor:
     from ...runtime.comm import resolve_group
 
@@ -75,18 +114,13 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Te
     cfg = _gemm_cfg(device, plan.m, plan.n, plan.k, a.dtype, plan)
     ctas = max(1, min(int(plan.config.get("comm_ctas", 8)), T))
     programs = max(1, min(_num_sms(device) - ctas, w * T))
-    ptag = f"{plan.m}x{plan.n}x{plan.k}/{bm}x{bn}/w{w}"
-    recv, recv_tbl = _symm(group_name, f"recv/{ptag}", (w * T, bm, bn), a.dtype, device)
-    arrived, arrived_tbl = _symm(group_name, f"arrived/{ptag}", (w * T,), torch.int32, device, zero=True)
-    ready = _zeros_cached(("ready", device.index, group_name, ptag), w * T, device)
+    recv, recv_tbl, arrived, arrived_tbl, ready, gathered = _rs_buffers(group_name, plan, grid, a.dtype, device,
+                                                                        gather)
     part = torch.empty(w * T, bm, bn, dtype=a.dtype, device=device)
     if out is None:
         out = torch.empty((w if gather else 1) * plan.result_rows, plan.n, dtype=a.dtype, device=device)
-    if gather:  # every rank's reduced tiles, pushed by its reduce CTAs, and one flag per tile
-        gat, gat_tbl = _symm(group_name, f"gather/{ptag}", (w * T, bm, bn), a.dtype, device)
-        done, done_tbl = _symm(group_name, f"done/{ptag}", (w * T,), torch.int32, device, zero=True)
-    else:
-        gat, gat_tbl, done, done_tbl = part, recv_tbl, arrived, arrived_tbl  # unused (GATHER=False)
+    # unused without the gather (GATHER=False)
+    gat, gat_tbl, done, done_tbl = gathered or (part, recv_tbl, arrived, arrived_tbl)
     mine = out[rank * plan.chunk:(rank + 1) * plan.chunk] if gather else out
     err = _err_buf(device)
     tns, polls = _timeouts(plan)

@@ -144,10 +144,12 @@ def _symm(group_name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
     return _symm_api().tensor_and_ptrs(group_name, f"{TEMPLATE}/{key}", shape, dtype, device, zero=zero)
 
 
-def _grown(group_name: str, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Any:
+def _grown(group_name: str, key: str, numel: int, dtype: torch.dtype, device: torch.device,
+           zero: bool = False) -> Any:
     """A symmetric buffer of at least ``numel`` elements shared by every call of ``key`` whatever
-    its M (runtime.symm.grown_buffer): a symbolic site's lengths do not each add one."""
-    return _symm_api().grown_buffer(group_name, f"{TEMPLATE}/{key}", (), numel, dtype, device)
+    its M (runtime.symm.grown_buffer): a symbolic site's lengths do not each add one. ``zero``:
+    zeroed when made (flags)."""
+    return _symm_api().grown_buffer(group_name, f"{TEMPLATE}/{key}", (), numel, dtype, device, zero)
 
 
 def _symm_api() -> Any:
