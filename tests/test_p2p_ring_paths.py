@@ -12,7 +12,7 @@ import torch
 
 from overlap_compile.passes.matches import GemmAllToAllMatch
 from overlap_compile.runtime import spin_wait, symm
-from overlap_compile.templates.p2p_ring import kernels, op, reference
+from overlap_compile.templates.p2p_ring import kernels, mailbox, op, reference
 from overlap_compile.templates.p2p_ring.spec import SPEC
 from overlap_compile.templates.plans import GemmCollectivePlan
 from tests.test_p2p_ring import _ag_match, _rs_match
@@ -189,12 +189,12 @@ def test_each_receive_buffer_has_one_slot_per_peer(world):
     """A rank's buffers hold W-1 slots: every peer its own, none for the rank itself (at W=2 a
     slot per rank would double the symmetric memory for nothing)."""
     for owner in range(world):
-        slots = [kernels._slot(owner, sender, world) for sender in range(world) if sender != owner]
+        slots = [mailbox.slot_of(owner, sender, world) for sender in range(world) if sender != owner]
         assert sorted(slots) == list(range(world - 1)), (owner, slots)
     with pytest.raises(ValueError, match="no slot for rank 1 in rank 1's buffer"):
-        kernels._slot(1, 1, world)
+        mailbox.slot_of(1, 1, world)
     with pytest.raises(ValueError, match="world size"):
-        kernels._slot(0, world, world)
+        mailbox.slot_of(0, world, world)
 
 
 # ---- the group's mailbox (mailbox.py) ------------------------------------------------------------
@@ -274,8 +274,9 @@ def test_the_all_reduce_keeps_buffers_of_its_own(fake_symm):
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE, "rs", torch.bfloat16, dev)
     kernels._push_flags("g", _plan_rs("gemm_reducescatter", rows=6, n=8), kernels.ALLREDUCE + "/c1", "rs",
                         torch.bfloat16, dev)
-    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce", "p2p_ring/mailbox/grown48",
-                                     "p2p_ring/reducescatter/allreduce", "p2p_ring/reducescatter/allreduce/c1"]
+    assert _data_keys(fake_symm) == ["p2p_ring/allgather/allreduce/grown48", "p2p_ring/mailbox/grown48",
+                                     "p2p_ring/reducescatter/allreduce/c1/grown48",
+                                     "p2p_ring/reducescatter/allreduce/grown48"]
 
 
 def _plan_ag(rows, k, w=2):
@@ -289,3 +290,47 @@ def _plan_rs(kind, rows, n, w=2):
     return GemmCollectivePlan(template="p2p_ring", kind=kind, m=w * rows, n=n, k=4, world=w,
                               reduce_op="sum" if kind == "gemm_reducescatter" else None, outer=1, chunk=rows,
                               has_bias=False, config=dict(P2P), timeout_ms=100)
+
+
+def test_a_calls_views_are_made_once_and_go_with_their_buffer(monkeypatch):
+    """The mailbox face, its slots and the flag view are kept in the buffer's memo (a host-launched
+    call asks for them every time) and hold no reference back to it: dropping the buffer frees it
+    at once, without the garbage collector."""
+    import gc
+    import weakref
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(symm, "_grown", {})
+    peers = {}
+
+    class Handle:  # what rendezvous returns: the peers' buffers mapped here
+        def get_buffer(self, rank, shape, dtype, offset):
+            return peers.setdefault((shape, dtype), torch.zeros(shape, dtype=dtype))
+
+    def put(key, shape, dtype):
+        buf = symm.SymmBuffer(torch.zeros(shape, dtype=dtype), Handle(), 0, 2, 0, None, None)
+        symm._cache[symm.cache_key("g", key, shape, dtype, dev)] = buf
+        return buf
+
+    data = put("p2p_ring/mailbox/grown48", (1, 48), torch.bfloat16)
+    put("p2p_ring/mailbox/2x48/torch.bfloat16/flags", (4,), torch.uint32)
+    try:
+        box, flags = kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
+        box2, flags2 = kernels._gather_flags("g", _plan_ag(rows=6, k=8), torch.bfloat16, dev)
+        assert box is box2 and flags is flags2 and box.buf is data
+        assert kernels._mine(box, 1) is kernels._mine(box, 1) and kernels._theirs(box, 1) is kernels._theirs(box, 1)
+        assert kernels._mine(box, 1).data_ptr() == data.local.data_ptr()  # rank 1's slot of my buffer
+        smaller, _ = kernels._gather_flags("g", _plan_ag(rows=3, k=8), torch.bfloat16, dev)
+        assert smaller is not box and smaller.buf is data and tuple(smaller.local.shape) == (1, 3, 8)
+        gone = weakref.ref(data)
+        del data, box2, flags2
+        gc.disable()
+        try:
+            for k in [k for k in symm._cache if k[0] == "g"]:
+                del symm._cache[k]
+            assert gone() is None and box.buf is None and flags.buf is None
+        finally:
+            gc.enable()
+    finally:
+        for k in [k for k in symm._cache if k[0] == "g"]:
+            del symm._cache[k]

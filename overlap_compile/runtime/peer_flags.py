@@ -15,6 +15,7 @@ at 0 once all ranks have finished a call, so calls (and CUDA-graph replays) need
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -41,6 +42,32 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
             _, greatest = torch.cuda.Stream.priority_range()
             s = _streams[index] = torch.cuda.Stream(device=index, priority=greatest)
         return s
+
+
+class on_stream:
+    """``with on_stream(stream, back):`` queues the block's work on ``stream``, then makes ``back``
+    (the caller's current stream) current again. What ``torch.cuda.stream`` does, without its
+    device bookkeeping: a host-launched op switches streams several times per call, a few
+    microseconds each that way. Streams of another device than the current one take
+    ``torch.cuda.stream``'s path, which also switches the device and back."""
+
+    __slots__ = ("stream", "back", "_other")
+
+    def __init__(self, stream: torch.cuda.Stream, back: torch.cuda.Stream) -> None:
+        self.stream, self.back = stream, back
+        self._other = None if stream.device_index == torch.cuda.current_device() else torch.cuda.stream(stream)
+
+    def __enter__(self) -> torch.cuda.Stream:
+        if self._other is not None:
+            return self._other.__enter__()
+        torch.cuda.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        if self._other is not None:
+            self._other.__exit__(*exc)
+            return
+        torch.cuda.set_stream(self.back)
 
 
 def tag(text: str) -> int:
@@ -76,36 +103,66 @@ def check_errors(device: torch.device | int | None = None, synchronize: bool = T
         f"that call are invalid.")
 
 
-class PeerFlags:
-    """One call's view of a flag buffer: READY at [0, W), BUSY at [W, 2W). ``template`` and
-    ``what`` name the waits in timeout messages."""
+def flags(template: str, group_name: str, key: str, world: int, device: torch.device, timeout_ms: int,
+          what: str) -> "PeerFlags":
+    """The flag buffer of (``template``, ``key``) and the view of it kept on it: one per description,
+    bound and rank, made on first use. A host-launched op asks at every call, so what a call needs
+    (the peers' mappings, the waits' tags) is worked out once; the view goes with the buffer."""
+    buf = symm.symm_buffer(group_name, f"{template}/{key}/flags", (2 * world,), torch.uint32, device, zero=True)
+    memo = getattr(buf, "memo", None)
+    mk = ("PeerFlags", template, what, timeout_ms, buf.rank)
+    view = memo.get(mk) if memo is not None else None
+    if view is None:
+        view = PeerFlags(template, buf, world, timeout_ms, what)
+        if memo is not None:
+            memo[mk] = view
+    return view
 
-    def __init__(self, template: str, group_name: str, key: str, world: int, device: torch.device,
-                 timeout_ms: int, what: str):
-        self.buf = symm.symm_buffer(group_name, f"{template}/{key}/flags", (2 * world,), torch.uint32, device,
-                                    zero=True)
+
+class PeerFlags:
+    """One view of a flag buffer ``buf`` (runtime.symm): READY at [0, W), BUSY at [W, 2W).
+    ``template`` and ``what`` name the waits in timeout messages. Made by ``flags``; it holds the
+    buffer's tensors and only a weak reference to the buffer, which keeps it in its memo: no
+    cycle, so a dropped buffer's memory goes at once."""
+
+    def __init__(self, template: str, buf, world: int, timeout_ms: int, what: str):
+        self._buf = weakref.ref(buf)
         self.template = template
-        self.rank, self.world, self.timeout_ms, self.what = self.buf.rank, world, timeout_ms, what
+        self.rank, self.world, self.timeout_ms, self.what = buf.rank, world, timeout_ms, what
+        self._local = buf.local
+        self._mapped = [buf.peer(q) for q in range(world)]  # every rank's flags, mapped here
+        self._counters = buf.local.view(torch.int32)  # what the wait kernel polls (same memory)
+        self._tags: dict[tuple, int] = {}
+
+    @property
+    def buf(self):
+        return self._buf()
 
     def ready(self, to: int) -> None:
         """READY[me] = 1 on rank ``to`` (after everything queued before on this stream)."""
-        symm.write_value32(self.buf.peer(to), self.rank, 1)
+        symm.write_value32(self._mapped[to], self.rank, 1)
 
     def busy(self, reader: int) -> None:
-        symm.write_value32(self.buf.local, self.world + reader, 1)
+        symm.write_value32(self._local, self.world + reader, 1)
 
     def release(self, owner: int) -> None:
         """Tell ``owner`` I am done with the data it gave me: BUSY[me] = 0 on ``owner``."""
-        symm.write_value32(self.buf.peer(owner), self.world + self.rank, 0)
+        symm.write_value32(self._mapped[owner], self.world + self.rank, 0)
 
     def wait_ready(self, src: int, step: int) -> None:
-        t = tag(f"{self.template}: {self.what}, ring step {step}: wait for rank {src}'s data (READY flag {src})")
-        spin_wait.wait_value(self.buf.local, src, 1, self.timeout_ms, t, until_equal=True, sys_scope=True)
+        t = self._tags.get(("ready", src, step))
+        if t is None:
+            t = self._tags[("ready", src, step)] = tag(
+                f"{self.template}: {self.what}, ring step {step}: wait for rank {src}'s data (READY flag {src})")
+        spin_wait.wait_value(self._counters, src, 1, self.timeout_ms, t, until_equal=True, sys_scope=True)
 
     def wait_free(self, reader: int) -> None:
-        t = tag(f"{self.template}: {self.what}, call start: wait for rank {reader} to release my buffer "
+        t = self._tags.get(("free", reader))
+        if t is None:
+            t = self._tags[("free", reader)] = tag(
+                f"{self.template}: {self.what}, call start: wait for rank {reader} to release my buffer "
                 f"(BUSY flag {reader})")
-        spin_wait.wait_value(self.buf.local, self.world + reader, 0, self.timeout_ms, t, until_equal=True,
+        spin_wait.wait_value(self._counters, self.world + reader, 0, self.timeout_ms, t, until_equal=True,
                              sys_scope=True)
 
     def publish_and_meet(self, peers: list[int], stage: Callable[[], None]) -> None:

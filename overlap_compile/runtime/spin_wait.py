@@ -18,6 +18,7 @@ import threading
 import torch
 
 from .persistent import zeros_int32
+from .triton_launch import FastLaunch, aligned, int_kind
 
 try:  # Triton is optional on CPU-only installs
     import triton
@@ -140,27 +141,44 @@ def _use_device_record(device: torch.device) -> torch.Tensor:
 def wait_value(flags: torch.Tensor, index: int, target: int, timeout_ms: int, tag: int, *,
                until_equal: bool = True, sys_scope: bool = True, max_polls: int = 1 << 30) -> None:
     """Enqueue the bounded wait on ``flags[index]`` (int32 or uint32, 1-D) on the current stream.
-    Off the GPU (Triton's interpreter, tests) the bound is ``max_polls`` polls instead of a time."""
+    Off the GPU (Triton's interpreter, tests) the bound is ``max_polls`` polls instead of a time.
+    Host-launched ops call this at every site: after a key's first launch the compiled kernel is
+    launched directly (runtime/triton_launch.py)."""
     if not HAVE_TRITON:
         raise RuntimeError("the bounded GPU wait needs Triton")
     if flags.dtype not in (torch.int32, torch.uint32) or flags.dim() != 1:
         raise ValueError(f"wait_value: flags must be a 1-D int32/uint32 tensor, got {flags.dtype} {tuple(flags.shape)}")
     if not 0 <= index < flags.numel():
         raise ValueError(f"wait_value: index {index} outside flags of {flags.numel()} entries")
-    counters = flags.view(torch.int32)
+    counters = flags if flags.dtype == torch.int32 else flags.view(torch.int32)
     use_timer = counters.is_cuda
     err = record_buffer(counters.device)
-    args = (counters, index, int(target), err, int(timeout_ms) * 1_000_000, max_polls, int(tag))
+    timeout_ns = int(timeout_ms) * 1_000_000
+    args = (counters, index, int(target), err, timeout_ns, max_polls, int(tag))
     # SYS: the final acquire at system scope, for flags another GPU writes
-    consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope), num_warps=1)
+    consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope))
+    launch = _launcher()
+    key = (counters.device.index, use_timer, bool(until_equal), bool(sys_scope), aligned(counters), aligned(err),
+           err.is_cuda, int_kind(index), int_kind(args[2]), int_kind(timeout_ns), int_kind(max_polls),
+           int_kind(args[6]))
     try:
-        wait_kernel[(1,)](*args, **consts)
+        launch(key, (1,), args, consts, num_warps=1)
     except Exception as e:
         if not err.is_pinned() or "ointer" not in str(e):
             raise
         # This Triton refused the pinned host pointer: keep the record in device memory.
         err = _use_device_record(counters.device)
-        wait_kernel[(1,)](*args[:3], err, *args[4:], **consts)
+        launch(key[:5] + (aligned(err), True) + key[7:], (1,), (*args[:3], err, *args[4:]), consts, num_warps=1)
+
+
+_fast: FastLaunch | None = None
+
+
+def _launcher() -> FastLaunch:
+    global _fast
+    if _fast is None:
+        _fast = FastLaunch(wait_kernel)
+    return _fast
 
 
 def failure(device: torch.device, synchronize: bool = False) -> tuple[int, int, int] | None:

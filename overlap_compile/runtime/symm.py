@@ -47,6 +47,9 @@ class SymmBuffer:
     ptrs: torch.Tensor   # int64 [world] on the device: every rank's address of this buffer
     signal_pad_ptrs_dev: torch.Tensor  # int64 [world] on the device: every rank's signal pad
     _peers: dict = dataclasses.field(default_factory=dict)
+    # what callers derive from the buffer once and reuse every call (views, flag objects): kept
+    # here so that it goes when the buffer is dropped (dropped_after, teardown), never outliving it
+    memo: dict = dataclasses.field(default_factory=dict)
     # bytes of it that torch's symmetric allocator mapped outside the caching allocator (which
     # then does not count them in max_memory_allocated); 0 where it drew on an allocator pool
     outside: int = 0

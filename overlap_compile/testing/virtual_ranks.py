@@ -82,6 +82,9 @@ class VirtualBuffer:
     buffers: list[torch.Tensor]
     ptrs: torch.Tensor
     group: VirtualGroup
+    # SymmBuffer.memo: what callers derive from it; their keys carry the rank, which here is the
+    # calling thread's
+    memo: dict = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> int:

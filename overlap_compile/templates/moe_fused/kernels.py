@@ -120,8 +120,8 @@ def open_call(buf: torch.Tensor, group_name: str, plan: MoePlan) -> _Call:
     tag = f"{w}x{rows}x{h}/{dt}"
     r = send.rank
     call = _Call(w, e, c, h, r, buf.view(shape), send, comb,
-                 peer_flags.PeerFlags(TEMPLATE, group_name, f"dispatch/{tag}", w, dev, plan.timeout_ms, "moe dispatch"),
-                 peer_flags.PeerFlags(TEMPLATE, group_name, f"combine/{tag}", w, dev, plan.timeout_ms, "moe combine"),
+                 peer_flags.flags(TEMPLATE, group_name, f"dispatch/{tag}", w, dev, plan.timeout_ms, "moe dispatch"),
+                 peer_flags.flags(TEMPLATE, group_name, f"combine/{tag}", w, dev, plan.timeout_ms, "moe combine"),
                  [ref.round_peers(r, w, k)[1] for k in range(1, w)],
                  torch.cuda.current_stream(dev), peer_flags.copy_stream(dev))
     if plan.config.get("skip_padding"):

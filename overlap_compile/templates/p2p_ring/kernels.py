@@ -51,6 +51,7 @@ import dataclasses
 import torch
 
 from ...runtime import comm, peer_flags, spin_wait, symm
+from ...runtime.peer_flags import on_stream
 from ..plans import AllGatherGemmPlan, GemmCollectivePlan, allreduce_chunks, allreduce_gather, allreduce_stripes
 from .reference import a2a_pair, ag_source, bounds, check_config, rs_stripe
 from . import mailbox
@@ -96,25 +97,17 @@ def check_errors(device: torch.device | int | None = None, synchronize: bool = T
 
 def _Flags(group_name: str, key: str, world: int, device: torch.device, timeout_ms: int,
            what: str) -> peer_flags.PeerFlags:
-    return peer_flags.PeerFlags(TEMPLATE, group_name, key, world, device, timeout_ms, what)
+    return peer_flags.flags(TEMPLATE, group_name, key, world, device, timeout_ms, what)
 
 
-def _slot(owner: int, sender: int, world: int) -> int:
-    """Where ``sender``'s message lies in ``owner``'s buffer of W-1 slots: the peers in ring order
-    after the owner (a rank sends itself nothing, so a slot for it would be memory for nothing)."""
-    if sender == owner or not (0 <= sender < world and 0 <= owner < world):
-        raise ValueError(f"{TEMPLATE}: no slot for rank {sender} in rank {owner}'s buffer (world size {world})")
-    return (sender - owner - 1) % world
-
-
-def _mine(buf: symm.SymmBuffer, sender: int) -> torch.Tensor:
+def _mine(buf: mailbox.Mailbox, sender: int) -> torch.Tensor:
     """The slot of my buffer that ``sender`` writes into."""
-    return buf.local[_slot(buf.rank, sender, buf.world)]
+    return buf.slot(buf.rank, sender)
 
 
-def _theirs(buf: symm.SymmBuffer, owner: int) -> torch.Tensor:
+def _theirs(buf: mailbox.Mailbox, owner: int) -> torch.Tensor:
     """My slot in ``owner``'s buffer (mapped into my address space)."""
-    return buf.peer(owner)[_slot(owner, buf.rank, buf.world)]
+    return buf.slot(owner, buf.rank)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,7 +150,7 @@ class _Gather:
 
     shard: torch.Tensor
     gathered: torch.Tensor | None  # None: not written (plan.gathered)
-    inbox: symm.SymmBuffer
+    inbox: mailbox.Mailbox
     flags: peer_flags.PeerFlags
     r: int
     rows: int
@@ -167,7 +160,7 @@ class _Gather:
 
 
 def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, device: torch.device,
-                  key: str | None = None) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
+                  key: str | None = None) -> tuple[mailbox.Mailbox, peer_flags.PeerFlags]:
     """The inbox and its flags: the group's mailbox (key None), or the all-reduce's own buffer."""
     return _receive_buffer(group_name, "allgather", plan.world, plan.chunk, plan.k, dtype, device, plan.timeout_ms,
                            key, "all-gather")
@@ -176,12 +169,9 @@ def _gather_flags(group_name: str, plan: AllGatherGemmPlan, dtype: torch.dtype, 
 def _receive_buffer(group_name: str, kind: str, w: int, rows: int, cols: int, dtype: torch.dtype,
                     device: torch.device, timeout_ms: int, key: str | None, what: str):
     """W-1 slots of [rows, cols] and the flags that guard them: the group's mailbox (key None: one
-    message per peer at a time, whatever its kind), or a buffer of ``kind + key``'s own."""
-    if key is None:
-        box = mailbox.mailbox(group_name, w, rows, cols, dtype, device)
-        return box, _Flags(group_name, box.key, w, device, timeout_ms, what)
-    data = symm.symm_buffer(group_name, f"{TEMPLATE}/{kind}{key}", (w - 1, rows, cols), dtype, device)
-    return data, _Flags(group_name, f"{kind}{key}/{w}x{rows}x{cols}/{dtype}", w, device, timeout_ms, what)
+    message per peer at a time, whatever its kind), or a box of ``kind + key``'s own."""
+    box = mailbox.mailbox(group_name, w, rows, cols, dtype, device, "mailbox" if key is None else f"{kind}{key}")
+    return box, _Flags(group_name, box.key, w, device, timeout_ms, what)
 
 
 def _gather_dests(r: int, w: int) -> list[int]:
@@ -208,10 +198,10 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
         # Each destination done with my slot since its last message from me: waited on the copy
         # stream, queued before this call's first GEMM (a wait kernel queued behind a running GEMM
         # might find no SM slot), so my own shard's GEMM does not wait for a slower peer
-        with torch.cuda.stream(copier):
+        with on_stream(copier, compute):
             for d in dests:
                 flags.wait_free(d)
-    with torch.cuda.stream(copier):  # copy engine: no SM taken from the GEMMs
+    with on_stream(copier, compute):  # copy engine: no SM taken from the GEMMs
         for d in dests:  # BUSY after the copy, before READY: the copy is the queue's first piece
             _theirs(inbox, d).copy_(shard)
             flags.busy(d)
@@ -238,14 +228,14 @@ def _gather_finish(g: _Gather, bs: list[torch.Tensor], biases: list[torch.Tensor
         if g.gathered is not None:
             landed = torch.cuda.Event()
             landed.record(g.compute)
-            with torch.cuda.stream(g.copier):  # into the gathered output beside the GEMMs
+            with on_stream(g.copier, g.compute):  # into the gathered output beside the GEMMs
                 g.copier.wait_event(landed)
                 g.gathered[src * rows:(src + 1) * rows].copy_(piece)
         for b, bias, y in zip(bs, biases, ys):
             _gemm(piece, b, bias, out=y[src * rows:(src + 1) * rows])
         read = torch.cuda.Event()
         read.record(g.compute)
-        with torch.cuda.stream(g.copier):  # slot read by the GEMMs and copied out: src may refill it
+        with on_stream(g.copier, g.compute):  # slot read by the GEMMs and copied out: src may refill it
             g.copier.wait_event(read)
             g.flags.release(src)
 
@@ -335,7 +325,7 @@ def _claim(a: torch.Tensor, group_name: str, plans: list[GemmCollectivePlan], ke
 
 
 def _push_flags(group_name: str, plan, key: str | None, what: str, dtype: torch.dtype,
-                device: torch.device) -> tuple[symm.SymmBuffer | mailbox.Mailbox, peer_flags.PeerFlags]:
+                device: torch.device) -> tuple[mailbox.Mailbox, peer_flags.PeerFlags]:
     # a key names the all-reduce's reduce-scatter buffers; every other push receives into the mailbox
     return _receive_buffer(group_name, "reducescatter", plan.world, plan.chunk, plan.n, dtype, device,
                            plan.timeout_ms, key, what)
@@ -351,7 +341,7 @@ def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: l
     r = data.rank
     compute, copier = _start(dev, plan)
     if not claimed:
-        with torch.cuda.stream(copier):  # before any GEMM of this call holds the SMs
+        with on_stream(copier, compute):  # before any GEMM of this call holds the SMs
             for d in order:
                 flags.wait_free(d)
     # each destination's rows in ``slices`` row slices: a slice leaves while the next is computed;
@@ -362,7 +352,7 @@ def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: l
             part = _gemm(a[d * rows + lo:d * rows + hi], b, bias)
             ev = torch.cuda.Event()
             ev.record(compute)
-            with torch.cuda.stream(copier):
+            with on_stream(copier, compute):
                 copier.wait_event(ev)
                 _theirs(data, d)[lo:hi].copy_(part)
                 if i == len(parts) - 1:  # BUSY before READY (the receiver's release follows READY)

@@ -6,7 +6,7 @@ partial to fp32, add it, add my own partial, cast back): at W=2 on an 8192 x 409
 ate most of the ring's gain. This kernel reads each input once, sums in fp32 and writes the
 result in its dtype: ~96 MiB, one launch.
 
-    kernel (_sum_kernel)  ->  launcher (sum_into)
+    kernel (_sum_kernel)  ->  launcher (sum_into; the compiled kernel reused: runtime/triton_launch.py)
 
 ``acc`` is the fp32 running sum of the earlier arrivals (None at W=2). All tensors contiguous
 and of one shape. Without Triton, or on CPU tensors, the same sum runs as torch ops.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from ...runtime.triton_launch import FastLaunch, aligned, int_kind
 
 try:  # Triton is optional on CPU-only installs
     import triton
@@ -61,6 +63,20 @@ def sum_into(out: torch.Tensor, own: torch.Tensor, arrived: torch.Tensor, acc: t
             s += acc
         return out.copy_(s * scale if scale != 1.0 else s)
     numel = out.numel()
-    _sum_kernel[(triton.cdiv(numel, BLOCK),)](out, own, arrived, acc if acc is not None else out, numel, float(scale),
-                                              HAS_ACC=acc is not None, BLOCK=BLOCK, num_warps=8)
+    parts[3:] = parts[3:] or [out]  # acc's pointer when there is none (never read)
+    # what the JIT specialises on: dtypes, pointer alignment, the size (== 1, multiple of 16, width)
+    key = (out.device.index, acc is not None, numel == 1, numel % 16 == 0, int_kind(numel),
+           *((p.dtype, aligned(p)) for p in parts))
+    _launcher()(key, (triton.cdiv(numel, BLOCK),), (*parts, numel, float(scale)),
+                dict(HAS_ACC=acc is not None, BLOCK=BLOCK), num_warps=8)
     return out
+
+
+_fast: FastLaunch | None = None
+
+
+def _launcher() -> FastLaunch:
+    global _fast
+    if _fast is None:
+        _fast = FastLaunch(_sum_kernel)
+    return _fast
