@@ -40,12 +40,17 @@ def load_kernels(kind: str, m: int, n: int, k: int, world: int) -> None:
     loaded before the timed one. On one GPU both ranks share a CUDA context, and a kernel loaded at
     its first launch (CUDA lazy loading) can wait for the peer's spinning wait kernel to finish,
     which itself waits for that launch: a stall two GPUs (two contexts) do not have."""
+    from overlap_compile.runtime import spin_wait
     from overlap_compile.runtime.peer_flags import PeerWaitTimeoutError
 
     try:
         race(kind, m, n, k, world, 2, True, timeout_ms=1000)
     except PeerWaitTimeoutError:
         pass
+    # A failure raised mid-round leaves waits queued behind it, which time out after it was
+    # raised: their records would be read as the timed round's first failure. Drop them.
+    torch.cuda.synchronize()
+    spin_wait.clear(torch.device("cuda", 0))
 
 
 def loaded_race(kind: str, m: int, n: int, k: int, world: int, calls: int, op_graphs_on: bool) -> dict:
