@@ -248,13 +248,36 @@ def test_host_launched_rewrite_within_the_host_share_is_measured(h200, measured_
         assert predicted.template == "p2p_ring"
         calls = _timings({site.signature(): measured_gain})
         (d,) = decide([site], config.current(), h200)
-    assert [t for t, _ in calls] == ["baseline", "p2p_ring", "baseline"]
+    # a measurement against the prediction (0.9x where 1.28x was predicted) is taken once more
+    assert [t for t, _ in calls] == ["baseline", "p2p_ring", "baseline"] * (1 if kept else 2)
     assert d.measured["settled"] and d.measured["measured_gain"] == pytest.approx(measured_gain)
     assert "host share of its price" in d.reason
     if kept:
         assert (d.template, d.config) == (predicted.template, predicted.config)
     else:
         assert d.template == "baseline" and "< min_speedup" in d.reason and "kept as written" in d.reason
+
+
+def test_a_single_slow_run_of_a_predicted_rewrite_is_timed_again(h200):
+    """Host-launched, a rewrite predicted 1.28x: its first timing reads 0.51x (a run disturbed by a
+    late peer, as seen once on 2x H200 in a prefill compile); it is timed again, each item keeps
+    its better time, and the rewrite stands on the second run's 1.25x."""
+    from torch._inductor import config as ic
+
+    calls = []
+
+    def measure(template, match, cfg, options):
+        calls.append(template)
+        if template == "baseline":
+            return 1.0
+        return 1.0 / 0.51 if calls.count(template) == 1 else 1.0 / 1.25
+
+    with ic.patch({"triton.cudagraphs": False}):
+        site = traced_site(*EAGER_SMALL_REWRITE, 2)
+        exhaustive.set_measure(measure)
+        (d,) = decide([site], config.current(), h200)
+    assert calls == ["baseline", "p2p_ring", "baseline"] * 2
+    assert d.template == "p2p_ring" and d.measured["measured_gain"] == pytest.approx(1.25), d.reason
 
 
 def test_clear_rewrites_and_captured_graphs_are_not_measured(h200):
