@@ -145,3 +145,22 @@ def test_a_failed_capture_puts_the_generator_back(monkeypatch):
     assert recovered == [(DEV, side)]
     assert ("site",) in op_graphs.failures()
     op_graphs.clear()
+
+
+def test_graphs_captured_inside_dropped_after_go_at_its_end(graphs):
+    """settle's timing drops the symmetric buffers it made (runtime.symm.dropped_after); the op
+    graphs it captured address them, so they go too. A later call at the same addresses (the
+    site timed again, its operands where they were) runs afresh instead of replaying one."""
+    ran: list[int] = []
+    for _ in range(3):
+        _call(("model site",), 500, ran)  # captured before: kept
+    with op_graphs.dropped_after(None):
+        for _ in range(3):
+            _call(("timed site",), 1000, ran)
+        assert len(graphs) == 2 and graphs[1].replays == 2
+    assert graphs[1].reset_called and not graphs[0].reset_called
+    eager = op_graphs.stats["eager"]
+    _call(("timed site",), 1000, ran)  # the same key again: not a replay of the dropped graph
+    assert graphs[1].replays == 2 and op_graphs.stats["eager"] == eager + 1
+    _call(("model site",), 500, ran)
+    assert graphs[0].replays == 3

@@ -313,11 +313,14 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
         import torch
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ..runtime import symm
+        from ..runtime import op_graphs, symm
 
         # the symmetric buffers of the templates timed here go when the timing ends: most will
-        # not be chosen, and the chosen one makes its own at its first call
-        with symm.dropped_after(device if device.startswith("cuda") else None):
+        # not be chosen, and the chosen one makes its own at its first call. The op graphs
+        # captured here address them, so they go first: a later timing of the site, its operands
+        # back at the same addresses, would otherwise replay one into freed memory
+        cuda = device if device.startswith("cuda") else None
+        with symm.dropped_after(cuda), op_graphs.dropped_after(cuda):
             with unset_fake_temporarily(), torch.no_grad():
                 calls, operands = [], _Operands(device, match.dtype)
                 for t, c in items:

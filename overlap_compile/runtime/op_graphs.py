@@ -22,9 +22,10 @@ buffers do settle, still gets its graph, while a training step's buffers seldom 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -155,6 +156,27 @@ def clear() -> None:
         _declined.clear()
         _calls.clear()
         stats.clear()
+
+
+@contextlib.contextmanager
+def dropped_after(device: torch.device | str | None = None) -> Iterator[None]:
+    """Graphs captured inside the block are dropped at its end, once ``device`` is idle. For work
+    whose buffers go with it (settle's timing: runtime.symm.dropped_after): a graph keeps the
+    addresses it was captured with, and a later call whose tensors land at the same addresses
+    would replay it into memory that is no longer there."""
+    with _lock:
+        before = set(_graphs)
+    try:
+        yield
+    finally:
+        with _lock:
+            made = [k for k in _graphs if k not in before]
+        if made and device is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device)  # no replay of them still running
+        with _lock:
+            for k in made:
+                if k in _graphs:
+                    _drop(k, _graphs.pop(k))
 
 
 def failures() -> dict[tuple, str]:
