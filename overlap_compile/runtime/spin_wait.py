@@ -104,6 +104,9 @@ if HAVE_TRITON:
             tl.atomic_xchg(ptr, 0, sem="relaxed", scope="gpu")
 
 
+_launch = FastLaunch(wait_kernel) if HAVE_TRITON else None  # the compiled kernel reused (triton_launch.py)
+
+
 def jit_wait_kernel():
     """A fresh ``@triton.jit`` of ``wait_kernel``. Decorators read TRITON_INTERPRET when they
     run, so a module loaded under the interpreter (tests on CPU) gets an interpreted copy even
@@ -157,28 +160,17 @@ def wait_value(flags: torch.Tensor, index: int, target: int, timeout_ms: int, ta
     args = (counters, index, int(target), err, timeout_ns, max_polls, int(tag))
     # SYS: the final acquire at system scope, for flags another GPU writes
     consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope))
-    launch = _launcher()
     key = (counters.device.index, use_timer, bool(until_equal), bool(sys_scope), aligned(counters), aligned(err),
            err.is_cuda, int_kind(index), int_kind(args[2]), int_kind(timeout_ns), int_kind(max_polls),
            int_kind(args[6]))
     try:
-        launch(key, (1,), args, consts, num_warps=1)
+        _launch(key, (1,), args, consts, num_warps=1)
     except Exception as e:
         if not err.is_pinned() or "ointer" not in str(e):
             raise
         # This Triton refused the pinned host pointer: keep the record in device memory.
         err = _use_device_record(counters.device)
-        launch(key[:5] + (aligned(err), True) + key[7:], (1,), (*args[:3], err, *args[4:]), consts, num_warps=1)
-
-
-_fast: FastLaunch | None = None
-
-
-def _launcher() -> FastLaunch:
-    global _fast
-    if _fast is None:
-        _fast = FastLaunch(wait_kernel)
-    return _fast
+        _launch(key[:5] + (aligned(err), True) + key[7:], (1,), (*args[:3], err, *args[4:]), consts, num_warps=1)
 
 
 def failure(device: torch.device, synchronize: bool = False) -> tuple[int, int, int] | None:

@@ -43,6 +43,9 @@ if HAVE_TRITON:
         tl.store(out_ptr + offs, (s * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch = FastLaunch(_sum_kernel) if HAVE_TRITON else None  # the compiled kernel reused
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -67,16 +70,7 @@ def sum_into(out: torch.Tensor, own: torch.Tensor, arrived: torch.Tensor, acc: t
     # what the JIT specialises on: dtypes, pointer alignment, the size (== 1, multiple of 16, width)
     key = (out.device.index, acc is not None, numel == 1, numel % 16 == 0, int_kind(numel),
            *((p.dtype, aligned(p)) for p in parts))
-    _launcher()(key, (triton.cdiv(numel, BLOCK),), (*parts, numel, float(scale)),
+    _launch(key, (triton.cdiv(numel, BLOCK),), (*parts, numel, float(scale)),
                 dict(HAS_ACC=acc is not None, BLOCK=BLOCK), num_warps=8)
     return out
 
-
-_fast: FastLaunch | None = None
-
-
-def _launcher() -> FastLaunch:
-    global _fast
-    if _fast is None:
-        _fast = FastLaunch(_sum_kernel)
-    return _fast
