@@ -109,14 +109,8 @@ def flags(template: str, group_name: str, key: str, world: int, device: torch.de
     bound and rank, made on first use. A host-launched op asks at every call, so what a call needs
     (the peers' mappings, the waits' tags) is worked out once; the view goes with the buffer."""
     buf = symm.symm_buffer(group_name, f"{template}/{key}/flags", (2 * world,), torch.uint32, device, zero=True)
-    memo = getattr(buf, "memo", None)
-    mk = ("PeerFlags", template, what, timeout_ms, buf.rank)
-    view = memo.get(mk) if memo is not None else None
-    if view is None:
-        view = PeerFlags(template, buf, world, timeout_ms, what)
-        if memo is not None:
-            memo[mk] = view
-    return view
+    return symm.memoized(buf, ("PeerFlags", template, what, timeout_ms, buf.rank),
+                         lambda: PeerFlags(template, buf, world, timeout_ms, what))
 
 
 class PeerFlags:

@@ -12,6 +12,7 @@ on the copy engine, or Triton kernels reading / writing peers' memory over NVLin
 
     buf = grown_buffer(group_name, key, (slots,), numel, dtype, device)     # room for numel per slot, grows
     face(buf.local, (rows, cols))                                           # one call's part of it
+    memoized(buf, key, make)             # what a caller derives from buf once, dropped with it
     t, ptrs = tensor_and_ptrs(group_name, key, shape, dtype, device, zero=False)   # kernels' form
     peer_view(group_name, t, rank)                                                  # by tensor
     with dropped_after(device): ...      # buffers first made inside are forgotten at its end
@@ -29,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,10 +112,20 @@ def grown_buffer(group_name: str, key: str, slots: tuple[int, ...], numel: int, 
 def face(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The first prod(``shape``) elements of ``t``'s last dim viewed as ``shape``: one call's part
     of a grown_buffer (its local tensor or a peer's)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return t[..., :n].unflatten(-1, tuple(shape))
+    return t[..., :math.prod(shape)].unflatten(-1, tuple(shape))
+
+
+def memoized(buf: Any, key: tuple, make: Callable[[], Any]) -> Any:
+    """``buf.memo[key]``, made by ``make()`` on first use: what a caller derives from a buffer
+    once (views, flag objects) goes when the buffer does. Buffers without a memo (tests' stand-ins)
+    get a fresh one each time. Callers put the rank in ``key`` (one thread per virtual rank)."""
+    memo = getattr(buf, "memo", None)
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        got = make()
+        if memo is not None:
+            memo[key] = got
+    return got
 
 
 @contextlib.contextmanager

@@ -79,12 +79,6 @@ def mailbox(group_name: str, world: int, rows: int, cols: int, dtype: torch.dtyp
         raise ValueError(f"{TEMPLATE} mailbox: needs a world size >= 2 and sizes >= 0, got world {world}, "
                          f"rows {rows}, cols {cols}")
     buf = symm.grown_buffer(group_name, f"{TEMPLATE}/{name}", (world - 1,), rows * cols, dtype, device)
-    memo = getattr(buf, "memo", None)
-    mk = ("Mailbox", rows, cols, buf.rank)
-    box = memo.get(mk) if memo is not None else None
-    if box is None:
-        # the flags go with the memory: a grown buffer starts with fresh ones
-        box = Mailbox(buf, rows, cols, f"{name}/{world}x{buf.local.shape[-1]}/{dtype}")
-        if memo is not None:
-            memo[mk] = box
-    return box
+    # the flags go with the memory: a grown buffer starts with fresh ones
+    return symm.memoized(buf, ("Mailbox", rows, cols, buf.rank),
+                         lambda: Mailbox(buf, rows, cols, f"{name}/{world}x{buf.local.shape[-1]}/{dtype}"))
