@@ -147,14 +147,14 @@ def test_a_failed_capture_puts_the_generator_back(monkeypatch):
     op_graphs.clear()
 
 
-def test_graphs_captured_inside_dropped_after_go_at_its_end(graphs):
+def test_graphs_captured_inside_apart_go_at_its_end(graphs):
     """settle's timing drops the symmetric buffers it made (runtime.symm.dropped_after); the op
     graphs it captured address them, so they go too. A later call at the same addresses (the
     site timed again, its operands where they were) runs afresh instead of replaying one."""
     ran: list[int] = []
     for _ in range(3):
         _call(("model site",), 500, ran)  # captured before: kept
-    with op_graphs.dropped_after(None):
+    with op_graphs.apart(None):
         for _ in range(3):
             _call(("timed site",), 1000, ran)
         assert len(graphs) == 2 and graphs[1].replays == 2
@@ -164,3 +164,30 @@ def test_graphs_captured_inside_dropped_after_go_at_its_end(graphs):
     assert graphs[1].replays == 2 and op_graphs.stats["eager"] == eager + 1
     _call(("model site",), 500, ran)
     assert graphs[0].replays == 3
+
+
+def test_a_site_the_model_declined_is_timed_as_a_settled_one_inside_apart(graphs):
+    """A training step's buffers move, so its sites get declined; an inference graph compiled
+    afterwards times the same site (same plan, same static key). Inside apart() the timing's calls
+    are captured on their second sighting and replayed, as in a fresh process, and leave the
+    model's records as they were."""
+    site = ("shared site",)
+    ran: list[int] = []
+    for step in range(40):
+        for _ in range(2):  # a warm-up pair, then new addresses every step
+            _call(site, 1000 * (step + 1), ran)
+    assert site in op_graphs.declined()
+    calls_before = op_graphs._calls[site]
+    with op_graphs.apart(None):
+        made = len(graphs)
+        timed: list[int] = []
+        for _ in range(5):
+            _call(site, 7, timed)
+        assert len(graphs) == made + 1 and graphs[-1].replays == 4  # captured at sight 2, then replayed
+        assert timed == [7]  # only the first sighting ran as written
+    assert site in op_graphs.declined() and op_graphs._calls[site] == calls_before
+    assert not [k for k in op_graphs._seen if not isinstance(k[0][0], str)]  # the block's records went
+    after: list[int] = []
+    for _ in range(3):
+        _call(site, 7, after)  # outside again: the model's site is still declined
+    assert after == [7, 7, 7]

@@ -317,10 +317,12 @@ def _measure_all(items: list[tuple[str, dict | None]], match: Any, options: Any,
 
         # the symmetric buffers of the templates timed here go when the timing ends: most will
         # not be chosen, and the chosen one makes its own at its first call. The op graphs
-        # captured here address them, so they go first: a later timing of the site, its operands
-        # back at the same addresses, would otherwise replay one into freed memory
+        # captured here address them, so they go first (a later timing of the site, its operands
+        # back at the same addresses, would otherwise replay one into freed memory), and the
+        # timing's calls are kept apart from the model's: a site its training steps declined is
+        # timed as it runs once its buffers settle (an inference graph compiled after training)
         cuda = device if device.startswith("cuda") else None
-        with symm.dropped_after(cuda), op_graphs.dropped_after(cuda):
+        with symm.dropped_after(cuda), op_graphs.apart(cuda):
             with unset_fake_temporarily(), torch.no_grad():
                 calls, operands = [], _Operands(device, match.dtype)
                 for t, c in items:

@@ -51,6 +51,7 @@ _replays = collections.Counter()  # key -> replays of its graph
 _declined: dict[tuple, str] = {}  # static key -> why it is captured no more
 # "eager", "captured", "replayed", "failed"; "declined": eager calls of declined sites
 stats = collections.Counter()
+_scope = threading.local()  # .token: the namespace of this thread's calls inside apart()
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -70,6 +71,9 @@ def run(static_key: tuple, device: torch.device, inputs: Sequence[torch.Tensor |
     if torch.cuda.is_current_stream_capturing():
         call()
         return
+    scope = getattr(_scope, "token", None)
+    if scope is not None:
+        static_key = (scope, static_key)
     key = (static_key, device.index, tuple(tensor_key(t) for t in inputs), tuple(o.data_ptr() for o in outputs))
     _calls[static_key] += 1
     graph = _graphs.get(key)
@@ -159,24 +163,39 @@ def clear() -> None:
 
 
 @contextlib.contextmanager
-def dropped_after(device: torch.device | str | None = None) -> Iterator[None]:
-    """Graphs captured inside the block are dropped at its end, once ``device`` is idle. For work
-    whose buffers go with it (settle's timing: runtime.symm.dropped_after): a graph keeps the
-    addresses it was captured with, and a later call whose tensors land at the same addresses
-    would replay it into memory that is no longer there."""
-    with _lock:
-        before = set(_graphs)
+def apart(device: torch.device | str | None = None) -> Iterator[None]:
+    """The calls this thread makes inside the block are kept apart from the process's: keyed in a
+    namespace of their own, so a site the model's steps declined (or whose capture failed) is
+    captured and replayed here as in a fresh process, and nothing here counts toward the model's
+    sites. At the end, once ``device`` is idle, the block's graphs and records go. For settle's
+    timing (predictor/exhaustive.py): its buffers go with it (runtime.symm.dropped_after), and a
+    graph keeps the addresses it was captured with; a later call landing there would replay it
+    into memory that is no longer there. And a site timed after the model ran (an inference graph
+    compiled after training) is timed as it runs once its buffers settle, not as a declined one."""
+    token = object()
+    outer = getattr(_scope, "token", None)
+    _scope.token = token
     try:
         yield
     finally:
+        _scope.token = outer
         with _lock:
-            made = [k for k in _graphs if k not in before]
+            made = [k for k in _graphs if _in_scope(k, token)]
         if made and device is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize(device)  # no replay of them still running
         with _lock:
             for k in made:
                 if k in _graphs:
                     _drop(k, _graphs.pop(k))
+            for table in (_seen, _calls, _failed, _declined):
+                for k in [k for k in table if _in_scope(k, token)]:
+                    del table[k]
+
+
+def _in_scope(key: tuple, token: object) -> bool:
+    """Whether ``key`` (a static key, or a call's key whose first item is one) is ``token``'s."""
+    head = key[0]
+    return head is token or (isinstance(head, tuple) and len(head) > 0 and head[0] is token)
 
 
 def failures() -> dict[tuple, str]:
