@@ -181,6 +181,7 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
                steps: int, iters: int, force: str | None, device: str, dtype, train_calls: int = 3) -> dict:
     import overlap_compile as oc
     from benchmarks.models import build
+    from overlap_compile.runtime import cublas_workspaces
 
     row: dict = {}
     # what earlier configurations of the process left allocated (compiled code, caches) is not this
@@ -189,6 +190,12 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.synchronize()
+        # cuBLAS keeps a workspace per (handle, stream) from the first GEMM on it: made before this
+        # point (the process's first configuration builds its model's weights with GEMMs around)
+        # it would fall in the base and out of this configuration's peak, which every later one
+        # then counts again. Released here, each configuration's peak holds its own, as it would
+        # in a process of its own
+        cublas_workspaces.release()
         base = torch.cuda.memory_allocated()
     built = build(model_name, {**shape, **SIZE_CHANGES.get(variant, {})}, device, dtype, seed=0)
     if hasattr(built.model, "moe"):  # what the bound changed is visible in its row
