@@ -119,3 +119,71 @@ def test_in_band_site_settled_on_two_gpus():
     from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
     assert_no_gpu_failures(settled_site, 2, timeout_s=300)
+
+
+RING = {"slices": 1, "bidirectional": False, "transport": "p2p"}
+
+
+def timed_again_after_the_model_declined_it() -> list[str]:
+    """One host-launched p2p_ring reduce-scatter site (M, N, K = 8192, 4096, 2048) timed as
+    settle times it, then called as a training step calls it (each input twice, then at a new
+    address: runtime.op_graphs declines the site), then timed again. The second timing reuses the
+    first's operand addresses (a replay of a graph captured in the first would write into freed
+    symmetric memory) and meets a declined site (launched piece by piece, its host time counted,
+    unless the timing is kept apart from the model's calls)."""
+    import torch.distributed as dist
+
+    import overlap_compile as oc
+    from overlap_compile import templates
+    from overlap_compile.predictor import exhaustive
+    from overlap_compile.runtime import op_graphs
+    from overlap_compile.testing.patterns import gemm_then_collective, traced_site
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    m, n, k = 8192, 4096, 2048
+    match = traced_site("gemm_reducescatter", m, n, k, w)
+    options = oc.config.current()
+    items = [("baseline", None), ("p2p_ring", RING), ("baseline", None)]
+    first = exhaustive.measure_items(items, match, options, gpu_only=True)
+    templates.load_all_ops()
+    plan = templates.get_spec("p2p_ring").plan(match, RING, options.signal_timeout_ms).to_json()
+    op = torch.ops.overlap_compile.p2p_ring_gemm_collective.default
+    reference = gemm_then_collective("gemm_reducescatter", group, w)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=g) / 45
+    fails, kept = [], []
+
+    def check(a: torch.Tensor, when: str) -> None:
+        got, want = op(a, b, None, group, plan).float(), reference(a, b).float()
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 2e-2:
+            fails.append(f"rank {rank} {when}: rel err {err:.3g}")
+
+    for step in range(16):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        kept.append(a)  # the next step's input lands elsewhere
+        for _ in range(2):
+            op(a, b, None, group, plan)
+    check(kept[-1], "after the steps")
+    torch.cuda.synchronize()
+    if ("p2p_ring", group, plan) not in op_graphs.declined():
+        fails.append(f"rank {rank}: precondition: the steps did not get the site declined ({op_graphs.declined()})")
+    second = exhaustive.measure_items(items, match, options, gpu_only=True)
+    torch.cuda.synchronize()
+    check(kept[0], "after the second timing")
+    print(f"rank {rank}: first {first} second {second} op graphs {dict(op_graphs.stats)}", flush=True)
+    if isinstance(first, str) or isinstance(second, str):
+        fails.append(f"rank {rank}: not measured: {first} / {second}")
+    elif not second[1] < 1.25 * first[1]:
+        fails.append(f"rank {rank}: p2p_ring timed {second[1]:.3f} ms after the steps against {first[1]:.3f} ms before")
+    return fails
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2+ CUDA GPUs, found {torch.cuda.device_count()}")
+def test_a_site_timed_again_after_the_model_declined_it():
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
+
+    assert_no_gpu_failures(timed_again_after_the_model_declined_it, 2, timeout_s=300)
