@@ -124,13 +124,13 @@ def test_in_band_site_settled_on_two_gpus():
 RING = {"slices": 1, "bidirectional": False, "transport": "p2p"}
 
 
-def timed_again_after_the_model_declined_it() -> list[str]:
+def timed_again_after_the_model_declined_it(check_timing: bool) -> list[str]:
     """One host-launched p2p_ring reduce-scatter site (M, N, K = 8192, 4096, 2048) timed as
     settle times it, then called as a training step calls it (each input twice, then at a new
     address: runtime.op_graphs declines the site), then timed again. The second timing reuses the
-    first's operand addresses (a replay of a graph captured in the first would write into freed
-    symmetric memory) and meets a declined site (launched piece by piece, its host time counted,
-    unless the timing is kept apart from the model's calls)."""
+    first's operand addresses: a replay of a graph captured in the first would write into freed
+    symmetric memory. ``check_timing``: the two timings of the op must also agree (within 25%):
+    the model's records (a declined site) must not change how the op is timed."""
     import torch.distributed as dist
 
     import overlap_compile as oc
@@ -168,22 +168,30 @@ def timed_again_after_the_model_declined_it() -> list[str]:
             op(a, b, None, group, plan)
     check(kept[-1], "after the steps")
     torch.cuda.synchronize()
-    if ("p2p_ring", group, plan) not in op_graphs.declined():
-        fails.append(f"rank {rank}: precondition: the steps did not get the site declined ({op_graphs.declined()})")
+    declined = ("p2p_ring", group, plan) in op_graphs.declined()
     second = exhaustive.measure_items(items, match, options, gpu_only=True)
     torch.cuda.synchronize()
     check(kept[0], "after the second timing")
-    print(f"rank {rank}: first {first} second {second} op graphs {dict(op_graphs.stats)}", flush=True)
+    print(f"rank {rank}: first {first} second {second} declined {declined} op graphs {dict(op_graphs.stats)}", flush=True)
     if isinstance(first, str) or isinstance(second, str):
         fails.append(f"rank {rank}: not measured: {first} / {second}")
-    elif not second[1] < 1.25 * first[1]:
-        fails.append(f"rank {rank}: p2p_ring timed {second[1]:.3f} ms after the steps against {first[1]:.3f} ms before")
+    elif check_timing and not second[1] < 1.25 * first[1]:
+        fails.append(f"rank {rank}: p2p_ring timed {second[1]:.3f} ms after the steps against {first[1]:.3f} ms "
+                     f"before (site declined on this rank: {declined})")
     return fails
 
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2+ CUDA GPUs, found {torch.cuda.device_count()}")
-def test_a_site_timed_again_after_the_model_declined_it():
+def test_a_site_timed_again_after_the_models_steps_stays_exact():
     from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    assert_no_gpu_failures(timed_again_after_the_model_declined_it, 2, timeout_s=300)
+    assert_no_gpu_failures(timed_again_after_the_model_declined_it, 2, timeout_s=300, args=(False,))
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2+ CUDA GPUs, found {torch.cuda.device_count()}")
+def test_a_site_is_timed_alike_before_and_after_the_models_steps():
+    from overlap_compile.testing.multiprocess import assert_no_gpu_failures
+
+    assert_no_gpu_failures(timed_again_after_the_model_declined_it, 2, timeout_s=300, args=(True,))
