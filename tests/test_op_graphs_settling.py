@@ -191,3 +191,36 @@ def test_a_site_the_model_declined_is_timed_as_a_settled_one_inside_apart(graphs
     for _ in range(3):
         _call(site, 7, after)  # outside again: the model's site is still declined
     assert after == [7, 7, 7]
+
+
+def test_timed_calls_of_an_op_are_replays_even_when_its_output_moves_between_rounds(graphs, monkeypatch):
+    """settle's host-launched timing interleaves the site as written and the template op, round by
+    round. With many free blocks in the caching allocator (a model has run) the op's output can
+    land at a new address each round: those calls run as written, then are captured. Every round
+    first calls each item untimed until its graph replays, so the timed samples are replays."""
+    from overlap_compile.predictor import exhaustive
+
+    state = {"last": None, "out": 100}
+
+    def as_written():
+        state["last"] = "as written"
+
+    def template_op():
+        if state["last"] != "op":  # the other item ran in between: the op's output lands elsewhere
+            state["out"] += 64
+        state["last"] = "op"
+        op_graphs.run(("timed op",), DEV, (Buf(7),), (Buf(state["out"]),), lambda: None)
+
+    timed: list[bool] = []
+
+    def sample(run, device, queued):
+        before = (op_graphs.stats["replayed"], op_graphs.stats["captured"])
+        run()
+        if run is template_op:
+            timed.append((op_graphs.stats["replayed"], op_graphs.stats["captured"]) == (before[0] + 1, before[1]))
+        return 1.0
+
+    monkeypatch.setattr(exhaustive, "_sample", sample)
+    exhaustive._time_all([as_written, template_op, as_written], "cpu")
+    assert len(timed) == exhaustive.ROUNDS * exhaustive.PER_ROUND
+    assert all(timed), f"timed calls that were not replays: {timed}"
