@@ -118,8 +118,10 @@ def _time_all(fns: list[Callable[[], Any]], device: str, pg: Any = None, graphed
     elsewhere after the other items ran (with many free blocks in the caching allocator, as once a
     model has run), so its first calls at a new address, run as written and captured, stay out of
     the samples."""
+    from ..runtime.op_graphs import CAPTURE_ON_SIGHT  # an op's calls at new addresses before it replays
+
     runs = [_prepare(fn, device, pg, graphed) for fn in fns]
-    untimed = 0 if graphed else _calls_to_replay()
+    untimed = 0 if graphed else CAPTURE_ON_SIGHT
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(ROUNDS):
         for run, got in zip(runs, samples):
@@ -128,14 +130,6 @@ def _time_all(fns: list[Callable[[], Any]], device: str, pg: Any = None, graphed
                     run()
                 got.extend(_sample(run, device, queued) for _ in range(PER_ROUND))
     return [statistics.median(got) if got else FAILED_MS for got in samples]
-
-
-def _calls_to_replay() -> int:
-    """Calls of one op at one set of addresses before it replays: op_graphs captures it on the
-    CAPTURE_ON_SIGHT-th."""
-    from ..runtime.op_graphs import CAPTURE_ON_SIGHT
-
-    return CAPTURE_ON_SIGHT
 
 
 def _prepare(fn: Callable[[], Any], device: str, pg: Any, graphed: bool) -> Callable[[], Any] | None:
