@@ -8,6 +8,14 @@ A template is a folder ``templates/<name>/`` with
 * ``op.py``: the ``torch.ops.overlap_compile.<name>_*`` ops (fake impl + device dispatch);
 * ``reference.py``: the decomposed algorithm step by step on any device (CPU/gloo in CI);
 * ``kernels.py``: the GPU implementation (Triton kernels, streams).
+
+Streams and the caching allocator: a GPU call ends with the caller's stream waiting for its side
+streams (the join), and every caller-stream tensor a side stream touches stays referenced until
+then, so a block the caller frees later is handed out again only behind that work. No
+``record_stream``: with it a freed block came back once the side stream's queue passed the free,
+a moment set by how far the GPU trails the host, so a training step's buffers moved between
+steps and the ops' CUDA graphs (runtime.op_graphs, keyed on addresses) were never replayed. An
+op whose join comes later (priority_stream's prioritized_collective) holds its input until then.
 """
 from __future__ import annotations
 

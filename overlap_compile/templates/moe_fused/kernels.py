@@ -143,14 +143,13 @@ def open_call(buf: torch.Tensor, group_name: str, plan: MoePlan) -> _Call:
 
 def finish_call(call: _Call, out: torch.Tensor, used: list[torch.Tensor]) -> None:
     """The results of my slots, back from every peer, into ``out`` [W, rows, H]; then the compute
-    stream joins the copy stream, and ``used`` stay allocated until the copy stream is done."""
+    stream joins the copy stream. ``used``: what the copy stream read, held until that join
+    (templates/base.py: no record_stream)."""
     for k, src in enumerate(call.srcs, start=1):
         call.fc.wait_ready(src, k)
         out[src].copy_(call.comb.local[src])
         call.fc.release(src)
     call.compute.wait_stream(call.copier)
-    for t in used:
-        t.record_stream(call.copier)
 
 
 def _push_result(call: _Call, src: int, y: torch.Tensor) -> None:

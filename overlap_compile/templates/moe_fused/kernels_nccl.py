@@ -98,7 +98,6 @@ def rounds_by_source(slots: torch.Tensor, out: torch.Tensor, pg, compute: torch.
     if after is not None:
         after()
     compute.wait_stream(side)  # join: the result is ready in the caller's stream order
-    _used_on(side, slots, out, *recv, *results)
 
 
 def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Tensor:
@@ -132,16 +131,6 @@ def _by_capacity(buf, w1, w3, w2, pg, plan: MoePlan, compute, side) -> torch.Ten
             side.wait_event(done)
             dist.all_to_all_single(back, y, group=pg)
             out[:, :, lo:hi] = back.view(w, e, n, h)
-    compute.wait_stream(side)
-    _used_on(side, buf, out, *sends, *recvs, *ys, *backs)
+    compute.wait_stream(side)  # join (templates/base.py: what the side stream used is held until here)
     return saved.result(out.view(w * e * c, h))
 
-
-def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
-    """Compute-stream buffers also used on the comm stream: the caching allocator must not hand
-    their blocks out again before that stream's work on them is done."""
-    seen = set()
-    for t in tensors:
-        if t.numel() and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            t.record_stream(stream)

@@ -43,6 +43,9 @@ GEMM -> all-to-all (push blocks to their destination)::
 
 Cross-rank waits never run on the copy stream while a GEMM holds every SM (a waiting kernel needs
 an SM slot). The whole op is stream work, capturable in a CUDA graph.
+
+What the copy stream reads stays referenced until the call's join (inputs, outputs, the partials
+of ``_push_all``): templates/base.py, streams and the caching allocator.
 """
 from __future__ import annotations
 
@@ -211,8 +214,6 @@ def _gather_start(shard: torch.Tensor, group_name: str, plan: AllGatherGemmPlan,
         # outputs gets no gathered matrix (plan.gathered, passes/rewrite.py)
         if plan.gathered and mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
-    shard.record_stream(copier)
-    gathered.record_stream(copier)
     return _Gather(shard, gathered if plan.gathered else None, inbox, flags, r, rows,
                    [ag_source(r, w, s) for s in range(1, w)], compute, copier)
 
@@ -334,7 +335,8 @@ def _push_flags(group_name: str, plan, key: str | None, what: str, dtype: torch.
 def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: list[int], claimed: bool = False):
     """Compute the partial / block for each destination in ``order`` on the compute stream and
     push each into slot ``me`` of its destination's buffer on the copy stream. Returns the data
-    buffer, the flags and the streams; the caller computes its own piece and collects.
+    buffer, the flags, the streams, the rank and the partials, which the caller holds until its
+    join (the module doc); the caller computes its own piece and collects.
     ``claimed``: the caller already waited for the destinations' slots (_claim)."""
     rows, dev = plan.chunk, a.device
     data, flags = _push_flags(group_name, plan, key, what, a.dtype, dev)
@@ -347,6 +349,7 @@ def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: l
     # each destination's rows in ``slices`` row slices: a slice leaves while the next is computed;
     # READY once the last one is in place (the receiver sums whole partials)
     parts = bounds(rows, plan.config.get("slices", 1))
+    sent = []
     for d in order:
         for i, (lo, hi) in enumerate(parts):
             part = _gemm(a[d * rows + lo:d * rows + hi], b, bias)
@@ -358,8 +361,8 @@ def _push_all(a, b, bias, group_name, plan, key: str | None, what: str, order: l
                 if i == len(parts) - 1:  # BUSY before READY (the receiver's release follows READY)
                     flags.busy(d)
                     flags.ready(d)
-            part.record_stream(copier)
-    return data, flags, compute, copier, r
+            sent.append(part)
+    return data, flags, compute, copier, r, sent
 
 
 def run_reducescatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str,
@@ -392,7 +395,7 @@ def _reduce_own(own_rows: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
     own GEMM runs first and the partials are summed after it (a wait between GEMMs would stall
     them behind a slow peer), the first W-2 while nothing else is queued, the last one after my
     own GEMM, in one pass (sum_kernel.py: this tail is what the GEMMs cannot hide)."""
-    data, flags, compute, copier, r = pushed
+    data, flags, compute, copier, r, _ = pushed  # the caller holds the partials until the join
     w = plan.world
     scale = 1.0 / w if plan.reduce_op == "avg" else 1.0
     last = (r + w - 1) % w
@@ -431,7 +434,7 @@ def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
     a = a.contiguous()
     r = comm.rank_and_size(group_name)[0]
     pairs = [a2a_pair(r, w, s) for s in range(1, w)]
-    data, flags, compute, copier, r = _push_all(a, b, bias, group_name, plan, None, "gemm_alltoall",
+    data, flags, compute, copier, r, sent = _push_all(a, b, bias, group_name, plan, None, "gemm_alltoall",
                                                 [dst for dst, _ in pairs])
     out = a.new_empty(plan.m, plan.n) if out is None else out
     _gemm(a[r * rows:(r + 1) * rows], b, bias, out=out[r * rows:(r + 1) * rows])  # stays here, computed last
@@ -440,4 +443,5 @@ def run_alltoall(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
         out[src * rows:(src + 1) * rows].copy_(_mine(data, src))
         flags.release(src)
     compute.wait_stream(copier)
+    del sent  # the partials, held until the join (templates/base.py: no record_stream)
     return out

@@ -114,8 +114,7 @@ def _reduce_scatter(a, b, bias, group_name, plan: GemmCollectivePlan) -> torch.T
                 arrived = (buf, _event(side))
             held += [p, buf]
     compute.wait_stream(side)
-    for t in held:
-        t.record_stream(side)
+    del held  # kept until the join (templates/base.py: no record_stream)
     return p
 
 
@@ -140,8 +139,7 @@ def _all_to_all(a, b, bias, group_name, plan: GemmCollectivePlan) -> torch.Tenso
         compute.wait_event(ev)
         st.place(out, src, buf)
     compute.wait_stream(side)
-    for t in held:
-        t.record_stream(side)
+    del held  # kept until the join (templates/base.py: no record_stream)
     return out
 
 
@@ -170,6 +168,5 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
         for b, bias, y in zip(bs, biases, ys):
             st.place(y, src, _gemm(part, b, bias))
     compute.wait_stream(side)
-    for t in held:
-        t.record_stream(side)
+    del held  # kept until the join (templates/base.py: no record_stream)
     return [gathered] + ys

@@ -30,8 +30,9 @@ from . import kernels
 
 KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
-# (device index, out's address) -> the event recorded after its collective, until its join
-_in_flight: dict[tuple[int, int], torch.cuda.Event] = {}
+# (device index, out's address) -> the event recorded after its collective and the input it reads,
+# held until its join (templates/base.py: no record_stream)
+_in_flight: dict[tuple[int, int], tuple[torch.cuda.Event, torch.Tensor]] = {}
 _lock = threading.Lock()
 
 
@@ -94,12 +95,10 @@ def prioritized_collective(inp: torch.Tensor, kind: str, reduce_op: str, world: 
             dist.all_reduce(out, op=kernels.reduce_op(reduce_op), group=pg)
         done = torch.cuda.Event()
         done.record(side)
-    # the caching allocator must not hand these blocks out again before the comm stream is done
-    # with them (the compute stream may free ``inp`` right after this call)
-    inp.record_stream(side)
-    out.record_stream(side)
+    # the compute stream may free ``inp`` right after this call: held until the join, so that its
+    # block is handed out again only behind the collective (``out`` is the join's own input)
     with _lock:
-        _in_flight[(out.device.index, out.data_ptr())] = done
+        _in_flight[(out.device.index, out.data_ptr())] = (done, inp)
     return out
 
 
@@ -115,9 +114,9 @@ def prioritized_join(out: torch.Tensor) -> None:
     if not out.is_cuda:
         return
     with _lock:
-        done = _in_flight.pop((out.device.index, out.data_ptr()), None)
-    if done is not None:
-        torch.cuda.current_stream(out.device).wait_event(done)
+        held = _in_flight.pop((out.device.index, out.data_ptr()), None)
+    if held is not None:
+        torch.cuda.current_stream(out.device).wait_event(held[0])  # then the input may go
 
 
 @prioritized_join.register_fake

@@ -160,7 +160,6 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
         with torch.cuda.stream(side):
             _collective(plan, lay, c, send_c, result, pg, op)
     compute.wait_stream(side)  # join: the result is ready in the caller's stream order
-    _used_on(side, send, result)
     return result
 
 
@@ -203,17 +202,6 @@ def run_allgather(shard: torch.Tensor, bs: list[torch.Tensor], biases: list[torc
     for c, (ev, gath_c) in enumerate(landed):
         compute.wait_event(ev)
         ref.gemm_gathered(gath_c, bs, biases, ys, lay, c, tile_gemm(plan.config, shard.device))
-    compute.wait_stream(side)  # join: the placed gathered rows too
-    _used_on(side, shard, gath, gathered)
+    compute.wait_stream(side)  # join: the placed gathered rows too (templates/base.py: no record_stream)
     return [gathered] + ys
 
-
-def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
-    """Tell the caching allocator these compute-stream buffers were used on ``stream``, so a block
-    is not handed out again before that stream's work on it is done. (The join already orders
-    later compute-stream work after it; this keeps that true for any other stream as well.)"""
-    seen = set()
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            t.record_stream(stream)

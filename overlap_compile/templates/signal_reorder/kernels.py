@@ -294,10 +294,5 @@ def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name:
                 scratch = torch.empty_like(part)
                 dist.all_to_all_single(scratch, part, group=pg)
                 recv[:, llo:lhi].copy_(scratch.view(plan.world, lhi - llo, *tiles))
-    compute.wait_stream(comm)
-    # Buffers allocated on the compute stream and touched by the comm stream: keep the caching
-    # allocator from handing them out again before the comm stream is done with them.
-    send.record_stream(comm)
-    if recv is not send:
-        recv.record_stream(comm)
+    compute.wait_stream(comm)  # the join (templates/base.py: no record_stream)
     return recv

@@ -148,9 +148,7 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Te
             _launch_small("gather", _gather_kernel, (gather_ctas,), gat, done, out, err, grid.rows, plan.n, out.stride(0),
                           plan.chunk, T, w, rank, tns, polls, BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m,
                           num_warps=4)
-    compute.wait_stream(comm)
-    part.record_stream(comm)
-    out.record_stream(comm)
+    compute.wait_stream(comm)  # the join (templates/base.py: no record_stream)
     _after_call(device, "gemm_allreduce" if gather else "gemm_reducescatter")
     return out
 
@@ -203,7 +201,6 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
             src = (rank + j) % w
             peer = _symm_api().face(staged.peer(src), (rows_local, plan.k))
             P.rank_copy_data(_stripe_pieces(gathered, st, src), _shard_pieces(peer, st), arrived, src, stream_notify)
-    shard.record_stream(comm)  # read by the staging copy on the comm stream
     for piece, part in zip(_stripe_pieces(gathered, st, rank), _shard_pieces(shard, st)):
         piece.copy_(part)  # my rows: no wait
     outs = []
@@ -221,7 +218,6 @@ def _run_ag(shard, bs, biases, group_name: str, plan: AllGatherGemmPlan,
     for i, (b, bias) in enumerate(zip(bs[1:], biases[1:]), start=2):
         y = given[i] if given else None
         outs.append(torch.addmm(bias, gathered, b, out=y) if bias is not None else torch.mm(gathered, b, out=y))
-    gathered.record_stream(comm)
     _after_call(device, "allgather_gemm")
     return [gathered] + outs
 
