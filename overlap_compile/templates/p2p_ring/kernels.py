@@ -407,9 +407,11 @@ def _reduce_own(own_rows: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
         # The partial rank r + j + 1 pushes at its step j is for me.
         for j in range(w - 2):
             acc = _accumulate(acc, data, flags, (r + j + 1) % w, j)
-        own = _gemm(own_rows, b, bias)
+        # into ``out`` itself where given: the sum reads and writes each element once, in place, and
+        # a temporary stripe would sit beside the op's output until the call returns
+        own = _gemm(own_rows, b, bias, out=out)
         flags.wait_ready(last, w - 2)
-        out = sum_into(own if out is None else out, own, _mine(data, last), acc, scale)
+        out = sum_into(own, own, _mine(data, last), acc, scale)
     flags.release(last)
     if join:
         compute.wait_stream(copier)
