@@ -66,10 +66,11 @@ class Options:
     # stream (passes/prioritize.py), so that it gets SMs while those GEMMs run; off: on GPUs the
     # training steps measured the same with it as without (benchmarks/RESULTS.md)
     prioritize_deferred: bool = False
-    # host-launched graphs: M in a symbolic site's leading as-written buckets runs the site as
-    # written in Inductor's own code, around the bucketed op (passes/symbolic_branch.py); off
-    # until it has run on GPUs (the torch there lowers the branch with its own Inductor)
-    decode_as_written: bool = False
+    # host-launched dynamic compiles: where every rewritten site of a graph is symbolic and runs
+    # as written up to some M, calls at or below it run torch.compile's own compile of the graph,
+    # made beside the rewritten one (row_dispatch.py): the bucketed ops' host time, not their GPU
+    # time, is what a decode-sized call would lose
+    whole_graph_as_written: bool = True
     # a site whose decision lies within the model's error (its predicted gain within the error
     # of min_speedup, or a rival template predicted within the error of the chosen one) is timed
     # once on its group (GPU groups only) and decided by the measured gain (passes/settle.py)

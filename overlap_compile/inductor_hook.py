@@ -49,6 +49,7 @@ class OverlapPass(CustomGraphPass):
         self.options = options
         self.report = report
         self.chained = [p for p in _as_list(chained) if not isinstance(p, OverlapPass)]
+        self.records: list = []  # every graph this pass ran on, in order (the backend reads its own)
 
     def __call__(self, graph: fx.Graph) -> None:
         for p in self.chained:
@@ -58,6 +59,7 @@ class OverlapPass(CustomGraphPass):
         from .passes.pipeline import run_on_graph
 
         record = run_on_graph(graph, self.options)
+        self.records.append(record)
         for r in {id(x): x for x in (self.report, global_report()) if x is not None}.values():
             r.add(record)
         if self.options.dump_dir:

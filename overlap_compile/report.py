@@ -72,6 +72,13 @@ class GraphRecord:
     prioritized: list[str] = dataclasses.field(default_factory=list)
     # MoE dispatch buffers filled by moe_scatter_rows, or why not (passes/moe_scatter.py)
     moe_buffers: list[str] = dataclasses.field(default_factory=list)
+    # every rewritten site symbolic and as written up to some M: per site (M's sympy expression,
+    # that M) (passes/as_written_rows.py); calls at or below every one of them can run
+    # torch.compile's own graph (row_dispatch.py)
+    as_written_up_to: list | None = None
+    # what the backend made of it: one line per dispatch built on this graph (row_dispatch.py); a
+    # list shared by the copies Report.add makes, since the backend adds it after the pass
+    dispatched: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -137,6 +144,10 @@ class Report:
         lines += [f"compute under a collective left as written, {d}" for d in deferred]
         lines += [f"collective left as written, {p}" for p in streams]
         lines += buffers
+        lines += [f"{r.name}: every rewritten site runs as written at "
+                  + ", ".join(f"M={e} <= {m}" for e, m in r.as_written_up_to)
+                  + "".join(f"; {d}" for d in r.dispatched)
+                  for r in self.records if r.as_written_up_to]
         profiles = sorted({r.profile for r in self.records if r.profile})
         if profiles:
             lines.append(f"profile: {', '.join(profiles)}")
@@ -154,8 +165,9 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(
             {"graphs": [{"name": r.name, "profile": r.profile, "error": r.error, "deferred": r.deferred,
-                         "prioritized": r.prioritized,
-                         "moe_buffers": r.moe_buffers, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
+                         "prioritized": r.prioritized, "moe_buffers": r.moe_buffers,
+                         "as_written_up_to": [[str(e), m] for e, m in r.as_written_up_to or []],
+                         "dispatched": r.dispatched, "sites": [s.to_dict() for s in r.sites]} for r in self.records]},
             indent=2,
             default=str,
         )

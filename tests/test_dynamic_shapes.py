@@ -8,11 +8,8 @@ into the bucketed op, which gives the site's result at any M over gloo.
   then a third without a recompile), forward and backward, plain functional collectives, their
   autograd forms and the DTensor TP+SP block; every graph's sites rewritten, results equal eager;
 * a golden graph of one symbolic site; oc.plan of a model with a symbolic input;
-* host-launched, the leading as-written buckets branch around the op (passes/symbolic_branch.py).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -362,81 +359,3 @@ def test_bucketed_op_calls_a_template_op_directly():
     operands and the plan text, without building the site's match per call (host time)."""
     for err in run_distributed(_calls_without_building_the_match, world_size=2, timeout_s=300):
         assert err < 1e-5
-
-
-def _branch_checks() -> dict:
-    """Run on every rank: the sequence-parallel MLP compiled host-launched with mark_dynamic,
-    p2p_ring forced above M = 16 and "as written" up to it (the decision's table edited so), forward
-    and backward at lengths on both sides of 16, against eager; which M ran the bucketed op. The
-    table is cut again at M = 24: "as written" above it too (a range of its own to branch on)."""
-    import dataclasses
-
-    import overlap_compile as oc
-    from overlap_compile.compile_caches import no_compile_caches
-    from overlap_compile.passes import symbolic_rewrite
-    from overlap_compile.templates.bucketed import choices_made, clear_choices
-
-    real = symbolic_rewrite.table_of
-
-    def as_written_to_16(d, timeout_ms):
-        t = real(d, timeout_ms)
-        ring = next(dict(b, max_m=24) for b in t.buckets if b["template"] == "p2p_ring")
-        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring,
-                                               {"max_m": None, "template": "baseline", "config": None}))
-
-    symbolic_rewrite.table_of = as_written_to_16
-    group, rank = dist.group.WORLD.group_name, dist.get_rank()
-    out = {"errs": [], "ran": {}}
-    try:
-        fn, w1, w2, report = _compiled(_mlp_sequence_parallel, group)
-        with oc.config.patch(force_template="p2p_ring", decode_as_written=True), no_compile_caches():
-            for i, rows in enumerate((6, 14, 4, 10, 11)):  # M = 2 x rows: 12, 28, 8, 20, 22
-                torch.manual_seed(10 * rank + rows)
-                x = torch.randn(rows, 16, requires_grad=True)
-                if i == 0:
-                    torch._dynamo.mark_dynamic(x, 0)
-                clear_choices()
-                out["errs"].append(_step_error(fn, _mlp_sequence_parallel, x, w1, w2, group))
-                out["ran"][2 * rows] = sorted({t for _, t, _ in choices_made()})
-        out["after"] = [r.after for r in report.records]
-    finally:
-        symbolic_rewrite.table_of = real
-    return out
-
-
-def test_host_launched_decode_m_runs_the_site_as_written_without_the_op():
-    """Host-launched, a table whose buckets up to M = 16 and past M = 24 say "as written" becomes a
-    branch in the graph (passes/symbolic_branch.py): those M run the GEMMs and collectives Inductor
-    lowers, never calling the bucketed op (its host time is what a host-bound decode call loses);
-    M in (16, 24] calls the op, which runs p2p_ring. Forward and backward equal eager's throughout."""
-    for r in run_distributed(_branch_checks, world_size=2, timeout_s=600):
-        assert max(r["errs"]) < 1e-4, r["errs"]
-        assert r["ran"][12] == r["ran"][8] == r["ran"][28] == [], r["ran"]  # the branch: no op call at all
-        assert "p2p_ring" in r["ran"][20] and "p2p_ring" in r["ran"][22], r["ran"]
-        for after in r["after"]:
-            assert "torch.ops.higher_order.cond" in after and " <= 16" in after and " >= 25" in after, after
-
-
-def test_branch_only_where_host_launched_with_as_written_and_rewriting_buckets():
-    from torch._inductor import config as inductor_config
-
-    from overlap_compile.passes.symbolic_branch import applies, as_written_ranges
-    from overlap_compile.templates.bucketed import BucketTable
-
-    def table(*entries, **kw):
-        return BucketTable(kind="gemm_reducescatter", world=2, k=8, n=8, reduce_op="sum", outer=1,
-                           buckets=tuple({"max_m": m, "template": t, "config": None} for m, t in entries), **kw)
-
-    mixed = table((16, "baseline"), (64, "baseline"), (None, "p2p_ring"))
-    assert as_written_ranges(mixed) == [(1, 64)]
-    assert as_written_ranges(table((16, "p2p_ring"), (None, "baseline"))) == [(17, None)]
-    assert as_written_ranges(table((16, "baseline"), (256, "tile_fused"), (1024, "baseline"), (4096, "p2p_ring"),
-                                   (None, "baseline"))) == [(1, 16), (257, 1024), (4097, None)]
-    assert as_written_ranges(table((16, "baseline"), (None, "baseline"))) == []  # nothing to branch to
-    assert as_written_ranges(table((16, "p2p_ring"), (None, "tile_fused"))) == []  # nothing to branch around
-    with inductor_config.patch({"triton.cudagraphs": False}):
-        assert applies(mixed)
-        assert not applies(dataclasses.replace(mixed, outer=2))  # stripes off the leading dim
-        assert not applies(dataclasses.replace(mixed, kind="gemm_alltoall"))
-    with inductor_config.patch({"triton.cudagraphs": True}):  # a CUDA-graph replay costs no host time
-        assert not applies(mixed)

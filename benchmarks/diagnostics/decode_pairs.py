@@ -12,8 +12,8 @@ first of ``--hint`` (a prefill length, as e2e_dynamic compiles), all alive in on
     overlap             backend="overlap"
     overlap-as-written  the same with every bucket's choice forced to "as written"
     overlap-no-defer    the same with defer_compute off (Inductor's peak-memory reordering on)
-    overlap-branch      the same with decode_as_written on (host-launched: the "as written" M ranges
-                        branch around the bucketed op, passes/symbolic_branch.py)
+    overlap-op-every-call  the same with whole_graph_as_written off: no torch.compile graph for the
+                        M every rewritten site runs as written (row_dispatch.py), the ops run at every M
 
 Per (variant, length): the paired medians (variant, reference), their ratio (reference / variant:
 the variant's speedup), and each rank's host ms per call of the variant and the reference
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from benchmarks.diagnostics.dynamic_profile import VARIANT_OPTIONS  # noqa: E402
 from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
-VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-branch")
+VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-op-every-call")
 
 
 def measure(a: argparse.Namespace) -> list[dict]:

@@ -31,11 +31,13 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
-VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-branch")
+VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-op-every-call")
 # variant -> overlap_compile options it compiles under ("overlap-no-defer": nothing moved under the
-# collectives kept as written, so Inductor's peak-memory reordering stays on; "overlap-branch": the
-# "as written" M ranges branch around the bucketed op where host-launched)
-VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False}, "overlap-branch": {"decode_as_written": True}}
+# collectives kept as written, so Inductor's peak-memory reordering stays on; "overlap-op-every-call":
+# no torch.compile graph for the M every rewritten site runs as written (row_dispatch.py), so the
+# bucketed ops run at every M)
+VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False},
+                   "overlap-op-every-call": {"whole_graph_as_written": False}}
 
 
 def role(name: str) -> str:

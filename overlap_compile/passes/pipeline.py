@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..config import Options
 from ..report import GraphRecord, SiteReport
+from .as_written_rows import as_written_limits
 from .decide import Decision, decide
 from .defer_compute import defer_independent_compute
 from .find import find
@@ -55,7 +56,8 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
         profile_name = getattr(profile, "name", None)
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
-    rewrite(graph, decisions, options.signal_timeout_ms, options.decode_as_written)
+    as_written_up_to = as_written_limits(decisions, options.signal_timeout_ms)
+    rewrite(graph, decisions, options.signal_timeout_ms)
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferrals = defer_independent_compute(graph) if options.moves_compute else []
     prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
@@ -65,7 +67,8 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     after = readable(graph)
     return GraphRecord(name=name, before=before, after=after, sites=sites, profile=profile_name,
                        pass_seconds=time.perf_counter() - start, deferred=[d.describe() for d in deferrals],
-                       prioritized=[p.describe() for p in prioritized], moe_buffers=buffers)
+                       prioritized=[p.describe() for p in prioritized], moe_buffers=buffers,
+                       as_written_up_to=as_written_up_to)
 
 
 def _site_report(d: Decision, graph_name: str) -> SiteReport:

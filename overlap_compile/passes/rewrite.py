@@ -26,9 +26,8 @@ from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, M
 from .rewrite_moe_backward import rewrite_moe_backward
 
 
-def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, decode_as_written: bool = False) -> int:
-    """Apply every rewriting decision; return how many sites were rewritten. ``decode_as_written``:
-    a symbolic site's leading as-written buckets branch around its op (passes/symbolic_branch.py)."""
+def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
+    """Apply every rewriting decision; return how many sites were rewritten."""
     done = 0
     for d in decisions:
         if not d.rewrites:
@@ -36,7 +35,7 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, decode_
         if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
             from .symbolic_rewrite import rewrite_bucketed
 
-            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm, decode_as_written)
+            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm)
             done += 1
             continue
         spec = templates.get_spec(d.template)
@@ -103,10 +102,8 @@ def _rewrite_allgather_gemm(graph: fx.Graph, spec, m: AllGatherGemmMatch, plan) 
             user.replace_input_with(m.full_node, unflat)
     erase_if_dead(graph, [*m.chain_nodes, m.wait_node, m.ag_node])
     if not gathered.users:  # only the GEMMs read the gathered rows: the op need not write them out
-        from .symbolic_branch import set_plan_text
-
-        # the op, or the op inside symbolic_branch's branch
-        set_plan_text(gathered.args[0], dataclasses.replace(plan, gathered=False).to_json())
+        op = gathered.args[0]
+        op.args = (*op.args[:-1], dataclasses.replace(plan, gathered=False).to_json())
         graph.erase_node(gathered)
 
 

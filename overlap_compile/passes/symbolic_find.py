@@ -66,6 +66,9 @@ class SymbolicRows:
     outer: int | None
     chunk: int | None
     view: tuple = ()
+    # M's expression itself (sympy, over the shape environment's symbols): what a caller binds to
+    # a call's sizes (row_dispatch.py); ``expr`` is its text, for signatures and Reports
+    sym: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def stripes_at(self, m: int, world: int) -> RowStripes | None:
         if self.outer is None and self.chunk is None:
@@ -184,7 +187,7 @@ def _rows(m_size: Any, outer: Any, chunk: Any, view: tuple) -> SymbolicRows:
     lo, hi = ss.value_range(m_size)
     unit = int(coeff) if getattr(coeff, "is_Integer", False) and int(coeff) > 0 else 1
     return SymbolicRows(expr=str(e), hint=ss.hint(m_size, 1), lo=max(lo, 1), hi=hi, unit=unit,
-                        outer=outer, chunk=chunk, view=view)
+                        outer=outer, chunk=chunk, view=view, sym=e)
 
 
 def _stripes(shape: tuple, dim: int, world: int, on_last_dim: str) -> tuple[int | None, int | None, str | None]:

@@ -8,8 +8,8 @@ GEMM -> collective::
     bucketed_gemm_collective(a, b, bias, group, table) [-> view(wait's shape)] -> users
 
 All-gather -> GEMM sites go through rewrite._rewrite_allgather_gemm (handed down) with an emitter for the
-bucketed op. Host-launched, a table whose first buckets say "as written" gets a branch around the
-op (symbolic_branch.py). Symbolic view sizes are graph nodes (symbolic_sizes.size_arg): the shapes of the
+bucketed op. (Host-launched, calls at M every rewritten site runs as written go to torch.compile's
+own graph: row_dispatch.py.) Symbolic view sizes are graph nodes (symbolic_sizes.size_arg): the shapes of the
 new nodes are the same expressions as those they replace, so nothing new is guarded.
 """
 from __future__ import annotations
@@ -21,9 +21,8 @@ import torch.fx as fx
 
 from ..templates.base import gemm_operands
 from ..templates.bucketed import BucketTable, bucketed_allgather_gemm, bucketed_gemm_collective
-from . import symbolic_branch
 from . import symbolic_sizes as ss
-from .graph_utils import GraphEmitter, after_inputs, aten, erase_if_dead, val
+from .graph_utils import GraphEmitter, after_inputs, aten, erase_if_dead
 from .matches import AllGatherGemmMatch
 
 
@@ -40,22 +39,18 @@ def table_of(d, timeout_ms: int) -> BucketTable:
                        timeout_ms=timeout_ms)
 
 
-def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm, decode_as_written: bool = False) -> None:
+def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm) -> None:
     """``rewrite_allgather_gemm``: rewrite._rewrite_allgather_gemm, handed down (this module sits
-    below rewrite.py). ``decode_as_written``: symbolic_branch's branch around the op, where it
-    applies."""
+    below rewrite.py)."""
     table = table_of(d, timeout_ms)
-    branch = decode_as_written and symbolic_branch.applies(table)
     if isinstance(d.match, AllGatherGemmMatch):
         match = dataclasses.replace(d.match)  # its gathered_shape becomes view arguments (the emitter's)
-        rewrite_allgather_gemm(graph, _AllGatherEmitter(branch), match, table)
+        rewrite_allgather_gemm(graph, _AllGatherEmitter(), match, table)
         return
     m = d.match
     emit = GraphEmitter(graph, before=after_inputs(graph, m.operand_nodes()))
     a, b = gemm_operands(emit, m)
     rows = emit(bucketed_gemm_collective, a, b, m.bias_node, m.group_name, table.to_json())
-    if branch:
-        rows = symbolic_branch.branch(emit, rows, table, val(a).shape[0])
     result = rows
     if len(m.rows.view) != 2:
         at = GraphEmitter(graph, before=m.wait_node)
@@ -66,12 +61,8 @@ def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm
 
 class _AllGatherEmitter:
     """The spec-like emitter rewrite._rewrite_allgather_gemm calls: the shard flattened to
-    [M / W, K], the bucketed op (with ``branch``, symbolic_branch's branch around it), its
-    outputs; it also turns the match's gathered_shape into view arguments built at the same place
+    [M / W, K], the bucketed op, its outputs; it also turns the match's gathered_shape into view arguments built at the same place
     (the un-flattening view, where the graph reads one)."""
-
-    def __init__(self, branch: bool = False) -> None:
-        self.branch = branch
 
     def emit_allgather_gemm(self, emit, match: AllGatherGemmMatch, table: BucketTable) -> list[fx.Node]:
         before = emit.before
@@ -87,6 +78,4 @@ class _AllGatherEmitter:
             match.gathered_shape = tuple(ss.size_arg(before, s, emit) for s in match.rows.view)
         out = emit(bucketed_allgather_gemm, shard, [c.b_node for c in match.consumers],
                    [c.bias_node for c in match.consumers], match.group_name, table.to_json())
-        if self.branch:
-            out = symbolic_branch.branch(emit, out, table, val(shard).shape[0] * table.world)
         return [emit(operator.getitem, out, i) for i in range(1 + len(match.consumers))]

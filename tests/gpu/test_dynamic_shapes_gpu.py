@@ -9,7 +9,8 @@ each template's GPU path at the run's M, or the site as written, and gives the e
   backward of a sequence-parallel MLP, against eager;
 * the same under CUDA-graph trees (mode="reduce-overhead"): lengths alternating, each recorded size
   replaying its own choice;
-* host-launched with decode_as_written: decode-sized lengths branch around the op.
+* host-launched: decode-sized lengths that every rewritten site runs as written go to torch.compile's
+  own compile of the graph (overlap_compile/row_dispatch.py), never to a bucketed op.
 Each check returns its failures as text (testing.multiprocess.assert_no_gpu_failures).
 """
 from __future__ import annotations
@@ -82,13 +83,13 @@ def _mlp(x, w1, w2, group):
 
 
 def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rounds: int = 1,
-                   options: dict | None = None) -> list[str]:
+                   options: dict | None = None, decode: bool = False) -> list[str]:
     """The sequence-parallel MLP compiled with the overlap backend (the predictor decides), under
     ``dynamic`` ("mark_dynamic" | "automatic") and Inductor ``mode``, called at ``lengths`` (rows
     per rank) ``rounds`` times over; forward and gradients against eager; Dynamo's compile count.
-    ``options``: overlap_compile options for the compile and the calls; with decode_as_written,
-    some graph holds the branch (passes/symbolic_branch.py), and where every graph does, lengths
-    of at most 256 tokens never call a bucketed op."""
+    ``options``: overlap_compile options for the compile and the calls. ``decode``: lengths of at
+    most 256 tokens that the forward graph's every rewritten site runs as written never call a
+    bucketed op (row_dispatch.py), and some such graph exists."""
     import functools
 
     import torch.distributed as dist
@@ -134,13 +135,14 @@ def compile_checks(mode: str | None, dynamic: str, lengths: tuple[int, ...], rou
             if 2 * rows <= 256:
                 decode_calls += [(rows, c) for c in choices_made()]
     patch.__exit__(None, None, None)
-    if (options or {}).get("decode_as_written"):
-        # the predictor decides each graph's table: one whose first bucket rewrites has no branch
-        plain = [rec.name for rec in report.records if "higher_order.cond" not in rec.after]
-        if len(plain) == len(report.records):
-            fails.append(f"rank {rank}: no graph holds the branch")
-        elif not plain and decode_calls:
-            fails.append(f"rank {rank}: every graph branches, yet the op ran at decode-sized M: {decode_calls}")
+    if decode:
+        # the predictor decides each graph's table: one whose first bucket rewrites is not dispatched
+        limits = [lim for rec in report.records if rec.dispatched for _, lim in rec.as_written_up_to or []]
+        if not limits:
+            fails.append(f"rank {rank}: no graph's calls go to torch.compile's own compile at any M")
+        wrong = [(rows, c) for rows, c in decode_calls if 2 * rows <= min(limits, default=0)]
+        if wrong:
+            fails.append(f"rank {rank}: calls every site runs as written ran the bucketed op: {wrong}")
     compiles = counters["stats"]["unique_graphs"] - frames
     if compiles > (1 if dynamic == "mark_dynamic" else 2):
         fails.append(f"rank {rank} {dynamic}/{mode}: {compiles} compiles")
@@ -166,10 +168,10 @@ def test_compile_dynamic_lengths_under_cuda_graphs():
                            timeout_s=400)
 
 
-def test_host_launched_decode_lengths_branch_around_the_op():
-    """decode_as_written: decode-sized lengths run the sites as Inductor lowers them, larger ones
-    the bucketed op; forward and backward equal eager's."""
+def test_host_launched_decode_lengths_run_torch_compiles_own_graph():
+    """Host-launched, decode-sized lengths that every rewritten site runs as written run
+    torch.compile's own compile, larger ones the bucketed op; forward and backward equal eager's."""
     from overlap_compile.testing.multiprocess import assert_no_gpu_failures
 
-    assert_no_gpu_failures(compile_checks, 2, args=(None, "mark_dynamic", (1000, 8, 4096, 64), 1,
-                                                   {"decode_as_written": True}), timeout_s=400)
+    assert_no_gpu_failures(compile_checks, 2, args=(None, "mark_dynamic", (1000, 8, 4096, 64), 1, None, True),
+                           timeout_s=400)
