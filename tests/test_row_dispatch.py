@@ -114,6 +114,62 @@ def test_decode_sized_calls_run_torch_compiles_own_graph():
             assert "torch.compile's own compile" in r["report"] and "<= 16" in r["report"], r["report"]
 
 
+def _warm_cache_checks() -> list:
+    """Run on every rank: the same model compiled twice (Dynamo reset between) with Inductor's FX
+    graph cache on: what each compile's Report says, and which M called the bucketed op."""
+    import functools
+
+    from torch._inductor import config as inductor_config
+
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+    from overlap_compile.report import global_report
+
+    from overlap_compile.passes import symbolic_rewrite
+    from overlap_compile.templates.bucketed import choices_made, clear_choices
+
+    real = symbolic_rewrite.table_of
+
+    def as_written_to_16(d, timeout_ms):
+        t = real(d, timeout_ms)
+        ring = next(dict(b, max_m=None) for b in t.buckets if b["template"] == "p2p_ring")
+        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring))
+
+    symbolic_rewrite.table_of = as_written_to_16
+    group, rank = dist.group.WORLD.group_name, dist.get_rank()
+    out = []
+    try:
+        for _ in range(2):
+            # no Report of its own (that path skips the caches anyway): the process-wide one
+            fn, w1, w2, _ = _compiled(_mlp_sequence_parallel, group)
+            fn = torch.compile(functools.partial(_mlp_sequence_parallel, group=group), backend=overlap_backend)
+            report = global_report()
+            report.records.clear()
+            ran = {}
+            with oc.config.patch(force_template="p2p_ring"), inductor_config.patch(fx_graph_cache=True):
+                for i, rows in enumerate((10, 4)):
+                    x = torch.randn(rows, 16, requires_grad=True)
+                    if i == 0:
+                        torch._dynamo.mark_dynamic(x, 0)
+                    clear_choices()
+                    y = fn(x, w1, w2)
+                    y.backward(torch.ones_like(y))
+                    ran[2 * rows] = sorted({t for _, t, _ in choices_made()})
+            out.append((report.table(), ran))
+    finally:
+        symbolic_rewrite.table_of = real
+    return out
+
+
+def test_a_warm_fx_graph_cache_does_not_skip_the_dispatch():
+    """A host-launched dynamic compile skips Inductor's FX graph cache: a hit would skip the pass
+    whose record decides the dispatch, and decode-sized calls would run the ops again."""
+    for r in run_distributed(_warm_cache_checks, world_size=2, timeout_s=600):
+        for table, ran in r:
+            assert "torch.compile's own compile" in table, table
+            assert ran[8] == [] and ran[20] == ["p2p_ring"], ran
+
+
 def test_without_the_option_the_op_runs_every_call():
     for r in run_distributed(_dispatch_checks, world_size=2, args=(False, "mark_dynamic"), timeout_s=600):
         assert max(r["errs"]) < 1e-4, r["errs"]
