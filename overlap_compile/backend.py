@@ -80,7 +80,13 @@ def _with_plain_rows(compiled: Any, gm: torch.fx.GraphModule, example_inputs: li
         for r in records:
             r.dispatched.append(f"every call runs the rewritten graph ({e})")
         return compiled
-    plain = compile_fx(gm, example_inputs, config_patches=plain_patches)
+    try:
+        plain = compile_fx(gm, example_inputs, config_patches=plain_patches)
+    except Exception as e:  # the rewritten compile stands on its own: keep it, say why
+        for r in records:
+            r.dispatched.append(f"every call runs the rewritten graph (torch.compile's own compile failed: "
+                                f"{type(e).__name__}: {e})")
+        return compiled
     for r in records:
         r.dispatched.append("calls there run torch.compile's own compile of the graph")
     return dispatching(compiled, plain, dispatch)

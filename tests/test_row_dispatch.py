@@ -6,10 +6,12 @@ passes/as_written_rows.py).
 * torch.compile end to end (2 processes, gloo): the sequence-parallel MLP with its table "as
   written" up to M = 16, forward and backward against eager on both sides of 16, with
   mark_dynamic and with automatic dynamic; the bucketed op is never called at M <= 16, and is at
-  M > 16; with the option off the op is called at every M.
+  M > 16; with the option off the op is called at every M; a warm FX graph cache does not skip the
+  dispatch; a second compile that fails leaves the rewritten one running every call.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import sympy
@@ -65,28 +67,38 @@ def test_dispatching_calls_the_picked_compile_positionally():
     assert run.row_dispatch.calls == {"plain": 1, "overlap": 1}
 
 
+@contextlib.contextmanager
+def as_written_up_to_16():
+    """The decisions' tables edited to "as written" up to M = 16 and p2p_ring (forced) above it."""
+    from overlap_compile.passes import symbolic_rewrite
+
+    real = symbolic_rewrite.table_of
+
+    def edited(d, timeout_ms):
+        t = real(d, timeout_ms)
+        ring = next(dict(b, max_m=None) for b in t.buckets if b["template"] == "p2p_ring")
+        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring))
+
+    symbolic_rewrite.table_of = edited
+    try:
+        yield
+    finally:
+        symbolic_rewrite.table_of = real
+
+
 def _dispatch_checks(option: bool, dynamic: str) -> dict:
     """Run on every rank: the sequence-parallel MLP compiled host-launched, p2p_ring forced with
     its tables edited to "as written" up to M = 16; lengths on both sides of it, forward and
     backward against eager; which M called the bucketed op and what the Report says."""
     import overlap_compile as oc
     from overlap_compile.compile_caches import no_compile_caches
-    from overlap_compile.passes import symbolic_rewrite
     from overlap_compile.templates.bucketed import choices_made, clear_choices
 
-    real = symbolic_rewrite.table_of
-
-    def as_written_to_16(d, timeout_ms):
-        t = real(d, timeout_ms)
-        ring = next(dict(b, max_m=None) for b in t.buckets if b["template"] == "p2p_ring")
-        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring))
-
-    symbolic_rewrite.table_of = as_written_to_16
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
     out = {"errs": [], "ran": {}}
     # mark_dynamic: one compile at 12; automatic: static at 28, symbolic from 20, then 12, 8, 22
     lengths = (6, 14, 4, 10, 11) if dynamic == "mark_dynamic" else (14, 10, 6, 4, 11)
-    try:
+    with as_written_up_to_16():
         fn, w1, w2, report = _compiled(_mlp_sequence_parallel, group)
         with oc.config.patch(force_template="p2p_ring", whole_graph_as_written=option), no_compile_caches():
             for i, rows in enumerate(lengths):  # M = 2 x rows
@@ -98,8 +110,6 @@ def _dispatch_checks(option: bool, dynamic: str) -> dict:
                 out["errs"].append(_step_error(fn, _mlp_sequence_parallel, x, w1, w2, group))
                 out["ran"][2 * rows] = sorted({t for _, t, _ in choices_made()})
         out["report"] = report.table()
-    finally:
-        symbolic_rewrite.table_of = real
     return out
 
 
@@ -125,20 +135,11 @@ def _warm_cache_checks() -> list:
     from overlap_compile.backend import overlap_backend
     from overlap_compile.report import global_report
 
-    from overlap_compile.passes import symbolic_rewrite
     from overlap_compile.templates.bucketed import choices_made, clear_choices
 
-    real = symbolic_rewrite.table_of
-
-    def as_written_to_16(d, timeout_ms):
-        t = real(d, timeout_ms)
-        ring = next(dict(b, max_m=None) for b in t.buckets if b["template"] == "p2p_ring")
-        return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring))
-
-    symbolic_rewrite.table_of = as_written_to_16
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
     out = []
-    try:
+    with as_written_up_to_16():
         for _ in range(2):
             # no Report of its own (that path skips the caches anyway): the process-wide one
             fn, w1, w2, _ = _compiled(_mlp_sequence_parallel, group)
@@ -156,8 +157,6 @@ def _warm_cache_checks() -> list:
                     y.backward(torch.ones_like(y))
                     ran[2 * rows] = sorted({t for _, t, _ in choices_made()})
             out.append((report.table(), ran))
-    finally:
-        symbolic_rewrite.table_of = real
     return out
 
 
@@ -168,6 +167,55 @@ def test_a_warm_fx_graph_cache_does_not_skip_the_dispatch():
         for table, ran in r:
             assert "torch.compile's own compile" in table, table
             assert ran[8] == [] and ran[20] == ["p2p_ring"], ran
+
+
+@contextlib.contextmanager
+def no_second_compile():
+    """Inductor's compile_fx raising where the backend calls it without the pass."""
+    from torch._inductor import compile_fx as cfx
+
+    real = cfx.compile_fx
+
+    def only_with_the_pass(gm, inputs, *args, config_patches=None, **kw):
+        # the backend's calls carry patches (compile_fx calls itself again without them)
+        if config_patches is not None and "post_grad_custom_post_pass" not in config_patches:
+            raise RuntimeError("no second compile here")
+        return real(gm, inputs, *args, config_patches=config_patches, **kw)
+
+    cfx.compile_fx = only_with_the_pass
+    try:
+        yield
+    finally:
+        cfx.compile_fx = real
+
+
+def _failed_second_compile() -> tuple:
+    """Run on every rank: the second compile (the one without the pass) raises; the rewritten
+    compile still runs every call, equal to eager, and the Report says why nothing dispatches."""
+    import functools
+
+    import overlap_compile as oc
+    from overlap_compile.backend import overlap_backend
+
+    group = dist.group.WORLD.group_name
+    with no_second_compile(), as_written_up_to_16():
+        _, w1, w2, report = _compiled(_mlp_sequence_parallel, group)
+        fn = torch.compile(functools.partial(_mlp_sequence_parallel, group=group),
+                           backend=functools.partial(overlap_backend, report=report))
+        errs = []
+        with oc.config.patch(force_template="p2p_ring"):
+            for i, rows in enumerate((10, 4)):
+                x = torch.randn(rows, 16, requires_grad=True)
+                if i == 0:
+                    torch._dynamo.mark_dynamic(x, 0)
+                errs.append(_step_error(fn, _mlp_sequence_parallel, x, w1, w2, group))
+    return max(errs), report.table()
+
+
+def test_a_failed_second_compile_leaves_the_rewritten_one():
+    for err, table in run_distributed(_failed_second_compile, world_size=2, timeout_s=600):
+        assert err < 1e-4
+        assert "torch.compile's own compile failed: RuntimeError: no second compile here" in table, table
 
 
 def test_without_the_option_the_op_runs_every_call():
