@@ -44,8 +44,8 @@ def overlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: s
         host_launched = launch_mode() == "eager"
     # a host-launched dynamic graph may get a second compile for the row counts it runs as
     # written (row_dispatch.py), which the pass's record decides: that record must be made
-    rows_dispatch = (p.options.enabled and p.options.whole_graph_as_written and host_launched
-                     and bool(symbol_sources(example_inputs)))
+    sources = symbol_sources(example_inputs)
+    rows_dispatch = p.options.enabled and p.options.whole_graph_as_written and host_launched and bool(sources)
     no_aot_cache: dict[str, bool] = {}
     if report is not None or rows_dispatch:
         # Inductor re-applies config_patches when it compiles the backward later: the FX graph cache
@@ -57,17 +57,18 @@ def overlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: s
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if not rows_dispatch:
         return compiled
-    return _with_plain_rows(compiled, gm, example_inputs, p.records[seen:], plain_patches)
+    return _with_plain_rows(compiled, gm, example_inputs, sources, p.records[seen:], plain_patches)
 
 
-def _with_plain_rows(compiled: Any, gm: torch.fx.GraphModule, example_inputs: list[Any], records: list,
-                     plain_patches: dict[str, Any]) -> Any:
+def _with_plain_rows(compiled: Any, gm: torch.fx.GraphModule, example_inputs: list[Any], sources: dict,
+                     records: list, plain_patches: dict[str, Any]) -> Any:
     """``compiled``, or where this compile's graphs allow it (every rewritten site symbolic and
     as written up to some M: passes/as_written_rows.py), a function that runs calls at those M
-    through torch.compile's own compile of ``gm``, made here (row_dispatch.py)."""
+    through torch.compile's own compile of ``gm``, made here (row_dispatch.py). ``sources``: where
+    a call carries each size symbol (row_dispatch.symbol_sources of ``example_inputs``)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from .row_dispatch import RowDispatch, dispatching, symbol_sources
+    from .row_dispatch import RowDispatch, dispatching
 
     if not records or any(r.as_written_up_to is None and any(s.rewritten for s in r.sites) for r in records):
         return compiled  # nothing rewritten, or a graph with a site rewritten at every M
@@ -75,7 +76,7 @@ def _with_plain_rows(compiled: Any, gm: torch.fx.GraphModule, example_inputs: li
     if not limits:
         return compiled
     try:
-        dispatch = RowDispatch(limits, symbol_sources(example_inputs))
+        dispatch = RowDispatch(limits, sources)
     except ValueError as e:
         for r in records:
             r.dispatched.append(f"every call runs the rewritten graph ({e})")
