@@ -74,8 +74,8 @@ def as_written_up_to_16():
 
     real = symbolic_rewrite.table_of
 
-    def edited(d, timeout_ms):
-        t = real(d, timeout_ms)
+    def edited(d, timeout_ms, *rest):
+        t = real(d, timeout_ms, *rest)
         ring = next(dict(b, max_m=None) for b in t.buckets if b["template"] == "p2p_ring")
         return dataclasses.replace(t, buckets=({"max_m": 16, "template": "baseline", "config": None}, ring))
 

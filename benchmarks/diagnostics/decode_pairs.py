@@ -14,6 +14,8 @@ first of ``--hint`` (a prefill length, as e2e_dynamic compiles), all alive in on
     overlap-no-defer    the same with defer_compute off (Inductor's peak-memory reordering on)
     overlap-op-every-call  the same with whole_graph_as_written off: no torch.compile graph for the
                         M every rewritten site runs as written (row_dispatch.py), the ops run at every M
+    overlap-written-direct  the same with replay_written_buckets off: an "as written" bucket launches
+                        the GEMM and the collective from Python instead of a replayed op
 
 Per (variant, length): the paired medians (variant, reference), their ratio (reference / variant:
 the variant's speedup), and each rank's host ms per call of the variant and the reference
@@ -35,7 +37,8 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from benchmarks.diagnostics.dynamic_profile import VARIANT_OPTIONS  # noqa: E402
 from benchmarks.diagnostics.ranks import diagnostic_main  # noqa: E402
 
-VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-op-every-call")
+VARIANTS = ("inductor-again", "overlap", "overlap-as-written", "overlap-no-defer", "overlap-op-every-call",
+            "overlap-written-direct")
 
 
 def measure(a: argparse.Namespace) -> list[dict]:

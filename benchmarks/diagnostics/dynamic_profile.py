@@ -37,7 +37,8 @@ VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer", "ove
 # no torch.compile graph for the M every rewritten site runs as written (row_dispatch.py), so the
 # bucketed ops run at every M)
 VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False},
-                   "overlap-op-every-call": {"whole_graph_as_written": False}}
+                   "overlap-op-every-call": {"whole_graph_as_written": False},
+                   "overlap-written-direct": {"replay_written_buckets": False}}
 
 
 def role(name: str) -> str:

@@ -57,7 +57,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
     decisions = decide(matches, options, profile, graph=graph)
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     as_written_up_to = as_written_limits(decisions, options.signal_timeout_ms)
-    rewrite(graph, decisions, options.signal_timeout_ms)
+    rewrite(graph, decisions, options.signal_timeout_ms, replay_written=_replays_written(options))
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferrals = defer_independent_compute(graph) if options.moves_compute else []
     prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
@@ -111,3 +111,11 @@ def _short(config: dict) -> str:
         return "-".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
     return "[" + ",".join(f"{k}={fmt(v)}" for k, v in sorted(config.items())) + "]" if config else ""
+
+
+def _replays_written(options: Options) -> bool:
+    """Whether symbolic sites' "as written" buckets run as a replayed op: host-launched graphs
+    (under CUDA graphs a replay costs no host time) with op graphs on."""
+    from ..predictor import launch_mode
+
+    return options.replay_written_buckets and options.op_graphs and launch_mode() == "eager"

@@ -26,8 +26,9 @@ from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, M
 from .rewrite_moe_backward import rewrite_moe_backward
 
 
-def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
-    """Apply every rewriting decision; return how many sites were rewritten."""
+def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, replay_written: bool = False) -> int:
+    """Apply every rewriting decision; return how many sites were rewritten. ``replay_written``:
+    symbolic sites' "as written" buckets run as an op that op graphs replay (templates/bucketed.py)."""
     done = 0
     for d in decisions:
         if not d.rewrites:
@@ -35,7 +36,7 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int) -> int:
         if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
             from .symbolic_rewrite import rewrite_bucketed
 
-            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm)
+            rewrite_bucketed(graph, d, timeout_ms, _rewrite_allgather_gemm, replay_written)
             done += 1
             continue
         spec = templates.get_spec(d.template)

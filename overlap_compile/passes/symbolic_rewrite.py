@@ -26,23 +26,23 @@ from .graph_utils import GraphEmitter, after_inputs, aten, erase_if_dead
 from .matches import AllGatherGemmMatch
 
 
-def table_of(d, timeout_ms: int) -> BucketTable:
+def table_of(d, timeout_ms: int, replay_written: bool = False) -> BucketTable:
     m = d.match
     rows = m.rows
     entries = tuple(dict(e) for e in d.table)
     if isinstance(m, AllGatherGemmMatch):
         return BucketTable(kind=m.kind, world=m.world_size, k=m.k, ns=tuple(c.n for c in m.consumers),
                            has_bias=tuple(c.bias_node is not None for c in m.consumers), outer=rows.outer,
-                           chunk=rows.chunk, buckets=entries, timeout_ms=timeout_ms)
+                           chunk=rows.chunk, buckets=entries, timeout_ms=timeout_ms, replay_written=replay_written)
     return BucketTable(kind=m.kind, world=m.world_size, k=m.k, n=m.n, reduce_op=m.reduce_op,
                        has_bias=m.bias_node is not None, outer=rows.outer, chunk=rows.chunk, buckets=entries,
-                       timeout_ms=timeout_ms)
+                       timeout_ms=timeout_ms, replay_written=replay_written)
 
 
-def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm) -> None:
+def rewrite_bucketed(graph: fx.Graph, d, timeout_ms: int, rewrite_allgather_gemm, replay_written: bool = False) -> None:
     """``rewrite_allgather_gemm``: rewrite._rewrite_allgather_gemm, handed down (this module sits
-    below rewrite.py)."""
-    table = table_of(d, timeout_ms)
+    below rewrite.py); ``replay_written``: BucketTable.replay_written."""
+    table = table_of(d, timeout_ms, replay_written)
     if isinstance(d.match, AllGatherGemmMatch):
         match = dataclasses.replace(d.match)  # its gathered_shape becomes view arguments (the emitter's)
         rewrite_allgather_gemm(graph, _AllGatherEmitter(), match, table)

@@ -9,7 +9,10 @@ configuration or "baseline". The op finds M's bucket and runs the template's own
 operands with the bucket's plan at this M, refitting M-dependent configs (``fit_config``); a
 template that emits its site its own way (signal_reorder) is emitted eagerly from a match of M.
 Where the template refuses this M or the bucket says "baseline", it runs the GEMM, then the
-collective. Choices are cached per (table, M); the fake impl returns the collective's symbolic sizes.
+collective: in a host-launched compile with op graphs on (``replay_written``) as priority_stream's
+one-chunk op, which runtime.op_graphs replays from a CUDA graph (one launch for the pair instead of
+the GEMM's and c10d's host work), else launched from Python. Choices are cached per (table, M);
+the fake impl returns the collective's symbolic sizes.
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from ..tiling import RowStripes, call_op
 from .base import _LIBRARY, LIB
 
 BASELINE = "baseline"
+# the site as written, issued by a template op: the GEMM whole, then the collective on the
+# priority stream, joined before the result is read; one op call that op graphs can replay
+WRITTEN_TEMPLATE = "priority_stream"
+WRITTEN_CONFIG = {"chunks": 1, "block_m": None, "block_n": None, "stages": None}
 c10d = torch.ops._c10d_functional
 
 
@@ -47,6 +54,9 @@ class BucketTable:
     buckets: tuple = ()
     timeout_ms: int = 10000
     gathered: bool = True
+    # "as written" buckets run the GEMM and the collective as WRITTEN_TEMPLATE's one-chunk form,
+    # which runtime.op_graphs replays from a CUDA graph (host-launched compiles with op graphs on)
+    replay_written: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
@@ -116,8 +126,9 @@ def clear_choices() -> None:
 
 
 def _choice(table_json: str, m: int, group_name: str) -> tuple[str, str | None, str]:
-    """(template, plan JSON, why) at this M; template "baseline" (plan None) where the bucket
-    says so or the template cannot take this M (why says which)."""
+    """(template, plan JSON, why) at this M; template "baseline" where the bucket says so or the
+    template cannot take this M (why says which), its plan WRITTEN_TEMPLATE's one-chunk plan
+    where the table replays the site as written and that template takes this M, else None."""
     key = (table_json, m, group_name)
     got = _choices.get(key)
     if got is None:
@@ -128,26 +139,35 @@ def _choice(table_json: str, m: int, group_name: str) -> tuple[str, str | None, 
 def _choose_at(table_json: str, m: int, group_name: str) -> tuple[str, str | None, str]:
     t = BucketTable.from_json(table_json)
     entry = choose(list(t.buckets), m)
-    name = entry["template"]
-    if name == BASELINE:
-        return BASELINE, None, "the bucket's choice"
+    why = "the bucket's choice"
+    if entry["template"] != BASELINE:
+        plan, problem = _plan_at(t, m, group_name, entry["template"], entry["config"])
+        if plan is not None:
+            return entry["template"], plan, why
+        why = problem
+    written = _plan_at(t, m, group_name, WRITTEN_TEMPLATE, WRITTEN_CONFIG)[0] if t.replay_written else None
+    return BASELINE, written, why
+
+
+def _plan_at(t: BucketTable, m: int, group_name: str, name: str, config: dict | None) -> tuple[str | None, str]:
+    """(``name``'s plan JSON for the site at this M, "") or (None, why that template cannot take it)."""
     from . import get_spec
 
     spec = get_spec(name)
     match = concrete_match(t, m, group_name, None, None, None)
     stripes = match.stripes if t.kind != "gemm_allreduce" else None
     if stripes is not None and stripes.rows != m:
-        return BASELINE, None, f"M={m} is not a multiple of the row stripes' {stripes.outer * t.world} x chunk"
+        return None, f"M={m} is not a multiple of the row stripes' {stripes.outer * t.world} x chunk"
     problem = spec.supports(match)
     if problem:
-        return BASELINE, None, problem
+        return None, problem
     try:
-        plan = spec.plan(match, fit_config(entry["config"], match, spec), t.timeout_ms)
+        plan = spec.plan(match, fit_config(config, match, spec), t.timeout_ms)
     except ValueError as e:
-        return BASELINE, None, str(e)
+        return None, str(e)
     if t.kind == "allgather_gemm" and not t.gathered:
         plan = dataclasses.replace(plan, gathered=False)
-    return name, plan.to_json(), "the bucket's choice"
+    return plan.to_json(), ""
 
 
 def concrete_match(t: BucketTable, m: int, group_name: str, a: Any, b: Any, bias: Any) -> Any:
@@ -180,7 +200,9 @@ def run_gemm_collective(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     m = a.shape[0]
     name, plan_json, _ = _choice(table, m, group_name)
     if name == BASELINE:
-        return _baseline_gemm_collective(t, a, b, bias, group_name, m)
+        if plan_json is None:
+            return _baseline_gemm_collective(t, a, b, bias, group_name, m)
+        name = WRITTEN_TEMPLATE
     op = _as_emitted(name, "gemm_collective")
     if op is not None:
         rows = op(a, b, bias, group_name, plan_json)
@@ -199,7 +221,9 @@ def run_allgather_gemm(shard: torch.Tensor, bs: list[torch.Tensor], biases: list
     m = shard.shape[0] * t.world
     name, plan_json, _ = _choice(table, m, group_name)
     if name == BASELINE:
-        return _baseline_allgather_gemm(t, shard, bs, biases, group_name, m)
+        if plan_json is None:
+            return _baseline_allgather_gemm(t, shard, bs, biases, group_name, m)
+        name = WRITTEN_TEMPLATE
     op = _as_emitted(name, "allgather_gemm")
     if op is not None:
         outs = op(shard.reshape(m // t.world, t.k), bs, biases, group_name, plan_json)

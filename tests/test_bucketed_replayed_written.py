@@ -1,0 +1,93 @@
+"""A symbolic site's "as written" bucket, with the table's ``replay_written`` on, runs as
+priority_stream's one-chunk op (the op runtime.op_graphs replays on GPUs) and gives what the GEMM
+then the collective give: every kind, interleaved row stripes and an M that is no multiple of a
+tile. Off, the bucketed op launches the GEMM and the collective itself and calls no template op.
+CPU, gloo, world 2 (the template's reference path)."""
+from __future__ import annotations
+
+import pytest
+
+from overlap_compile.testing.multiprocess import run_distributed
+
+W, K, N = 2, 24, 40
+# (kind, row stripes' outer factor, M): M = 2 x 19 rows is no multiple of a tile or of 4
+CASES = [("gemm_reducescatter", 1, 38), ("gemm_reducescatter", 3, 42), ("gemm_allreduce", None, 38),
+         ("gemm_alltoall", 1, 38), ("allgather_gemm", 1, 38), ("allgather_gemm", 3, 42)]
+
+
+def _table(kind: str, outer: int | None, replay: bool):
+    from overlap_compile.templates.bucketed import BucketTable
+
+    buckets = ({"max_m": None, "template": "baseline", "config": None},)
+    if kind == "allgather_gemm":
+        return BucketTable(kind=kind, world=W, k=K, ns=(N, 8), has_bias=(True, False), outer=outer, buckets=buckets,
+                           replay_written=replay)
+    return BucketTable(kind=kind, world=W, k=K, n=N, reduce_op=None if kind == "gemm_alltoall" else "sum",
+                       has_bias=False, outer=outer, buckets=buckets, replay_written=replay)
+
+
+def _expected(kind: str, outer: int | None, m: int, a_all, b):
+    """The site as written, computed from every rank's operands on one rank."""
+    import torch
+
+    rank = torch.distributed.get_rank()
+    ys = [a @ b for a in a_all]
+    if kind == "gemm_allreduce":
+        return sum(ys)
+    if kind == "gemm_alltoall":  # rank r receives every rank's r-th block of rows, in rank order
+        return torch.cat([y.chunk(W)[rank] for y in ys])
+    total = sum(ys)  # reduce-scatter: stripes of [outer, W, chunk] rows, rank r's in its slot
+    return total.view(outer, W, m // (outer * W), N)[:, rank].reshape(m // W, N)
+
+
+def _check(kind: str, outer: int | None, m: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from overlap_compile import templates
+    from overlap_compile.templates.bucketed import run_allgather_gemm, run_gemm_collective
+
+    templates.load_all_ops()
+    rank, group = dist.get_rank(), dist.group.WORLD.group_name
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "overlap_compile":
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    out: dict = {}
+    for replay in (True, False):  # every rank draws every rank's operands: the same on all
+        gen = torch.Generator().manual_seed(100)
+        if kind == "allgather_gemm":
+            rows = m // W
+            shards = [torch.randn(rows, K, generator=gen) for _ in range(W)]
+            bs = [torch.randn(K, N, generator=gen), torch.randn(K, 8, generator=gen)]
+            biases = [torch.randn(N, generator=gen), None]
+            with Ops() as ops:
+                got = run_allgather_gemm(shards[rank], bs, biases, group, _table(kind, outer, replay).to_json())
+            full = torch.cat(shards).view(W, outer, rows // outer, K).transpose(0, 1).reshape(m, K)
+            want = [full, full @ bs[0] + biases[0], full @ bs[1]]
+            err = max((g - w).abs().max().item() for g, w in zip(got, want))
+        else:
+            a_all = [torch.randn(m, K, generator=gen) for _ in range(W)]
+            b = torch.randn(K, N, generator=gen)
+            with Ops() as ops:
+                got = run_gemm_collective(a_all[rank], b, None, group, _table(kind, outer, replay).to_json())
+            err = (got - _expected(kind, outer, m, a_all, b)).abs().max().item()
+        out[replay] = {"err": err, "ops": ops.names}
+    return out
+
+
+@pytest.mark.parametrize("kind,outer,m", CASES, ids=[f"{k}-outer{o}-m{m}" for k, o, m in CASES])
+def test_as_written_bucket_runs_as_the_replayed_op(kind, outer, m):
+    for got in run_distributed(_check, world_size=W, args=(kind, outer, m), timeout_s=240):
+        what = "allgather_gemm" if kind == "allgather_gemm" else "gemm_collective"
+        assert got[True]["ops"] == [f"priority_stream_{what}"], got[True]["ops"]
+        assert got[False]["ops"] == [], got[False]["ops"]
+        assert got[True]["err"] < 1e-4 and got[False]["err"] < 1e-4, got
