@@ -71,11 +71,12 @@ class Options:
     # made beside the rewritten one (row_dispatch.py): the bucketed ops' host time, not their GPU
     # time, is what a decode-sized call would lose
     whole_graph_as_written: bool = True
-    # host-launched dynamic compiles: a bucket whose choice is "as written" issues the GEMM and
-    # the collective as priority_stream's one-chunk form, so runtime.op_graphs replays the pair
-    # from a CUDA graph (one launch in place of the GEMM's and c10d's host work); off: the GEMM,
-    # then the collective, launched from Python at every call (templates/bucketed.py)
-    replay_written_buckets: bool = True
+    # host-launched compiles with op_graphs on: a site run as written (a symbolic site's "as
+    # written" bucket; in an inference graph, a site the decision kept) issues the GEMM and the
+    # collective as priority_stream's one-chunk op, which runtime.op_graphs replays from a CUDA
+    # graph: one launch in place of the GEMM's and c10d's host work (templates/bucketed.py,
+    # passes/replay_kept.py); off: as Inductor (or the bucketed op's Python) launches them
+    replay_written: bool = True
     # a site whose decision lies within the model's error (its predicted gain within the error
     # of min_speedup, or a rival template predicted within the error of the chosen one) is timed
     # once on its group (GPU groups only) and decided by the measured gain (passes/settle.py)

@@ -14,7 +14,7 @@ first of ``--hint`` (a prefill length, as e2e_dynamic compiles), all alive in on
     overlap-no-defer    the same with defer_compute off (Inductor's peak-memory reordering on)
     overlap-op-every-call  the same with whole_graph_as_written off: no torch.compile graph for the
                         M every rewritten site runs as written (row_dispatch.py), the ops run at every M
-    overlap-written-direct  the same with replay_written_buckets off: an "as written" bucket launches
+    overlap-written-direct  the same with replay_written off: an "as written" bucket launches
                         the GEMM and the collective from Python instead of a replayed op
 
 Per (variant, length): the paired medians (variant, reference), their ratio (reference / variant:

@@ -38,7 +38,7 @@ VARIANTS = ("default", "overlap", "overlap-as-written", "overlap-no-defer", "ove
 # bucketed ops run at every M)
 VARIANT_OPTIONS = {"overlap-no-defer": {"defer_compute": False},
                    "overlap-op-every-call": {"whole_graph_as_written": False},
-                   "overlap-written-direct": {"replay_written_buckets": False}}
+                   "overlap-written-direct": {"replay_written": False}}
 
 
 def role(name: str) -> str:

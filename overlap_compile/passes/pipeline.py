@@ -4,6 +4,7 @@ compute under them (defer_compute.py), run on the high-priority stream (prioriti
 record of what happened."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
@@ -19,6 +20,7 @@ from .graph_utils import size_reads_after_waits
 from .matches import dtype_name
 from .moe_scatter import scatter_moe_buffers
 from .prioritize import prioritize_deferred
+from . import replay_kept
 from .rewrite import rewrite
 
 
@@ -55,9 +57,12 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
         profile = predictor.load_profile(options.profile)
         profile_name = getattr(profile, "name", None)
     decisions = decide(matches, options, profile, graph=graph)
+    kept = _replayed_kept(graph, decisions, options)
+    decisions = [dataclasses.replace(d, reason=d.reason + replay_kept.NOTE) if id(d.match) in kept else d
+                 for d in decisions]
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     as_written_up_to = as_written_limits(decisions, options.signal_timeout_ms)
-    rewrite(graph, decisions, options.signal_timeout_ms, replay_written=_replays_written(options))
+    rewrite(graph, decisions, options.signal_timeout_ms, replay_written=_replays_written(options), replay_kept=kept)
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferrals = defer_independent_compute(graph) if options.moves_compute else []
     prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
@@ -118,4 +123,14 @@ def _replays_written(options: Options) -> bool:
     (under CUDA graphs a replay costs no host time) with op graphs on."""
     from ..predictor import launch_mode
 
-    return options.replay_written_buckets and options.op_graphs and launch_mode() == "eager"
+    return options.replay_written and options.op_graphs and launch_mode() == "eager"
+
+
+def _replayed_kept(graph: fx.Graph, decisions: list[Decision], options: Options) -> dict:
+    """id(match) -> priority_stream's one-chunk plan, for each static site kept as written that
+    passes/replay_kept.py replays in this graph."""
+    if not decisions or not replay_kept.applies(graph, options):
+        return {}
+    plans = {id(d.match): replay_kept.written_plan(d.match, options.signal_timeout_ms) for d in decisions
+             if not d.rewrites and getattr(d.match, "rows", None) is None}
+    return {k: p for k, p in plans.items() if p is not None}

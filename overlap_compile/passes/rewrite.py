@@ -26,12 +26,18 @@ from .matches import AllGatherGemmMatch, GemmThenCollective, MoeBackwardMatch, M
 from .rewrite_moe_backward import rewrite_moe_backward
 
 
-def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, replay_written: bool = False) -> int:
+def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, replay_written: bool = False,
+            replay_kept: dict | None = None) -> int:
     """Apply every rewriting decision; return how many sites were rewritten. ``replay_written``:
-    symbolic sites' "as written" buckets run as an op that op graphs replay (templates/bucketed.py)."""
+    symbolic sites' "as written" buckets run as an op that op graphs replay (templates/bucketed.py);
+    ``replay_kept``: id(match) -> plan of the kept sites run as that op (passes/replay_kept.py),
+    not counted."""
     done = 0
     for d in decisions:
         if not d.rewrites:
+            plan = (replay_kept or {}).get(id(d.match))
+            if plan is not None:
+                _rewrite_site(graph, d.match, templates.get_spec(plan.template), plan)
             continue
         if getattr(d.match, "rows", None) is not None:  # symbolic row count (passes/symbolic_rewrite.py)
             from .symbolic_rewrite import rewrite_bucketed
@@ -40,22 +46,25 @@ def rewrite(graph: fx.Graph, decisions: list[Decision], timeout_ms: int, replay_
             done += 1
             continue
         spec = templates.get_spec(d.template)
-        plan = spec.plan(d.match, d.config, timeout_ms)
-        if isinstance(d.match, AllGatherGemmMatch):
-            _rewrite_allgather_gemm(graph, spec, d.match, plan)
-        elif isinstance(d.match, MoeBackwardMatch):  # before its base class, MoeSectionMatch
-            rewrite_moe_backward(graph, d.match, plan, after_inputs)
-        elif isinstance(d.match, MoeSectionMatch):
-            _rewrite_moe(graph, d.match, plan)
-        else:
-            _rewrite_gemm_collective(graph, spec, d.match, plan)
+        _rewrite_site(graph, d.match, spec, spec.plan(d.match, d.config, timeout_ms))
         done += 1
-    if done:
+    if done or replay_kept:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         stable_topological_sort(graph)
         graph.lint()
     return done
+
+
+def _rewrite_site(graph: fx.Graph, match, spec, plan) -> None:
+    if isinstance(match, AllGatherGemmMatch):
+        _rewrite_allgather_gemm(graph, spec, match, plan)
+    elif isinstance(match, MoeBackwardMatch):  # before its base class, MoeSectionMatch
+        rewrite_moe_backward(graph, match, plan, after_inputs)
+    elif isinstance(match, MoeSectionMatch):
+        _rewrite_moe(graph, match, plan)
+    else:
+        _rewrite_gemm_collective(graph, spec, match, plan)
 
 
 def _rewrite_gemm_collective(graph: fx.Graph, spec, m: GemmThenCollective, plan) -> None:
