@@ -238,17 +238,19 @@ def run_allgather_gemm(shard: torch.Tensor, bs: list[torch.Tensor], biases: list
 
 @functools.lru_cache(maxsize=None)
 def _as_emitted(template: str, what: str) -> Any:
-    """The template's op where its spec emits the site as TemplateSpec does (the op alone on the
-    site's operands and the plan text), called directly: building the site's match and emitting
-    it cost the host more than the op's own dispatch on every call. None where the spec emits
-    its own way (signal_reorder's reduce-scatter forms). Once per (template, op)."""
+    """The template op's Python kernel where its spec emits the site as TemplateSpec does (the op
+    alone on the site's operands and the plan text), called directly: building the site's match
+    and emitting it, or a second trip through the dispatcher, cost the host more on every call.
+    None where the spec emits its own way (signal_reorder's reduce-scatter forms). Once per
+    (template, op)."""
     from . import get_spec
-    from .base import TemplateSpec
+    from .base import KERNELS, TemplateSpec
 
     emitter = f"emit_{what}"
     if getattr(type(get_spec(template)), emitter) is not getattr(TemplateSpec, emitter):
         return None
-    return getattr(torch.ops.overlap_compile, f"{template}_{what}").default
+    name = f"{template}_{what}"
+    return KERNELS.get(name) or getattr(torch.ops.overlap_compile, name).default
 
 
 def _baseline_gemm_collective(t: BucketTable, a, b, bias, group_name: str, m: int) -> torch.Tensor:
