@@ -5,8 +5,6 @@ tile. Off, the bucketed op launches the GEMM and the collective itself and calls
 CPU, gloo, world 2 (the template's reference path)."""
 from __future__ import annotations
 
-import pytest
-
 from overlap_compile.testing.multiprocess import run_distributed
 
 W, K, N = 2, 24, 40
@@ -40,21 +38,16 @@ def _expected(kind: str, outer: int | None, m: int, a_all, b):
     return total.view(outer, W, m // (outer * W), N)[:, rank].reshape(m // W, N)
 
 
-def _check(kind: str, outer: int | None, m: int) -> dict:
+def _check(kind: str, outer: int | None, m: int, called: list[str]) -> dict:
+    """Run on every rank: the bucketed op on the case with replay_written on and off; its error
+    against the site as written and the template kernels it called (``called``, filled by the
+    wrappers _check_all puts around them)."""
     import torch
     import torch.distributed as dist
 
-    from overlap_compile import templates
-    from overlap_compile.templates import base, bucketed
     from overlap_compile.templates.bucketed import run_allgather_gemm, run_gemm_collective
 
-    templates.load_all_ops()
     rank, group = dist.get_rank(), dist.group.WORLD.group_name
-    called: list[str] = []  # the template ops' kernels the bucketed op called (directly, not dispatched)
-    for name, kernel in list(base.KERNELS.items()):
-        base.KERNELS[name] = lambda *a, _k=kernel, _n=name: (called.append(_n), _k(*a))[1]
-    bucketed._as_emitted.cache_clear()
-
     out: dict = {}
     for replay in (True, False):  # every rank draws every rank's operands: the same on all
         gen = torch.Generator().manual_seed(100)
@@ -78,10 +71,25 @@ def _check(kind: str, outer: int | None, m: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind,outer,m", CASES, ids=[f"{k}-outer{o}-m{m}" for k, o, m in CASES])
-def test_as_written_bucket_runs_as_the_replayed_op(kind, outer, m):
-    for got in run_distributed(_check, world_size=W, args=(kind, outer, m), timeout_s=240):
-        what = "allgather_gemm" if kind == "allgather_gemm" else "gemm_collective"
-        assert got[True]["ops"] == [f"priority_stream_{what}"], got[True]["ops"]
-        assert got[False]["ops"] == [], got[False]["ops"]
-        assert got[True]["err"] < 1e-4 and got[False]["err"] < 1e-4, got
+def _check_all() -> dict:
+    """Every case in one pair of processes (a spawn costs seconds), each template op's kernel
+    wrapped once to record that the bucketed op called it (directly, not through the dispatcher)."""
+    from overlap_compile import templates
+    from overlap_compile.templates import base, bucketed
+
+    templates.load_all_ops()
+    called: list[str] = []
+    for name, kernel in list(base.KERNELS.items()):
+        base.KERNELS[name] = lambda *a, _k=kernel, _n=name: (called.append(_n), _k(*a))[1]
+    bucketed._as_emitted.cache_clear()
+    return {case: _check(*case, called) for case in CASES}
+
+
+def test_as_written_bucket_runs_as_the_replayed_op():
+    for results in run_distributed(_check_all, world_size=W, timeout_s=300):
+        for (kind, outer, m), got in results.items():
+            what = "allgather_gemm" if kind == "allgather_gemm" else "gemm_collective"
+            case = f"{kind} outer={outer} M={m}"
+            assert got[True]["ops"] == [f"priority_stream_{what}"], (case, got[True]["ops"])
+            assert got[False]["ops"] == [], (case, got[False]["ops"])
+            assert got[True]["err"] < 1e-4 and got[False]["err"] < 1e-4, (case, got)

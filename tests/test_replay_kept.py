@@ -21,6 +21,7 @@ def _graphs_with(on_gpu: bool, option: bool) -> dict:
     import overlap_compile as oc
     from overlap_compile.passes import replay_kept
 
+    real = replay_kept.on_gpu
     if on_gpu:
         replay_kept.on_gpu = lambda match: True
     group, rank = dist.group.WORLD.group_name, dist.get_rank()
@@ -45,22 +46,28 @@ def _graphs_with(on_gpu: bool, option: bool) -> dict:
             "kept": sum(s.template == "baseline" for r in report.records for s in r.sites),
             "err": (y - ref).abs().max().item(),
         }
+    replay_kept.on_gpu = real
     return out
 
 
-def test_inference_graph_replays_kept_sites():
-    for r in run_distributed(_graphs_with, world_size=2, args=(True, True), timeout_s=300):
-        inf, train = r["inference"], r["train"]
+CONFIGS = ((True, True), (True, False), (False, True))  # (sites taken as on a GPU, option on)
+
+
+def _all_configs() -> dict:
+    """Every configuration in one pair of processes (a spawn costs seconds)."""
+    return {c: _graphs_with(*c) for c in CONFIGS}
+
+
+def test_inference_graph_replays_kept_sites_and_nothing_else():
+    for r in run_distributed(_all_configs, world_size=2, timeout_s=400):
+        inf, train = r[(True, True)]["inference"], r[(True, True)]["train"]
         assert inf["ops"] == ["priority_stream_allgather_gemm", "priority_stream_gemm_collective"], inf
         assert inf["kept"] == inf["noted"] == 2, inf  # the Report keeps them "baseline", with the note
         assert inf["err"] < 1e-4, inf
         assert train["ops"] == [] and train["noted"] == 0 and train["kept"] == 4, train
         assert train["err"] < 1e-4, train
-
-
-def test_option_off_or_off_gpu_keeps_sites_as_inductor_runs_them():
-    for args in ((True, False), (False, True)):
-        for r in run_distributed(_graphs_with, world_size=2, args=args, timeout_s=300):
+        for config in ((True, False), (False, True)):  # the option off; sites not on a GPU
             for phase in ("inference", "train"):
-                assert r[phase]["ops"] == [] and r[phase]["noted"] == 0, (args, phase, r[phase])
-                assert r[phase]["err"] < 1e-4, (args, phase, r[phase])
+                got = r[config][phase]
+                assert got["ops"] == [] and got["noted"] == 0, (config, phase, got)
+                assert got["err"] < 1e-4, (config, phase, got)
