@@ -62,7 +62,7 @@ def run_on_graph(graph: fx.Graph, options: Options, graph_name: str | None = Non
                  for d in decisions]
     sites = [_site_report(d, name) for d in decisions]  # before rewrite: node names still valid
     as_written_up_to = as_written_limits(decisions, options.signal_timeout_ms)
-    rewrite(graph, decisions, options.signal_timeout_ms, replay_written=_replays_written(options), replay_kept=kept)
+    rewrite(graph, decisions, options.signal_timeout_ms, replay_written=replay_kept.replays(options), replay_kept=kept)
     buffers = scatter_moe_buffers(graph, matches) if options.fills_moe_buffers else []
     deferrals = defer_independent_compute(graph) if options.moves_compute else []
     prioritized = prioritize_deferred(graph, deferrals) if options.prioritizes_deferred else []
@@ -116,14 +116,6 @@ def _short(config: dict) -> str:
         return "-".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
     return "[" + ",".join(f"{k}={fmt(v)}" for k, v in sorted(config.items())) + "]" if config else ""
-
-
-def _replays_written(options: Options) -> bool:
-    """Whether symbolic sites' "as written" buckets run as a replayed op: host-launched graphs
-    (under CUDA graphs a replay costs no host time) with op graphs on."""
-    from ..predictor import launch_mode
-
-    return options.replay_written and options.op_graphs and launch_mode() == "eager"
 
 
 def _replayed_kept(graph: fx.Graph, decisions: list[Decision], options: Options) -> dict:

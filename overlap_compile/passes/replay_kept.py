@@ -25,12 +25,18 @@ from ..config import Options
 from .matches import Match
 
 
-def applies(graph: fx.Graph, options: Options) -> bool:
-    """Whether this graph's kept sites are replayed: host-launched, op graphs on, an inference graph."""
+def replays(options: Options) -> bool:
+    """Whether sites run as written may run as the replayed op: ``replay_written`` and op graphs
+    on, host-launched (under CUDA graphs a replay costs no host time). Symbolic sites' "as
+    written" buckets follow this alone (BucketTable.replay_written)."""
     from ..predictor import launch_mode
 
-    return (options.replay_written and options.op_graphs and launch_mode() == "eager"
-            and options.force_template is None and is_inference(graph))
+    return options.replay_written and options.op_graphs and launch_mode() == "eager"
+
+
+def applies(graph: fx.Graph, options: Options) -> bool:
+    """Whether this graph's kept static sites are replayed: ``replays``, nothing forced, an inference graph."""
+    return replays(options) and options.force_template is None and is_inference(graph)
 
 
 def is_inference(graph: fx.Graph) -> bool:
