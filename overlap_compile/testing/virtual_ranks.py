@@ -7,7 +7,8 @@ concurrency, on a machine with one GPU (tests only).
 Symmetric buffers become W ordinary buffers with one address table, so a rank's pushes, pulls and
 flag writes reach its "peers" as on a real group. Per-device state (comm and copy streams,
 op_graphs' capture stream and pool, moe_fused's expert counters) is kept per rank; the group
-answers ``rank()`` / ``size()``; plan agreement and the first-call barrier are skipped. Shows
+answers ``rank()`` / ``size()``; each rank's persistent grids take 1/W of the SMs; plan agreement
+and the first-call barrier are skipped. Shows
 flag/data pairing and call interleaving, replays included; not ordering across NVLink.
 """
 from __future__ import annotations
@@ -185,6 +186,11 @@ def virtual_ranks(world: int, device: torch.device):
     def high_priority_stream(dev):
         return mine(("stream", "comm"), lambda: torch.cuda.Stream(dev, priority=greatest))
 
+    # each rank's persistent grids get its share of the SMs, as each rank of a real group has a GPU
+    # of its own: sized to the whole GPU, one rank's CTAs spinning on a peer's flags could hold
+    # every SM, and the peer's kernel that would set them could not start before the bound
+    sm_share = max(1, torch.cuda.get_device_properties(device).multi_processor_count // world)
+
     with contextlib.ExitStack() as stack:
         torch.cuda.synchronize(device)
         rt, tf = "overlap_compile.runtime", "overlap_compile.templates.tile_fused"
@@ -201,6 +207,7 @@ def virtual_ranks(world: int, device: torch.device):
             (tf, "_comm_stream", high_priority_stream),
             (tf, "_zeros_cached", zeros_cached),
             (tf, "_first_call", lambda key, pg, dev, body: None),
+            (tf, "_num_sms", lambda dev: sm_share),
             ("overlap_compile.templates.moe_fused.kernels", "_counters", moe_counters),
             (f"{rt}.op_graphs", "_side_stream", lambda dev: mine(("stream", "capture"), lambda: torch.cuda.Stream(dev))),
             (f"{rt}.op_graphs", "_pool", lambda dev: mine(("pool",), torch.cuda.graph_pool_handle)),
