@@ -1,6 +1,14 @@
 import pytest
 import torch
 
+from overlap_compile.testing.multiprocess import keep_ranks_between_runs
+
+
+def pytest_configure(config):
+    """Multi-rank CPU tests run on gloo ranks kept between tests (testing/multiprocess.py): a
+    rank's start-up (Python, torch, the process group) costs seconds, paid once per world size."""
+    keep_ranks_between_runs()
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip (with the reason shown) on machines without enough CUDA devices."""

@@ -8,6 +8,8 @@ configuration are the static decision's, host-launch pacing included. Nothing is
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -46,10 +48,11 @@ class _SPBlock(torch.nn.Module):
         return h + rs(torch.nn.functional.silu(gu[:, :self.ffn]) * gu[:, self.ffn:] @ self.w2)
 
 
-def _plan(sizes: dict, world: int, rows: int, dynamic: bool, mode: str, profile: str):
+def _plan_now(block: str, rows: int, dynamic: bool, mode: str, profile: str):
     import overlap_compile as oc
     from overlap_compile.testing.fake_group import fake_process_group
 
+    sizes, world = BLOCKS[block]
     torch._dynamo.reset()
     with fake_process_group(world) as group:
         block = _SPBlock(group, world, **sizes).to("meta", torch.bfloat16)
@@ -60,38 +63,26 @@ def _plan(sizes: dict, world: int, rows: int, dynamic: bool, mode: str, profile:
             return oc.plan(block, x, backward=False, mode=mode, profile=profile)
 
 
+# the plans of the unpatched pipeline: read, never changed, so the tests share them
+_plan = functools.lru_cache(maxsize=None)(_plan_now)
+
 # Llama-3-8B at W=2 (GQA: 32 query heads, 8 key/value heads of 128) and a 70B-wide block at W=4
 BLOCKS = {"8b-w2": ({"hidden": 4096, "q": 4096, "kv": 1024, "ffn": 14336}, 2),
           "70b-w4": ({"hidden": 8192, "q": 8192, "kv": 1024, "ffn": 28672}, 4)}
-
-
-class _StaticPlans:
-    """Static plans of a block, one per M, made once."""
-
-    def __init__(self, block: str, mode: str, profile: str) -> None:
-        self.sizes, self.world = BLOCKS[block]
-        self.mode, self.profile, self.plans = mode, profile, {}
-
-    def __call__(self, m: int):
-        if m not in self.plans:
-            self.plans[m] = _plan(self.sizes, self.world, m, False, self.mode, self.profile)
-        return self.plans[m]
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_bucket_choice_is_the_static_decision_at_its_m(block, profile, mode):
-    sizes, world = BLOCKS[block]
-    dyn = _plan(sizes, world, 2048, True, mode, profile)
+    dyn = _plan(block, 2048, True, mode, profile)
     assert len(dyn.sites) == 4 and all(s.buckets for s in dyn.sites), dyn
-    static = _StaticPlans(block, mode, profile)
     checked = 0
     for i, d in enumerate(dyn.sites):
         for b in d.buckets:
             if b["at"] < 512 or "is priced least" in b["reason"]:  # held over its three M (_held)
                 continue
-            s = static(b["at"]).sites[i]
+            s = _plan(block, b["at"], False, mode, profile).sites[i]
             assert s.kind == d.kind and s.gemms[0][1:] == d.gemms[0][1:], (s, d)
             assert (b["template"], b["config"]) == (s.template, s.config), (
                 f"{block} {profile} {mode} M={b['at']} {s.kind} {s.gemms}: bucket {b['template']} {b['config']} "
@@ -109,9 +100,8 @@ def test_a_bucket_rewrite_is_not_priced_slower_across_its_bucket(block, mode):
     chosen at 512 and 2048 that lose there."""
     from overlap_compile.passes.pipeline import _short
 
-    sizes, world = BLOCKS[block]
-    dyn = _plan(sizes, world, 2048, True, mode, "h200")
-    static = _StaticPlans(block, mode, "h200")
+    world = BLOCKS[block][1]
+    dyn = _plan(block, 2048, True, mode, "h200")
     checked = 0
     for i, d in enumerate(dyn.sites):
         for b in d.buckets:
@@ -119,7 +109,7 @@ def test_a_bucket_rewrite_is_not_priced_slower_across_its_bucket(block, mode):
                 continue
             label = f"{b['template']}{_short(b['config'])}" if b["config"] else b["template"]
             ends = {b["lo"], b["hi"] // world * world} - {b["at"]}
-            priced = {m: static(m).sites[i].predicted_ms for m in ends | {b["at"]}}
+            priced = {m: _plan(block, m, False, mode, "h200").sites[i].predicted_ms for m in ends | {b["at"]}}
             assert all(p.get(label) is not None for p in priced.values()), (label, priced)
             if all(priced[m][label] <= priced[m]["baseline"] for m in ends):
                 checked += 1
@@ -191,13 +181,11 @@ def test_a_bucket_measured_otherwise_than_its_ends_are_priced_is_cut(monkeypatch
 
     limit = 2560
     monkeypatch.setattr(settle, "settle", _measured_as_written_up_to(limit))
-    sizes, world = BLOCKS["8b-w2"]
-    dyn = _plan(sizes, world, 2048, True, "reduce-overhead", "h100")
-    static = _StaticPlans("8b-w2", "reduce-overhead", "h100")
+    dyn = _plan_now("8b-w2", 2048, True, "reduce-overhead", "h100")
     for m in (3000, 4096):
         for i, d in enumerate(dyn.sites):
             b = next(b for b in d.buckets if b["lo"] <= m and (b["hi"] is None or m <= b["hi"]))
-            s = static(b["at"]).sites[i]
+            s = _plan_now("8b-w2", b["at"], False, "reduce-overhead", "h100").sites[i]
             assert "measured" not in b["reason"] and (b["template"], b["config"]) == (s.template, s.config), (
                 f"M={m} {d.kind}: bucket ({b['lo']}, {b['hi']}] at {b['at']} {b['template']} ({b['reason']}) "
                 f"vs static {s.template} ({s.reason})")
@@ -222,9 +210,8 @@ def test_a_bucket_end_timed_otherwise_than_its_representative_is_cut(monkeypatch
     settle.clear_cache()
     monkeypatch.setattr(exhaustive, "_measure_hook", timed)
     try:
-        sizes, world = BLOCKS["8b-w2"]
-        dyn = _plan(sizes, world, 2048, True, "reduce-overhead", "h100")
-        static = _StaticPlans("8b-w2", "reduce-overhead", "h100")(2048)
+        dyn = _plan_now("8b-w2", 2048, True, "reduce-overhead", "h100")
+        static = _plan_now("8b-w2", 2048, False, "reduce-overhead", "h100")
     finally:
         settle.clear_cache()
     timed_there = 0

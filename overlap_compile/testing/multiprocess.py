@@ -10,12 +10,22 @@ A rank reports its result after a barrier and *before* tearing its process group
 collectives captured in a CUDA graph (mode="reduce-overhead"), ``destroy_process_group`` can hang
 (pytorch/pytorch#115388, seen here after the last case of a test and at the end of an e2e run), so
 the results are in hand and a rank still stuck in teardown a few seconds later is killed.
+
+A test suite pays process start-up (Python, importing torch and the library: seconds per rank) on
+every run. ``keep_ranks_between_runs()`` (tests/conftest.py) keeps W gloo ranks alive between runs
+instead, which import once and fork a child per run: each run still has a process, a group and a
+store of its own and the library's state as imported, but not the imports' cost. A run that fails
+or times out stops the kept ranks, and the next run starts fresh ones. Runs with ``env``, over NCCL or with ``reuse=False`` always
+start their own processes.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing as mp
 import os
+import queue as queue_mod
+import time
 import socket
 import traceback
 from typing import Any, Callable
@@ -70,8 +80,14 @@ def _worker(rank: int, world: int, port: int, backend: str, target: str, args: t
 
 
 def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
-                    backend: str = "gloo", timeout_s: float = 300, env: dict | None = None) -> list[Any]:
+                    backend: str = "gloo", timeout_s: float = 300, env: dict | None = None,
+                    reuse: bool | None = None) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank; the ranks' return values in rank order. ``reuse``:
+    run on ranks kept between runs (None: as ``keep_ranks_between_runs`` set it; never with
+    ``env`` or over NCCL)."""
     target = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
+    if (_keep_ranks if reuse is None else reuse) and not env and backend == "gloo":
+        return _kept_ranks(world_size).run(target, args, kwargs or {}, timeout_s)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -84,38 +100,154 @@ def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), k
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import queue as queue_mod
-    import time
-
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(results) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DistributedFailure(
-                    f"{target}: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not finish "
-                    f"within {timeout_s:.0f}s" + (f"; errors so far: {errors}" if errors else "")
-                )
-            try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in errors]
-                if dead:
-                    errors.update({i: f"process exited with code {procs[i].exitcode}" for i in dead})
-                continue
-            (results if ok else errors)[rank] = payload
-            if errors:
-                break  # other ranks may now hang in a collective: stop them
+        _collect(target, procs, queue, timeout_s, results, errors)
     finally:
         for p in procs:
             p.join(timeout=TEARDOWN_S if not errors else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
+    return _returned(target, results, errors)
+
+
+def _collect(target: str, procs: list, queue: Any, timeout_s: float, results: dict, errors: dict) -> None:
+    """Fill ``results`` / ``errors`` (rank -> payload) from ``queue`` until every rank reported or
+    one failed (the others may now wait in a collective it will never join); a rank whose process
+    died is an error; past ``timeout_s`` raises DistributedFailure naming the ranks still out."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistributedFailure(
+                f"{target}: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not finish "
+                f"within {timeout_s:.0f}s" + (f"; errors so far: {errors}" if errors else "")
+            )
+        try:
+            rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in errors]
+            if dead:
+                errors.update({i: f"process exited with code {procs[i].exitcode}" for i in dead})
+            continue
+        (results if ok else errors)[rank] = payload
+        if errors:
+            return
+
+
+def _returned(target: str, results: dict, errors: dict) -> list[Any]:
     if errors:
         first = min(errors)
         raise DistributedFailure(f"{target} failed on rank {first}:\n{errors[first]}")
-    return [results[r] for r in range(world_size)]
+    return [results[r] for r in range(len(results))]
+
+
+# ---- ranks kept between runs (test suites) ------------------------------------------------------
+
+_keep_ranks = False
+_kept: dict[int, "_KeptRanks"] = {}
+
+
+def keep_ranks_between_runs(on: bool = True) -> None:
+    """Gloo runs without ``env`` reuse W processes per world size from now on (``on``), or start
+    their own again (the kept ones are stopped)."""
+    global _keep_ranks
+    _keep_ranks = on
+    if not on:
+        stop_kept_ranks()
+
+
+def stop_kept_ranks() -> None:
+    for ranks in list(_kept.values()):
+        ranks.stop()
+
+
+def _kept_ranks(world_size: int) -> "_KeptRanks":
+    ranks = _kept.get(world_size)
+    if ranks is None:
+        ranks = _kept[world_size] = _KeptRanks(world_size)
+    return ranks
+
+
+def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
+    """A kept rank: imports once what every run imports, then forks one child per task that runs
+    it as ``_worker`` does in a process of its own (its own group and store, the library's state
+    as imported, its teardown), and waits for it. A child that dies before reporting is reported
+    here. Runs on Linux (fork, and the child dies with this process: PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    import torch  # noqa: F401 - imported once, here, for every child
+    import overlap_compile  # noqa: F401
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        port, target, args, kwargs = task
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: stopping the kept rank stops its run
+                _worker(rank, world, port, "gloo", target, args, kwargs, queue, {})
+                queue.close()
+                queue.join_thread()  # the report is written before the child leaves
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            queue.put((rank, False, f"process exited with status {status} before it reported"))
+
+
+class _KeptRanks:
+    """W spawned ranks that run one target after another (``run``), each run in forked children."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_kept_worker, args=(r, world_size, self.tasks[r], self.queue),
+                                  daemon=False) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, target: str, args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
+        port = free_port()
+        for t in self.tasks:
+            t.put((port, target, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        try:
+            _collect(target, self.procs, self.queue, timeout_s, results, errors)
+        except BaseException:
+            self.stop(kill=True)
+            raise
+        if errors:
+            self.stop(kill=True)
+        return _returned(target, results, errors)
+
+    def stop(self, kill: bool = False) -> None:
+        """Ask the ranks to leave (``kill``: at once) and forget them; one still there after
+        TEARDOWN_S is killed."""
+        if _kept.get(len(self.procs)) is self:
+            del _kept[len(self.procs)]
+        if not kill:
+            for p, t in zip(self.procs, self.tasks):
+                if p.is_alive():
+                    t.put(None)
+        for p in self.procs:
+            p.join(timeout=TEARDOWN_S if not kill else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+atexit.register(stop_kept_ranks)
 
 
 def assert_no_gpu_failures(fn: Callable | str, world_size: int, args: tuple = (), timeout_s: float = 600,
