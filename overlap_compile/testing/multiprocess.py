@@ -15,8 +15,8 @@ A test suite pays process start-up (Python, importing torch and the library: sec
 every run. ``keep_ranks_between_runs()`` (tests/conftest.py) keeps W gloo ranks alive between runs
 instead, which import once and fork a child per run: each run still has a process, a group and a
 store of its own and the library's state as imported, but not the imports' cost. A run that fails
-or times out stops the kept ranks, and the next run starts fresh ones. Runs with ``env``, over NCCL or with ``reuse=False`` always
-start their own processes.
+or times out stops the kept ranks, and the next run starts fresh ones. Runs with ``env``, over
+NCCL, off Linux or with ``reuse=False`` start their own processes.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import importlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import time
 import socket
+import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -84,9 +85,9 @@ def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), k
                     reuse: bool | None = None) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank; the ranks' return values in rank order. ``reuse``:
     run on ranks kept between runs (None: as ``keep_ranks_between_runs`` set it; never with
-    ``env`` or over NCCL)."""
+    ``env``, over NCCL or off Linux)."""
     target = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
-    if (_keep_ranks if reuse is None else reuse) and not env and backend == "gloo":
+    if (_keep_ranks if reuse is None else reuse) and not env and backend == "gloo" and sys.platform == "linux":
         return _kept_ranks(world_size).run(target, args, kwargs or {}, timeout_s)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -178,7 +179,7 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
     import ctypes
     import signal
 
-    import torch  # noqa: F401 - imported once, here, for every child
+    import torch  # imported once, here, for every child
     import overlap_compile  # noqa: F401
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -187,6 +188,10 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
         if task is None:
             return
         port, target, args, kwargs = task
+        if torch.cuda.is_initialized():  # a forked child could not use CUDA
+            queue.put((rank, False, "a kept rank initialised CUDA before forking its run; run this one with "
+                                    "reuse=False"))
+            return
         pid = os.fork()
         if pid == 0:
             code = 0
