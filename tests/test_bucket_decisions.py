@@ -182,10 +182,11 @@ def test_a_bucket_measured_otherwise_than_its_ends_are_priced_is_cut(monkeypatch
     limit = 2560
     monkeypatch.setattr(settle, "settle", _measured_as_written_up_to(limit))
     dyn = _plan_now("8b-w2", 2048, True, "reduce-overhead", "h100")
+    static = functools.lru_cache(maxsize=None)(lambda at: _plan_now("8b-w2", at, False, "reduce-overhead", "h100"))
     for m in (3000, 4096):
         for i, d in enumerate(dyn.sites):
             b = next(b for b in d.buckets if b["lo"] <= m and (b["hi"] is None or m <= b["hi"]))
-            s = _plan_now("8b-w2", b["at"], False, "reduce-overhead", "h100").sites[i]
+            s = static(b["at"]).sites[i]
             assert "measured" not in b["reason"] and (b["template"], b["config"]) == (s.template, s.config), (
                 f"M={m} {d.kind}: bucket ({b['lo']}, {b['hi']}] at {b['at']} {b['template']} ({b['reason']}) "
                 f"vs static {s.template} ({s.reason})")
