@@ -43,7 +43,7 @@ class Match:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def signature(self) -> str:
         """Stable text that determines the decision: same on every rank of the group."""

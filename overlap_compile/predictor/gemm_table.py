@@ -60,6 +60,9 @@ class GemmModel:
     floor_ms: float
     table: tuple[tuple[int, int, int, str, str | None, float], ...]
     kernels: tuple[Kernel, ...]
+    # answers of ms() by (m, n, k, dtype, config): a decision prices the same GEMMs many times
+    # (every candidate, bucket and M), and each answer scans and interpolates the whole table
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def kernel(self, name: str | None) -> Kernel | None:
         for kern in self.kernels:
@@ -84,7 +87,13 @@ class GemmModel:
         return self.efficiency.get(dtype) or min(self.efficiency.values())
 
     def ms(self, m: int, n: int, k: int, dtype: str, config: str | None = None) -> float:
-        m, n, k = max(1, int(m)), max(1, int(n)), max(1, int(k))
+        key = (max(1, int(m)), max(1, int(n)), max(1, int(k)), dtype, config)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self._ms(*key)
+        return found
+
+    def _ms(self, m: int, n: int, k: int, dtype: str, config: str | None) -> float:
         for tm, tn, tk, td, tc, t in self.table:
             if (tm, tn, tk, td, tc) == (m, n, k, dtype, config):
                 return t

@@ -43,6 +43,7 @@ validates everything and raises ``ProfileError`` (file, field, problem); never a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -97,9 +98,10 @@ class HardwareProfile:
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- identity --------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """Hash of the profile's content: part of the decision cache key (two files may share a name)."""
+        """Hash of the profile's content: part of the decision cache key (two files may share a name).
+        Computed once: a profile is read-only once built."""
         text = json.dumps(self.raw, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

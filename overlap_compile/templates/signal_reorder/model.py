@@ -96,10 +96,11 @@ def sr_wave_ms(geo: WaveGeometry, profile: HardwareProfile) -> float:
 
 def sr_comm_fn(site: Site, geo: WaveGeometry, profile: HardwareProfile, ctx: Ctx) -> Callable[[int, int, bool], float]:
     tile_bytes = geo.block_m * geo.block_n * site.itemsize
+    waves = geo.waves
     memo: dict = {}
 
     def comm(a: int, b: int, last: bool) -> float:
-        key = (b - a, b == geo.waves, last, a == 0)
+        key = (b - a, b == waves, last, a == 0)
         if key not in memo:
             memo[key] = comm_call_ms(site, profile, geo.tiles_in(a, b) * tile_bytes, ctx, contended=not last,
                                      launch=a > 0)
