@@ -277,7 +277,7 @@ def forward(self, x_1, b_1):
     mul_2 = 2 * sym_size_int
     mul_3 = mul_2 * 2;  mul_2 = None
     view = torch.ops.aten.view.default(cat, [mul_3, 12]);  cat = mul_3 = None
-    bucketed_gemm_collective_default = torch.ops.overlap_compile.bucketed_gemm_collective.default(view, b_1, None, 'G', '{"buckets":[{"config":{"bidirectional":false,"slices":1,"transport":"nccl"},"max_m":null,"template":"p2p_ring"}],"chunk":null,"gathered":true,"has_bias":false,"k":12,"kind":"gemm_reducescatter","n":20,"ns":[],"outer":2,"reduce_op":"sum","replay_written":true,"timeout_ms":10000,"world":2}');  view = b_1 = None
+    bucketed_gemm_collective_default = torch.ops.overlap_compile.bucketed_gemm_collective.default(view, b_1, None, 'G', '{"buckets":[{"config":{"bidirectional":false,"slices":1,"transport":"nccl"},"max_m":32768,"template":"p2p_ring"},{"config":{"bidirectional":false,"slices":2,"transport":"nccl"},"max_m":null,"template":"p2p_ring"}],"chunk":null,"gathered":true,"has_bias":false,"k":12,"kind":"gemm_reducescatter","n":20,"ns":[],"outer":2,"reduce_op":"sum","replay_written":true,"timeout_ms":10000,"world":2}');  view = b_1 = None
     mul_4 = sym_size_int * 2;  mul_4 = None
     view_default = torch.ops.aten.view.default(bucketed_gemm_collective_default, [2, sym_size_int, 20]);  bucketed_gemm_collective_default = sym_size_int = None
     add = torch.ops.aten.add.Tensor(view_default, 1);  view_default = None

@@ -21,10 +21,10 @@ Each term the forecast adds up is shown beside what measures it:
   sites, no backward), the backward's against train - prefill (an estimate: the train step's
   forward gains what prefill gains); the deferred credit apart;
 - per site: template, predicted gain, the collective's price, the gain settle measured for the
-  site alone (passes/settle.py, where it did), and what the GEMM table says the split GEMM costs
-  beyond the whole one (``split_ms``: W x slices pieces of M / (W x slices) rows for p2p_ring,
-  ``chunks`` pieces for priority_stream; the templates' models price a slice at the whole GEMM's
-  rate instead, predictor.models.slice_ms);
+  site alone (passes/settle.py, where it did), and what the split GEMM costs beyond the whole one
+  as the models price it (``split_ms``: W x slices pieces for p2p_ring at predictor.models.slice_ms,
+  which diagnostics/split_gemm.py measured; ``chunks`` pieces for priority_stream at the GEMM
+  table's rows, as its model prices them);
 - the graph's first site (``first``): where a collective waits for the slowest rank to arrive.
 - collectives the bound replaced (``nocomm_replaced``) that are no site: communication the
   forecast does not see (in graphs, or eager outside them: "all_reduce (eager)").
@@ -79,7 +79,10 @@ def _chosen_config(site: dict) -> dict:
 
 
 def split_ms(site: dict, world: int, dtype: str, profile) -> float:
-    """What the GEMM table says the rewritten site's row pieces cost beyond its whole GEMM(s)."""
+    """What the rewritten site's row pieces cost beyond its whole GEMM(s), as its template's model
+    prices a piece."""
+    from overlap_compile.predictor.models import Site, slice_ms
+
     if profile is None or not site.get("rewritten") or not site.get("gemms"):
         return 0.0
     cfg = _chosen_config(site)
@@ -91,10 +94,12 @@ def split_ms(site: dict, world: int, dtype: str, profile) -> float:
         return 0.0  # tile-level templates run one kernel over the whole GEMM
     if pieces <= 1:
         return 0.0
-    extra = 0.0
-    for m, n, k in site["gemms"]:
-        extra += pieces * profile.gemm.ms(max(1, m // pieces), n, k, dtype) - profile.gemm.ms(m, n, k, dtype)
-    return extra
+    gemms = tuple(tuple(g) for g in site["gemms"])
+    whole = sum(profile.gemm.ms(m, n, k, dtype) for m, n, k in gemms)
+    if site.get("template") == "priority_stream":  # its model prices a chunk at the table's rows
+        return sum(pieces * profile.gemm.ms(max(1, m // pieces), n, k, dtype) for m, n, k in gemms) - whole
+    return pieces * slice_ms(Site(site.get("kind", "allgather_gemm"), gemms, world, dtype), profile,
+                             max(1, gemms[0][0] // pieces)) - whole
 
 
 def _site_rows(sites: list[dict], world: int, dtype: str, profile) -> list[dict]:

@@ -55,13 +55,15 @@ def at_rows(match: Match, m: int) -> Match:
     return dataclasses.replace(match, **kw)
 
 
-def _align(match: Match) -> int:
-    """Rows the prices repeat over: a whole cuBLAS tile in each of the W pieces a template cuts
-    (p2p_ring's chunks, the reduce-scatter's stripes) and in the whole GEMM."""
-    from ..predictor.models import CUBLAS_TILE
+# rows of cuBLAS's usual bf16/fp16 tile on Hopper (128 x 256)
+CUBLAS_TILE_ROWS = 128
 
+
+def _align(match: Match) -> int:
+    """Rows a bucket's representative is rounded to: a whole cuBLAS tile in each of the W pieces a
+    template cuts (p2p_ring's chunks, the reduce-scatter's stripes) and in the whole GEMM."""
     step = unit_rows(match.rows, match.world_size)
-    tile = CUBLAS_TILE[0] * max(1, match.world_size)
+    tile = CUBLAS_TILE_ROWS * max(1, match.world_size)
     return step * tile // math.gcd(step, tile)
 
 

@@ -276,8 +276,8 @@ def packed_overhead_ms(site: Site, profile: HardwareProfile, backward: bool) -> 
     count as one more; the copy-engine waits behind the pieces' extra kernels count in the factor).
     The defaults are fitted by benchmarks/fitting/fit_packed_overhead.py."""
     move_ms, pieces = packed_overhead_terms(site, profile, backward)
-    return (profile_extra(profile, "packed_move_factor", 2.9, "moe") * move_ms
-            + pieces * profile_extra(profile, "packed_piece_ms", 0.049, "moe"))
+    return (profile_extra(profile, "packed_move_factor", 2.93, "moe") * move_ms
+            + pieces * profile_extra(profile, "packed_piece_ms", 0.0535, "moe"))
 
 
 def packed_overhead_terms(site: Site, profile: HardwareProfile, backward: bool) -> tuple[float, int]:

@@ -6,6 +6,10 @@ on a high-priority stream as soon as chunk i is done (all-gather: chunk i of the
 then its GEMMs). Same max-plus recursion; each call pays the launch cost; GEMM pieces pay
 ``gemm_slowdown`` (cuBLAS at full grid) or, with an explicit tile config chosen to leave
 shared-memory slack for the collective, that kernel's time and ``gemm_slowdown_reserved``.
+A chunk is priced at the GEMM table's time for its rows, slower than cuBLAS pieces run alone
+(``slice_ms``, diagnostics/split_gemm.py): chunks beside NCCL kernels lose more than that, and at
+the slice price a W=4 all-to-all measured 0.96x on 4x H200 was predicted 1.13x
+(tests/test_decide_measured.py).
 """
 from __future__ import annotations
 
