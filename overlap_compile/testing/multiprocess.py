@@ -182,7 +182,8 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
     import torch  # imported once, here, for every child
     import overlap_compile  # noqa: F401
     # and the compiler's modules a child's first torch.compile imports (about 1 s each time):
-    # imports only, no compile (a compile here started Inductor's worker threads before the fork)
+    # imports only: a warm-up compile here, before forking, was tried and dropped (one run hung,
+    # and the runs were slower)
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codegen.cpp  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
