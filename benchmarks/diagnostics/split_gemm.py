@@ -9,10 +9,10 @@ this times the whole ``torch.mm`` and its p pieces, in CUDA graphs of 10 calls (
 host-launched, alternating in ``--repeat`` rounds (median), and sets beside the measured ratio
 (pieces / whole) the two prices the models could use:
 - ``model``: ``predictor.models.slice_ms`` x p / the whole GEMM: what the templates' models
-  charge (a slice at the whole GEMM's rate per tile, corrected for wave quantisation);
+  charge for the pieces;
 - ``table``: the profile's GEMM table interpolated at M / p rows, x p / the whole.
-Shapes: the gemm_* sets of shapes.json and, per e2e block of it (TP+SP Llama), the GEMMs of its
-sites at W = ``--world``, forward and backward, fused (QKV, gate/up) and separate. No
+Shapes: the gemm_* sets of shapes.json (``--shapes``: another file) and, per dense e2e block of
+benchmarks/shapes.json (TP+SP Llama), the GEMMs of its sites at W = ``--world``, forward and backward, fused (QKV, gate/up) and separate. No
 communication runs: this is the pieces' own cost, not what a transfer beside them adds.
 Rows (one schema, results_io) go to <out>/split_gemm-<device>-w1-torch<v>-<date>.json.
 """
@@ -51,15 +51,13 @@ def block_site_gemms(block: dict, world: int) -> dict[tuple[int, int, int], list
 
 
 def shapes_to_time(shapes_path: str | None, world: int) -> dict[tuple[int, int, int], list[str]]:
-    import json
+    from benchmarks.shape_sets import shape_set
 
     shapes = load_shapes(shapes_path)
-    for p in [shapes_path] if shapes_path else [os.path.join(HERE, "..", "shapes.json")]:
-        with open(p) as f:
-            for block in json.load(f).get("e2e", []):
-                if "intermediate" in block and "heads" in block and "E" not in block:  # dense TP+SP blocks
-                    for shape, labels in block_site_gemms(block, world).items():
-                        shapes.setdefault(shape, []).extend(labels)
+    for block in shape_set("e2e"):
+        if "E" not in block:  # the dense TP+SP blocks (the MoE block's experts are no site GEMMs)
+            for shape, labels in block_site_gemms(block, world).items():
+                shapes.setdefault(shape, []).extend(labels)
     return shapes
 
 
@@ -76,7 +74,7 @@ def priced(profile, m: int, n: int, k: int, pieces: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=None, help="shapes.json (default: benchmarks/shapes.json)")
+    ap.add_argument("--shapes", default=None, help="the gemm_* sets' shapes.json (default: gemm.py's)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "..", "results"))
     ap.add_argument("--pieces", default="2,4,8", help="comma-separated piece counts")
     ap.add_argument("--world", type=int, default=2, help="world size of the e2e blocks' site GEMMs")
@@ -142,8 +140,8 @@ def main() -> None:
                 if p > 1:
                     row.update(measured_ratio=ms / med[1], **priced(profile, m, n, k, p))
                 rows.append(row)
-        line = "  ".join(f"p={p} {r['measured_ratio']:.3f} (model {r['model_ratio']:.3f}, table {r['table_ratio']:.3f})"
-                         for r in rows[-len(variants):] if (p := r["pieces"]) > 1 and r["mode"] == "eager")
+        line = "  ".join(f"p={r['pieces']} {r['measured_ratio']:.3f} (model {r['model_ratio']:.3f}, "
+                         f"table {r['table_ratio']:.3f})" for r in rows[-len(variants):] if r["pieces"] > 1)
         print(f"{m}x{n}x{k} whole {med[1]:.3f} ms (eager)  {line}", flush=True)
         del a, b, out, want
         torch.cuda.empty_cache()
