@@ -26,6 +26,9 @@ from typing import Any, Iterator
 TEMPLATE_NAMES = ("signal_reorder", "p2p_ring", "priority_stream", "tile_fused", "moe_fused")
 SEARCH_MODES = ("predict", "exhaustive", "measure")
 ENV_PREFIX = "OVERLAP_COMPILE_"
+# The longest bound on a GPU wait: the wait kernels take it as an int32 of microseconds
+# (runtime/spin_wait.py, bound_us), ~35 minutes.
+MAX_SIGNAL_TIMEOUT_MS = (2 ** 31 - 1) // 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +152,9 @@ def _validate(o: Options) -> None:
     cp = o.comm_priority
     if not (cp == "highest" or (isinstance(cp, int) and not isinstance(cp, bool) and cp <= 0)):
         _fail("comm_priority", cp, "'highest' or an integer <= 0 (CUDA stream priority; lower is higher)")
-    if isinstance(o.signal_timeout_ms, bool) or not isinstance(o.signal_timeout_ms, int) or o.signal_timeout_ms <= 0:
-        _fail("signal_timeout_ms", o.signal_timeout_ms, "an integer number of milliseconds > 0")
+    t = o.signal_timeout_ms
+    if isinstance(t, bool) or not isinstance(t, int) or not 0 < t <= MAX_SIGNAL_TIMEOUT_MS:
+        _fail("signal_timeout_ms", t, f"an integer number of milliseconds, 1 to {MAX_SIGNAL_TIMEOUT_MS}")
     if o.dump_dir is not None and not isinstance(o.dump_dir, str):
         _fail("dump_dir", o.dump_dir, "None or a directory path")
 

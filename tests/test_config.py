@@ -56,7 +56,8 @@ def test_patch_is_thread_local():
         ("force_config", {"chunks": 2}, "only together with force_template"),
         ("wave_group_first_max", 0, "an integer >= 1"),
         ("comm_priority", 3, "'highest' or an integer <= 0"),
-        ("signal_timeout_ms", 0, "milliseconds > 0"),
+        ("signal_timeout_ms", 0, "milliseconds, 1 to 2147483"),
+        ("signal_timeout_ms", 2147484, "milliseconds, 1 to 2147483"),
         ("enabled", "maybe", "True or False"),
     ],
 )

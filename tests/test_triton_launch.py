@@ -72,3 +72,27 @@ def test_the_wait_kernel_and_the_sum_kernel_fit_the_fast_path():
 
     assert FastLaunch(JITFunction(spin_wait.wait_kernel.fn)).const_names == ["USE_TIMER", "UNTIL_EQUAL", "SYS"]
     assert FastLaunch(JITFunction(sum_kernel._sum_kernel.fn)).const_names == ["HAS_ACC", "BLOCK"]
+
+
+def test_every_bounded_wait_is_one_compiled_variant_for_every_bound():
+    """A wait's bound reaches the kernels as an int32 of microseconds for every allowed bound, and
+    no kernel specialises on it: a call with another bound (a test's short one, a user's
+    signal_timeout_ms) never compiles and loads a second variant mid-run while peers wait."""
+    pytest.importorskip("triton")
+    from overlap_compile.config import MAX_SIGNAL_TIMEOUT_MS
+    from overlap_compile.runtime import spin_wait
+    from overlap_compile.templates.moe_fused import expert_kernel
+    from overlap_compile.templates.tile_fused import jit_kernels
+
+    bounds = [1, 50, 1000, 2147, 2148, 10000, MAX_SIGNAL_TIMEOUT_MS]
+    assert {int_kind(spin_wait.bound_us(ms)) for ms in bounds} == {"i32"}
+    assert spin_wait.bound_us(10000) == 10_000_000
+    for bad in (0, -5, MAX_SIGNAL_TIMEOUT_MS + 1):
+        with pytest.raises(ValueError, match="signal_timeout_ms"):
+            spin_wait.bound_us(bad)
+    kernels = [spin_wait.wait_kernel, expert_kernel._swiglu_experts_kernel] + [
+        k for k in vars(jit_kernels).values() if "timeout_us" in getattr(k, "arg_names", ())]
+    assert len(kernels) >= 8
+    for k in kernels:
+        assert "timeout_us" in k.arg_names and "timeout_ns" not in k.arg_names, k.fn.__name__
+        assert {"timeout_us", "max_polls"} <= set(k.do_not_specialize), k.fn.__name__

@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..config import MAX_SIGNAL_TIMEOUT_MS
 from .persistent import zeros_int32
 from .triton_launch import FastLaunch, aligned, int_kind
 
@@ -49,8 +50,8 @@ if HAVE_TRITON:
                                          dtype=tl.int32, is_pure=False, pack=1)
 
     # Not specialised on the values that change from wait to wait (one compiled kernel for all).
-    @triton.jit(do_not_specialize=["index", "target", "timeout_ns", "max_polls", "tag"])
-    def wait_kernel(counter_ptr, index, target, err_ptr, timeout_ns, max_polls, tag,
+    @triton.jit(do_not_specialize=["index", "target", "timeout_us", "max_polls", "tag"])
+    def wait_kernel(counter_ptr, index, target, err_ptr, timeout_us, max_polls, tag,
                     USE_TIMER: tl.constexpr, UNTIL_EQUAL: tl.constexpr, SYS: tl.constexpr):
         """Wait until ``counter[index]`` reaches ``target`` (bounded), then consume it (write 0).
 
@@ -69,6 +70,7 @@ if HAVE_TRITON:
         polls = seen * 0
         if USE_TIMER:
             start = globaltimer(seen)
+            timeout_ns = timeout_us.to(tl.int64) * 1000
         if UNTIL_EQUAL:
             pending = (seen != target).to(tl.int32)
         else:
@@ -105,6 +107,20 @@ if HAVE_TRITON:
 
 
 _launch = FastLaunch(wait_kernel) if HAVE_TRITON else None  # the compiled kernel reused (triton_launch.py)
+
+
+def bound_us(timeout_ms: int) -> int:
+    """A wait's bound as every bounded-wait kernel takes it: microseconds, an int32 for any bound
+    up to config.MAX_SIGNAL_TIMEOUT_MS, so one compiled variant serves every bound. (The JIT types
+    an int by its value: in nanoseconds a bound up to 2.1 s was an int32 and a longer one an int64,
+    and the other variant was compiled and loaded mid-run the first time a call used the other kind,
+    while peers already waited; on one GPU, whose virtual ranks share a context, that load could
+    wait for a peer's spinning kernel that waited for it.)"""
+    ms = int(timeout_ms)
+    if not 0 < ms <= MAX_SIGNAL_TIMEOUT_MS:
+        raise ValueError(f"a wait's bound must be 1 to {MAX_SIGNAL_TIMEOUT_MS} ms (signal_timeout_ms), "
+                         f"got {timeout_ms!r}")
+    return ms * 1000
 
 
 def jit_wait_kernel():
@@ -156,12 +172,11 @@ def wait_value(flags: torch.Tensor, index: int, target: int, timeout_ms: int, ta
     counters = flags if flags.dtype == torch.int32 else flags.view(torch.int32)
     use_timer = counters.is_cuda
     err = record_buffer(counters.device)
-    timeout_ns = int(timeout_ms) * 1_000_000
-    args = (counters, index, int(target), err, timeout_ns, max_polls, int(tag))
+    args = (counters, index, int(target), err, bound_us(timeout_ms), max_polls, int(tag))
     # SYS: the final acquire at system scope, for flags another GPU writes
     consts = dict(USE_TIMER=use_timer, UNTIL_EQUAL=bool(until_equal), SYS=bool(sys_scope))
     key = (counters.device.index, use_timer, bool(until_equal), bool(sys_scope), aligned(counters), aligned(err),
-           err.is_cuda, int_kind(index), int_kind(args[2]), int_kind(timeout_ns), int_kind(max_polls),
+           err.is_cuda, int_kind(index), int_kind(args[2]), int_kind(args[4]), int_kind(max_polls),
            int_kind(args[6]))
     try:
         _launch(key, (1,), args, consts, num_warps=1)

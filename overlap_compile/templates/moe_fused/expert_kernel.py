@@ -26,6 +26,7 @@ from ..signal_reorder import kernels as SR  # its dot precision rule (fp32 follo
 from ..tile_fused import primitives as prim
 from ..tile_fused.primitives import HAVE_TRITON, tl, triton  # Triton is optional on CPU installs
 from . import reference as ref
+from ...runtime.spin_wait import bound_us
 
 TEMPLATE = "moe_fused"
 PHASE_ACT, PHASE_OUT = 1, 2
@@ -102,11 +103,11 @@ def tile_order(world: int, rank: int, e_local: int, capacity: int, ffn: int, hid
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
     def _swiglu_experts_kernel(
         x_ptr, w1_ptr, w3_ptr, w2_ptr, act_ptr, y_ptr, gate_ptr, up_ptr, tiles_ptr, n_tiles,
         x_desc, w1_desc, w3_desc, w2_desc, act_desc,
-        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_ns, max_polls, sizes_ptr, ticket_ptr,
+        arrival_ptr, act_done_ptr, y_done_ptr, err_ptr, timeout_us, max_polls, sizes_ptr, ticket_ptr,
         E, C, H, F,
         sx_s, sx_e, sx_c, sa_s, sa_e, sa_c, sy_s, sy_e, sy_c,
         BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,12 +147,12 @@ if HAVE_TRITON:
             se = s * E + e
             if phase == 1:
                 if WAIT_ARRIVAL:
-                    landed = prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM,
+                    landed = prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_us, max_polls, True, USE_ASM,
                                           USE_TIMER)
                     if X_TMA:  # the copy engine's data, read by TMA after the acquire
                         prim.fence_async_reads(landed, USE_ASM)
             elif USE_SIZES and WAIT_ARRIVAL:  # the sizes land with the chunk: acquire it before reading them
-                prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+                prim.wait_ge(arrival_ptr + se, 1, err_ptr, 4, se, timeout_us, max_polls, True, USE_ASM, USE_TIMER)
             live = True
             if USE_SIZES:
                 live = mb * BLOCK_M < tl.load(sizes_ptr + se)
@@ -215,7 +216,7 @@ if HAVE_TRITON:
                 prim.signal_add(y_done_ptr + s, 1, False, USE_ASM)
             else:
                 done = prim.wait_ge(act_done_ptr + se * m_blocks + mb, f_blocks, err_ptr, 5, se * m_blocks + mb,
-                                    timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
+                                    timeout_us, max_polls, False, USE_ASM, USE_TIMER)
                 if A_TMA:  # rows other programs stored, read by TMA after the acquire
                     prim.fence_async_reads(done, USE_ASM)
                 h_cols = nb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -318,7 +319,7 @@ def launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     _swiglu_experts_kernel[(programs,)](
         x, w1, w3, w2, act, y, act if gate is None else gate, act if up is None else up, tiles, tiles.shape[0],
         x_desc, w1_desc, w3_desc, w2_desc, act_desc,
-        arrival, act_done, y_done, err, int(timeout_ms) * 1_000_000, max_polls,
+        arrival, act_done, y_done, err, bound_us(timeout_ms), max_polls,
         sizes if sizes is not None else arrival, ticket if ticket is not None else arrival, e, c, h, f,
         x.stride(0), x.stride(1), x.stride(2), act.stride(0), act.stride(1), act.stride(2),
         y.stride(0), y.stride(1), y.stride(2),

@@ -169,7 +169,7 @@ def wait_counter(counters: torch.Tensor, group: int, target: int, timeout_ms: in
         _stream_wait(counters, group, target)
         return
     use_timer = counters.is_cuda
-    args = (counters, group, target, None, int(timeout_ms) * 1_000_000, max_polls, group)  # tag = group
+    args = (counters, group, target, None, _spin_wait.bound_us(timeout_ms), max_polls, group)  # tag = group
     if err is not None:
         _wait_kernel[(1,)](*args[:3], err, *args[4:], USE_TIMER=use_timer, UNTIL_EQUAL=False, SYS=False, num_warps=1)
         return

@@ -44,11 +44,11 @@ if _HAVE_TRITON:
         step = e // tiles
         return (rank + first + step) % world, e - step * tiles
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
     def _tile_gemm_kernel(
         a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, flags_ptr, err_ptr,
         rows, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-        tiles, world, rank, chunk, programs, timeout_ns, max_polls,
+        tiles, world, rank, chunk, programs, timeout_us, max_polls,
         MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
         C_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -76,7 +76,7 @@ if _HAVE_TRITON:
             n0 = tn * BLOCK_N
             if MODE == 1:
                 if stripe != rank:
-                    landed = P.rank_wait(flags_ptr, stripe, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                    landed = P.rank_wait(flags_ptr, stripe, 1, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)
                     if A_TMA:
                         # TMA loads are async-proxy reads: ordered after the acquire only by this fence
                         P.fence_async_reads(landed, USE_ASM)
@@ -127,9 +127,9 @@ if _HAVE_TRITON:
                 else:
                     tl.store(c_ptr + g_rows[:, None] * stride_cm + cols[None, :], out, mask=valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
     def _push_kernel(part_ptr, ready_ptr, recv_tbl, arrived_tbl, arrived_local, err_ptr,
-                     tiles, world, rank, timeout_ns, max_polls,
+                     tiles, world, rank, timeout_us, max_polls,
                      BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr,
                      USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Channel c = program id: exec ids c, c + C, ... of the W-1 peer stripes, in GEMM order."""
@@ -140,7 +140,7 @@ if _HAVE_TRITON:
             if ok != 0:
                 d, t = rank_ordered_jit(e, rank, world, tiles, 1)
                 slot = d * tiles + t
-                ok = P.consumer_tile_wait(ready_ptr, slot, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                ok = P.consumer_tile_wait(ready_ptr, slot, 1, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)
                 if ok != 0:
                     P.consume(ready_ptr + slot, 1, USE_ASM)
                     dst = P.peer_ptr(recv_tbl, d, part_ptr) + (rank * tiles + t).to(tl.int64) * (BM * BN)
@@ -155,10 +155,10 @@ if _HAVE_TRITON:
         offs_n = tl.arange(0, BN)
         return (rows + BM - 1) // BM, (N + BN - 1) // BN, offs_i, offs_n, offs_i[:, None] * BN + offs_n[None, :]
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
     def _reduce_kernel(part_ptr, ready_ptr, recv_ptr, arrived_ptr, out_ptr, err_ptr,
                        gat_tbl, gat_local, done_tbl, done_local,
-                       rows, N, stride_om, tiles, world, rank, timeout_ns, max_polls, scale,
+                       rows, N, stride_om, tiles, world, rank, timeout_us, max_polls, scale,
                        BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr, GROUP_M: tl.constexpr,
                        GATHER: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Own stripe: tile t = partial[slot(r, t)] + sum of the W-1 received tiles, in fp32.
@@ -171,10 +171,10 @@ if _HAVE_TRITON:
         for t in range(c, tiles, channels):
             if ok != 0:
                 slot = rank * tiles + t
-                ok = P.consumer_tile_wait(ready_ptr, slot, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                ok = P.consumer_tile_wait(ready_ptr, slot, 1, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)
                 for q in range(world):
                     if (q != rank) & (ok != 0):
-                        ok = P.peer_tile_wait(arrived_ptr, q * tiles + t, 1, err_ptr, timeout_ns, max_polls,
+                        ok = P.peer_tile_wait(arrived_ptr, q * tiles + t, 1, err_ptr, timeout_us, max_polls,
                                               USE_ASM, USE_TIMER)
                 if ok != 0:
                     P.consume(ready_ptr + slot, 1, USE_ASM)
@@ -205,9 +205,9 @@ if _HAVE_TRITON:
                             if q != rank:
                                 P.peer_tile_notify(P.peer_ptr(done_tbl, q, done_local), rank * tiles + t, USE_ASM)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
     def _gather_kernel(gat_ptr, done_ptr, out_ptr, err_ptr, rows, N, stride_om, chunk, tiles, world, rank,
-                       timeout_ns, max_polls, BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr,
+                       timeout_us, max_polls, BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr,
                        GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """All-reduce: the peers' reduced tiles, as their done[q*T + t] notifies land, copied from
         the gather buffer to their rows of the output (stripe q = rows [q*chunk, (q+1)*chunk))."""
@@ -218,7 +218,7 @@ if _HAVE_TRITON:
         for e in range(c, (world - 1) * tiles, channels):
             if ok != 0:
                 q, t = rank_ordered_jit(e, rank, world, tiles, 1)
-                ok = P.peer_tile_wait(done_ptr, q * tiles + t, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                ok = P.peer_tile_wait(done_ptr, q * tiles + t, 1, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)
                 if ok != 0:
                     P.consume(done_ptr + q * tiles + t, 1, USE_ASM)
                     tm, tn = SR.tile_coords_jit(t, tiles_m, tiles_n, GROUP_M)
@@ -230,8 +230,8 @@ if _HAVE_TRITON:
                         mask = (r_loc < rows)[:, None] & (cols < N)[None, :]
                         tl.store(out_ptr + r_out[:, None] * stride_om + cols[None, :], val, mask=mask)
 
-    @triton.jit
-    def _barrier_kernel(flags_tbl, flags_local, err_ptr, world, rank, timeout_ns, max_polls,
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
+    def _barrier_kernel(flags_tbl, flags_local, err_ptr, world, rank, timeout_us, max_polls,
                         NOTIFY: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """All ranks of the group: rank_notify(peer q's flags[rank]) for every peer, then
         rank_wait(my flags[q]) and consume it. (NOTIFY / WAIT split it for the interpreter.)"""
@@ -243,7 +243,7 @@ if _HAVE_TRITON:
             ok = tl.full([], 1, tl.int32)  # a tensor (loop-carried); rank may arrive as a constexpr 1 (Triton specialises ints equal to 1)
             for q in range(world):
                 if (q != rank) & (ok != 0):
-                    ok = P.rank_wait(flags_local, q, 1, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+                    ok = P.rank_wait(flags_local, q, 1, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)
                     if ok != 0:
                         P.consume(flags_local + q, 1, USE_ASM)
 
@@ -251,8 +251,8 @@ if _HAVE_TRITON:
     def _notify_kernel(flags_ptr, index, USE_ASM: tl.constexpr):
         P.rank_notify(flags_ptr, index, USE_ASM)
 
-    @triton.jit
-    def _wait_kernel(flags_ptr, index, target, err_ptr, timeout_ns, max_polls,
+    @triton.jit(do_not_specialize=["timeout_us", "max_polls"])  # one variant for every bound
+    def _wait_kernel(flags_ptr, index, target, err_ptr, timeout_us, max_polls,
                      USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """One bounded rank_wait (tests: the timeout path)."""
-        P.rank_wait(flags_ptr, index, target, err_ptr, timeout_ns, max_polls, USE_ASM, USE_TIMER)
+        P.rank_wait(flags_ptr, index, target, err_ptr, timeout_us, max_polls, USE_ASM, USE_TIMER)

@@ -123,7 +123,7 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Te
     gat, gat_tbl, done, done_tbl = gathered or (part, recv_tbl, arrived, arrived_tbl)
     mine = out[rank * plan.chunk:(rank + 1) * plan.chunk] if gather else out
     err = _err_buf(device)
-    tns, polls = _timeouts(plan)
+    tus, polls = _timeouts(plan)
     compute, comm = torch.cuda.current_stream(device), _comm_stream(device)
     comm.wait_stream(compute)
     sub_m = min(bm, 32 if bn <= 128 else 16)
@@ -131,7 +131,7 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Te
         # Peers may write my receive buffer only after I finished reading it in the last call.
         barrier(group_name, device, w, rank, plan.timeout_ms)
         _launch_small("push", _push_kernel, (ctas,), part, ready, recv_tbl, arrived_tbl, arrived, err,
-                      T, w, rank, tns, polls, BM=bm, BN=bn, SUB_M=sub_m, num_warps=4)
+                      T, w, rank, tus, polls, BM=bm, BN=bn, SUB_M=sub_m, num_warps=4)
     stripes_contig = plan.outer == 1 or plan.chunk % bm == 0
     part_view = part.view(w * T * bm, bn)
     _launch_gemm(MODE_RS, a, b, bias, part, ready, grid.rows, plan.n, plan.k, T, w, rank, plan.chunk, programs,
@@ -139,14 +139,14 @@ def _run_rs(a, b, bias, group_name: str, plan: GemmCollectivePlan, out: torch.Te
     with torch.cuda.stream(comm):
         scale = 1.0 / w if plan.reduce_op == "avg" else 1.0
         _launch_small("reduce", _reduce_kernel, (ctas,), part, ready, recv, arrived, mine, err,
-                      gat_tbl, gat, done_tbl, done, grid.rows, plan.n, out.stride(0), T, w, rank, tns, polls, scale,
+                      gat_tbl, gat, done_tbl, done, grid.rows, plan.n, out.stride(0), T, w, rank, tus, polls, scale,
                       BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m, GATHER=gather, num_warps=4)
         if gather:
             # queued behind the reduce CTAs, which finish with my own stripe, the GEMM's last: the
             # GEMM is done by then and the copy-out may take every SM
             gather_ctas = gather_grid(_num_sms(device), ctas, w, T)
             _launch_small("gather", _gather_kernel, (gather_ctas,), gat, done, out, err, grid.rows, plan.n, out.stride(0),
-                          plan.chunk, T, w, rank, tns, polls, BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m,
+                          plan.chunk, T, w, rank, tus, polls, BM=bm, BN=bn, SUB_M=sub_m, GROUP_M=grid.group_m,
                           num_warps=4)
     compute.wait_stream(comm)  # the join (templates/base.py: no record_stream)
     _after_call(device, "gemm_allreduce" if gather else "gemm_reducescatter")

@@ -16,6 +16,7 @@ import torch
 
 from . import primitives as P
 from ...runtime.persistent import allocate, zeros_int32
+from ...runtime.spin_wait import bound_us
 from .jit_kernels import MODE_AG, MODE_RS, SR, _HAVE_TRITON, triton
 
 if _HAVE_TRITON:
@@ -120,8 +121,10 @@ def _after_call(device: torch.device, what: str) -> None:
 
 
 def _timeouts(plan: Any) -> tuple[int, int]:
-    """(timeout in ns for %globaltimer, max polls where no timer is used: ~1 us per poll)."""
-    return int(plan.timeout_ms) * 1_000_000, max(1, int(plan.timeout_ms) * 1000)
+    """(the bound in us for %globaltimer, spin_wait.bound_us; max polls where no timer is used:
+    ~1 us per poll)."""
+    us = bound_us(plan.timeout_ms)
+    return us, us
 
 
 # ------------------------------------------------------------------------------------------
@@ -239,7 +242,7 @@ def _launch_gemm(mode: int, a, b, bias, c, flags, rows, n, k, tiles, world, rank
     if c_tma_ok and SR._tma_ok(c_view):
         c_desc = SR.TensorDescriptor.from_tensor(c_view, [cfg.block_m, cfg.block_n])
     err = _err_buf(a.device)
-    tns, polls = _timeouts(plan)
+    tus, polls = _timeouts(plan)
     key = (mode, cfg, ops.a_desc is not None, ops.b_desc is not None, ops.b_kmajor, c_desc is not None, a.dtype,
            bias is not None)
     tries = [_fallbacks[key]] if key in _fallbacks else [
@@ -256,7 +259,7 @@ def _launch_gemm(mode: int, a, b, bias, c, flags, rows, n, k, tiles, world, rank
                 ops.a, ad, ops.b, bd, bias if bias is not None else c, c, cd, flags, err,
                 rows, n, k, ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1),
                 c.stride(0) if mode == MODE_AG else 0,
-                tiles, world, rank, chunk, programs, tns, polls,
+                tiles, world, rank, chunk, programs, tus, polls,
                 MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                 A_TMA=ad is not None, B_TMA=bd is not None, B_KMAJOR=km, C_TMA=cd is not None,
                 HAS_BIAS=bias is not None, FLATTEN=flatten, DOT_PRECISION=SR._dot_precision(a.dtype),
@@ -300,8 +303,8 @@ def _launch_small(name: str, kernel, grid, *args, **meta) -> None:
 def barrier(group_name: str, device: torch.device, world: int, rank: int, timeout_ms: int) -> None:
     """Device-side barrier of the group on the current stream (bounded)."""
     flags, tbl = _symm(group_name, "barrier", (world,), torch.int32, device, zero=True)
-    tns, polls = _timeouts(_T(timeout_ms))
-    _launch_small("barrier", _barrier_kernel, (1,), tbl, flags, _err_buf(device), world, rank, tns, polls,
+    tus, polls = _timeouts(_T(timeout_ms))
+    _launch_small("barrier", _barrier_kernel, (1,), tbl, flags, _err_buf(device), world, rank, tus, polls,
                   NOTIFY=True, WAIT=True, num_warps=1)
 
 

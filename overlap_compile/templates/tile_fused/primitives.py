@@ -14,7 +14,7 @@ Signals (all int32 counters, one per tile / rank):
 Consuming (subtracting the target, not storing 0) returns counters to zero without a memset and
 without erasing a peer's early signal for the next call. Data: ``tile_push_data`` /
 ``tile_pull_data`` move a [BM, BN] tile in row chunks; ``rank_copy_data`` (host) a rank chunk by
-copy engine. Waits are bounded (``timeout_ns`` or ``max_polls``): a timed-out wait writes
+copy engine. Waits are bounded (``timeout_us`` or ``max_polls``): a timed-out wait writes
 ``[failed, code, index, seen, target]`` to ``err`` and every later wait returns at once.
 ``USE_ASM``: inline PTX (relaxed polls, one acquire) or ``tl.atomic_add`` (the interpreter).
 """
@@ -100,7 +100,7 @@ if HAVE_TRITON:
                 tl.atomic_add(flag_ptr, value, sem="release", scope="gpu")
 
     @triton.jit
-    def wait_ge(flag_ptr, target, err_ptr, code, index, timeout_ns, max_polls,
+    def wait_ge(flag_ptr, target, err_ptr, code, index, timeout_us, max_polls,
                 SYS: tl.constexpr, USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Spin until ``*flag >= target`` (bounded); acquire. Returns 1, or 0 after recording a
         timeout in ``err_ptr`` (or at once if an earlier wait on this device already failed)."""
@@ -115,6 +115,7 @@ if HAVE_TRITON:
         expired = polls
         if USE_TIMER:
             start = _globaltimer(seen)
+            timeout_ns = timeout_us.to(tl.int64) * 1000
         # (seen - target) < 0: wrap-safe seen < target.
         while ((seen - target) < 0) & (expired == 0) & ok:
             if USE_TIMER:
@@ -171,10 +172,10 @@ if HAVE_TRITON:
         signal_add(flags_ptr + tile, 1, False, USE_ASM)
 
     @triton.jit
-    def consumer_tile_wait(flags_ptr, tile, target, err_ptr, timeout_ns, max_polls,
+    def consumer_tile_wait(flags_ptr, tile, target, err_ptr, timeout_us, max_polls,
                            USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Wait until flags[tile] >= target (a tile produced on this GPU)."""
-        return wait_ge(flags_ptr + tile, target, err_ptr, 1, tile, timeout_ns, max_polls, False, USE_ASM, USE_TIMER)
+        return wait_ge(flags_ptr + tile, target, err_ptr, 1, tile, timeout_us, max_polls, False, USE_ASM, USE_TIMER)
 
     @triton.jit
     def peer_tile_notify(peer_flags_ptr, tile, USE_ASM: tl.constexpr):
@@ -182,10 +183,10 @@ if HAVE_TRITON:
         signal_add(peer_flags_ptr + tile, 1, True, USE_ASM)
 
     @triton.jit
-    def peer_tile_wait(flags_ptr, tile, target, err_ptr, timeout_ns, max_polls,
+    def peer_tile_wait(flags_ptr, tile, target, err_ptr, timeout_us, max_polls,
                        USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Wait until flags[tile] >= target, where a peer GPU signals (system scope)."""
-        return wait_ge(flags_ptr + tile, target, err_ptr, 2, tile, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+        return wait_ge(flags_ptr + tile, target, err_ptr, 2, tile, timeout_us, max_polls, True, USE_ASM, USE_TIMER)
 
     @triton.jit
     def rank_notify(peer_flags_ptr, rank, USE_ASM: tl.constexpr):
@@ -193,10 +194,10 @@ if HAVE_TRITON:
         signal_add(peer_flags_ptr + rank, 1, True, USE_ASM)
 
     @triton.jit
-    def rank_wait(flags_ptr, rank, target, err_ptr, timeout_ns, max_polls,
+    def rank_wait(flags_ptr, rank, target, err_ptr, timeout_us, max_polls,
                   USE_ASM: tl.constexpr, USE_TIMER: tl.constexpr):
         """Wait until flags[rank] >= target (system scope)."""
-        return wait_ge(flags_ptr + rank, target, err_ptr, 3, rank, timeout_ns, max_polls, True, USE_ASM, USE_TIMER)
+        return wait_ge(flags_ptr + rank, target, err_ptr, 3, rank, timeout_us, max_polls, True, USE_ASM, USE_TIMER)
 
     @triton.jit
     def peer_ptr(ptr_table, peer, like_ptr):
