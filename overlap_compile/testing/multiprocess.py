@@ -181,14 +181,16 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
 
     import torch  # imported once, here, for every child
     import overlap_compile  # noqa: F401
-    # and the compiler's modules a child's first torch.compile imports (about 1 s each time):
-    # imports only: a warm-up compile here, before forking, was tried and dropped (one run hung,
-    # and the runs were slower)
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.codegen.cpp  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
-    import torch._inductor.fx_passes.post_grad  # noqa: F401
-    import torch._inductor.scheduler  # noqa: F401
+    if torch.version.cuda is None:
+        # and, on a CPU build, the compiler's modules a child's first torch.compile imports (about
+        # 1 s each time). Imports only: a warm-up compile here was tried and dropped (one run hung,
+        # and the runs were slower). Not on a CUDA build: there these imports ask CUDA how many
+        # devices it has, which marks every later fork as unable to use CUDA.
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch._inductor.codegen.cpp  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.fx_passes.post_grad  # noqa: F401
+        import torch._inductor.scheduler  # noqa: F401
 
     libc = ctypes.CDLL(None, use_errno=True)
     while True:
