@@ -184,8 +184,9 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
     if torch.version.cuda is None:
         # and, on a CPU build, the compiler's modules a child's first torch.compile imports (about
         # 1 s each time). Imports only: a warm-up compile here was tried and dropped (one run hung,
-        # and the runs were slower). Not on a CUDA build: there these imports ask CUDA how many
-        # devices it has, which marks every later fork as unable to use CUDA.
+        # and the runs were slower). Not on a CUDA build: importing Inductor's benchmarking module
+        # calls torch.cuda.is_available(), which registers torch's fork handler there, and every
+        # child forked after it refuses to initialise CUDA.
         import torch._functorch.aot_autograd  # noqa: F401
         import torch._inductor.codegen.cpp  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
