@@ -80,6 +80,45 @@ if _HAVE_TRITON:
         return g, lo + k * per + (local - lo // stripes), lo, lo + per * stripes
 
     @triton.jit
+    def tile_acc_jit(a_ptr, a_desc, b_ptr, b_desc, bias_ptr, a_row0, a_rows, loc_rows, rows, n0, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One output tile's fp32 accumulator, bias added: A's rows ``a_rows`` (int64; ``a_row0``
+        the first, for TMA), whose tile-local rows ``loc_rows`` past ``rows`` read as zeros, times
+        B's columns n0.. (past N: zeros). A by TMA or pointers; B by TMA as [K, N] or, for a
+        transposed weight, [N, K] (B_KMAJOR), or pointers. The GEMM main loop of every persistent
+        GEMM here (this file's, tile_fused's); inlined into the caller, so its loop is pipelined
+        (and flattened) with the caller's."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for kk in range(k_tiles):
+            k0 = kk * BLOCK_K
+            if A_TMA:
+                a = a_desc.load([a_row0, k0])
+            else:
+                ks = k0 + offs_k
+                a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                            mask=(loc_rows < rows)[:, None] & (ks < K)[None, :], other=0.0)
+            if B_TMA:
+                if B_KMAJOR:
+                    b = b_desc.load([n0, k0]).T
+                else:
+                    b = b_desc.load([k0, n0])
+            else:
+                ks = k0 + offs_k
+                cs = n0 + offs_n
+                b = tl.load(b_ptr + ks[:, None].to(tl.int64) * stride_bk + cs[None, :] * stride_bn,
+                            mask=(ks < K)[:, None] & (cs < N)[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        cols = n0 + offs_n
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        return acc
+
+    @triton.jit
     def _bulk_store_wait(dep):
         # Wait until this thread's TMA (bulk async) stores have completed, not only read their
         # shared memory: the writes must be in global memory before the tile counts as signalled.
@@ -143,10 +182,8 @@ if _HAVE_TRITON:
         # triton.language and TRITON_INTERPRET were set up in)
         tiles_m = (rows + BLOCK_M - 1) // BLOCK_M
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         # The flattened loop lets Triton pipeline the next tile's loads under this tile's epilogue.
         for e in tl.range(pid, num_exec, programs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
             local = e // stripes
@@ -165,29 +202,10 @@ if _HAVE_TRITON:
             a_row0 = global_row_jit(stripe, r0, stripes, chunk)
             loc_rows = r0 + offs_m
             a_rows = global_row_jit(stripe, loc_rows, stripes, chunk).to(tl.int64)
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for kk in range(k_tiles):
-                k0 = kk * BLOCK_K
-                if A_TMA:
-                    a = a_desc.load([a_row0, k0])
-                else:
-                    ks = k0 + offs_k
-                    a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                                mask=(loc_rows < rows)[:, None] & (ks < K)[None, :], other=0.0)
-                if B_TMA:
-                    if B_KMAJOR:
-                        b = b_desc.load([n0, k0]).T
-                    else:
-                        b = b_desc.load([k0, n0])
-                else:
-                    ks = k0 + offs_k
-                    cs = n0 + offs_n
-                    b = tl.load(b_ptr + ks[:, None].to(tl.int64) * stride_bk + cs[None, :] * stride_bn,
-                                mask=(ks < K)[:, None] & (cs < N)[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            acc = tile_acc_jit(a_ptr, a_desc, b_ptr, b_desc, bias_ptr, a_row0, a_rows, loc_rows, rows, n0, N, K,
+                               stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, A_TMA, B_TMA,
+                               B_KMAJOR, HAS_BIAS, DOT_PRECISION)
             cols = n0 + offs_n
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             valid = (loc_rows < rows)[:, None] & (cols < N)[None, :]
             if SIGNAL:
                 # Padding rows/cols must be zero (bias, or a neighbouring stripe's rows read by TMA).

@@ -33,7 +33,8 @@ from .gemm_kernel import (  # noqa: F401  (re-exported: kernels.<name>)
 
 if _HAVE_TRITON:
     from .gemm_kernel import (  # noqa: F401  (re-exported: kernels.<name>)
-        _bulk_store_wait, _cta_barrier, _gemm_kernel, _signal_group, global_row_jit, send_slot_jit, tile_coords_jit)
+        _bulk_store_wait, _cta_barrier, _gemm_kernel, _signal_group, global_row_jit, send_slot_jit, tile_acc_jit,
+        tile_coords_jit)
 
     # The bounded one-thread waiter lives in runtime.spin_wait (p2p_ring waits on peers' flags
     # with it too); here it runs in GEQ mode at GPU scope on the wave-group counters.

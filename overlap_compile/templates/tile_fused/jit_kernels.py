@@ -64,10 +64,8 @@ if _HAVE_TRITON:
         pid = tl.program_id(0)
         tiles_m = (rows + BLOCK_M - 1) // BLOCK_M
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         first = 1 - MODE  # RS: peers' stripes first; AG: own shard first
         for e in tl.range(pid, tiles * world, programs, flatten=FLATTEN):
             stripe, t = rank_ordered_jit(e, rank, world, tiles, first)
@@ -83,29 +81,10 @@ if _HAVE_TRITON:
             a_row0 = SR.global_row_jit(stripe, r0, world, chunk)
             loc_rows = r0 + offs_m
             g_rows = SR.global_row_jit(stripe, loc_rows, world, chunk).to(tl.int64)
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for kk in range(k_tiles):
-                k0 = kk * BLOCK_K
-                if A_TMA:
-                    a = a_desc.load([a_row0, k0])
-                else:
-                    ks = k0 + offs_k
-                    a = tl.load(a_ptr + g_rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                                mask=(loc_rows < rows)[:, None] & (ks < K)[None, :], other=0.0)
-                if B_TMA:
-                    if B_KMAJOR:
-                        b = b_desc.load([n0, k0]).T
-                    else:
-                        b = b_desc.load([k0, n0])
-                else:
-                    ks = k0 + offs_k
-                    cs = n0 + offs_n
-                    b = tl.load(b_ptr + ks[:, None].to(tl.int64) * stride_bk + cs[None, :] * stride_bn,
-                                mask=(ks < K)[:, None] & (cs < N)[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            acc = SR.tile_acc_jit(a_ptr, a_desc, b_ptr, b_desc, bias_ptr, a_row0, g_rows, loc_rows, rows, n0, N, K,
+                                  stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, A_TMA, B_TMA,
+                                  B_KMAJOR, HAS_BIAS, DOT_PRECISION)
             cols = n0 + offs_n
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             valid = (loc_rows < rows)[:, None] & (cols < N)[None, :]
             if MODE == 0:
                 slot = stripe * tiles + t
