@@ -184,6 +184,7 @@ def test_tile_fused_gemm(mode):
 
 
 def test_tile_fused_communication_kernels():
+    from overlap_compile.runtime.spin_wait import bound_us
     from overlap_compile.templates.tile_fused import kernels as K
 
     world, tiles, bm, bn, rows, n = 4, 6, 128, 128, 256, 384
@@ -193,17 +194,18 @@ def test_tile_fused_communication_kernels():
     tbl = torch.zeros(world, dtype=torch.int64)
     out = torch.empty(world * rows, n, dtype=torch.bfloat16)
     common = dict(USE_ASM=False, USE_TIMER=False)  # building() turns both on
+    BOUND = bound_us(10000)  # the bound as the library passes it (an int32 of microseconds)
     with building() as builds:
-        K._push_kernel[(4,)](part, flags, tbl, tbl, flags, err, tiles, world, 1, 10**9, 1 << 20, BM=bm, BN=bn,
+        K._push_kernel[(4,)](part, flags, tbl, tbl, flags, err, tiles, world, 1, BOUND, 1 << 20, BM=bm, BN=bn,
                              SUB_M=32, **common)
         K._reduce_kernel[(4,)](part, flags, part, flags, out, err, tbl, part, tbl, flags, rows, n, out.stride(0),
-                               tiles, world, 1, 10**9, 1 << 20, 0.25, BM=bm, BN=bn, SUB_M=32, GROUP_M=8, GATHER=True,
+                               tiles, world, 1, BOUND, 1 << 20, 0.25, BM=bm, BN=bn, SUB_M=32, GROUP_M=8, GATHER=True,
                                **common)
-        K._gather_kernel[(4,)](part, flags, out, err, rows, n, out.stride(0), rows, tiles, world, 1, 10**9, 1 << 20,
+        K._gather_kernel[(4,)](part, flags, out, err, rows, n, out.stride(0), rows, tiles, world, 1, BOUND, 1 << 20,
                                BM=bm, BN=bn, SUB_M=32, GROUP_M=8, **common)
-        K._barrier_kernel[(1,)](tbl, flags, err, world, 1, 10**9, 1 << 20, NOTIFY=True, WAIT=True, **common)
+        K._barrier_kernel[(1,)](tbl, flags, err, world, 1, BOUND, 1 << 20, NOTIFY=True, WAIT=True, **common)
         K._notify_kernel[(1,)](flags, 3, USE_ASM=False)
-        K._wait_kernel[(1,)](flags, 3, 1, err, 10**9, 1 << 20, **common)
+        K._wait_kernel[(1,)](flags, 3, 1, err, BOUND, 1 << 20, **common)
     for name in ("_push_kernel", "_reduce_kernel", "_gather_kernel", "_barrier_kernel", "_notify_kernel",
                  "_wait_kernel"):
         (done,) = _assert_built(builds, name)

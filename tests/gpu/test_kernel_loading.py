@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 SCRIPT = r"""
 import json, sys, time
 import torch
+from overlap_compile.runtime.spin_wait import bound_us
 from overlap_compile.templates.tile_fused import kernels as K
 
 preload = sys.argv[1] == "1"
@@ -30,12 +31,12 @@ flags = torch.zeros(1, dtype=torch.int32, device=dev)
 err = K._err_buf(dev)
 asm = True
 try:
-    waiter = K._wait_kernel.warmup(flags, 0, 1, err, 3_000_000_000, 3_000_000, USE_ASM=asm, USE_TIMER=asm,
+    waiter = K._wait_kernel.warmup(flags, 0, 1, err, bound_us(3000), 3_000_000, USE_ASM=asm, USE_TIMER=asm,
                                    grid=(1,), num_warps=1)
     K._loaded(waiter)
 except Exception:
     asm = False  # a Triton that rejects the inline asm: the tl.atomic signals
-    waiter = K._wait_kernel.warmup(flags, 0, 1, err, 3_000_000_000, 3_000_000, USE_ASM=asm, USE_TIMER=asm,
+    waiter = K._wait_kernel.warmup(flags, 0, 1, err, bound_us(3000), 3_000_000, USE_ASM=asm, USE_TIMER=asm,
                                    grid=(1,), num_warps=1)
     K._loaded(waiter)
 notifier = K._notify_kernel.warmup(flags, 0, USE_ASM=asm, grid=(1,), num_warps=1)
@@ -45,7 +46,7 @@ torch.cuda.synchronize()
 spin, other = torch.cuda.Stream(), torch.cuda.Stream()
 t0 = time.perf_counter()
 with torch.cuda.stream(spin):
-    K._wait_kernel[(1,)](flags, 0, 1, err, 3_000_000_000, 3_000_000, USE_ASM=asm, USE_TIMER=asm, num_warps=1)
+    K._wait_kernel[(1,)](flags, 0, 1, err, bound_us(3000), 3_000_000, USE_ASM=asm, USE_TIMER=asm, num_warps=1)
 with torch.cuda.stream(other):
     K._notify_kernel[(1,)](flags, 0, USE_ASM=asm, num_warps=1)
 torch.cuda.synchronize()

@@ -270,13 +270,14 @@ def test_race_loop_every_call_right(world, kind):
 
 
 def test_wait_timeout_raises():
+    from overlap_compile.runtime.spin_wait import bound_us
     from overlap_compile.templates.tile_fused import kernels as K
 
     if not K.available():
         pytest.skip("tile_fused kernels unavailable (Triton / sm_80+)")
     dev = torch.device("cuda", 0)
     flags = torch.zeros(4, dtype=torch.int32, device=dev)
-    K._launch_small("wait", K._wait_kernel, (1,), flags, 2, 1, K._err_buf(dev), 50_000_000, 50_000, num_warps=1)
+    K._launch_small("wait", K._wait_kernel, (1,), flags, 2, 1, K._err_buf(dev), bound_us(50), 50_000, num_warps=1)
     with pytest.raises(K.TileWaitTimeout, match=r"tile_fused .*rank 2 timed out: its flag read 0, expected >= 1"):
         K.check_errors(dev)
     K.check_errors(dev)  # the record was cleared
