@@ -55,8 +55,8 @@ the padding for free; its losses are not compared either; MoE rows carry ``capac
 share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).
 A failing variant is recorded with its error, never fatal. Configurations run model by model,
 then compile mode, then variant, in the order asked (``--repeat N``: the variants of each model and
-mode in turn N times, each one's times the median over its rounds, so a drift of the machine over
-the sweep falls on all of them alike); ``--time-budget`` stops starting those that
+mode in turn N times, every other round in reverse order, each one's times the median over its
+rounds, so a drift of the machine over the sweep or over a round falls on all of them alike); ``--time-budget`` stops starting those that
 would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
 <out>/e2e-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py), with a markdown table and PNGs (benchmarks/plot.py)
@@ -264,8 +264,8 @@ def worker(args_dict: dict) -> list[dict]:
             # inductor training compile, made the overlap training compile fail in the partitioner
             for ckpt in [c == "on" for c in a.ckpt.split(",")] if not seqs or "train" in a.phases.split(",") else []:
                 rounds: dict[str, list[dict]] = {}
-                for r in range(a.repeat):  # the variants in turn, a.repeat times: drift falls on all alike
-                    for variant in variants:
+                for r in range(a.repeat):
+                    for variant in round_order(variants, r):
                         got = run_variant(a, model_name, shape, variant, compile_mode, ckpt, base, budget, device,
                                           dtype, cache_checked if r == 0 else None)
                         rounds.setdefault(variant, []).append(got)
@@ -281,6 +281,14 @@ def worker(args_dict: dict) -> list[dict]:
                     rows.append(got)
                     emit(got)
     return rows
+
+
+def round_order(variants: list[str], r: int) -> list[str]:
+    """The variants in round ``r``: as asked in even rounds, reversed in odd ones. Over two rounds
+    every variant sits at the same mean place in its round, so neither a drift of the machine over
+    the sweep nor a place's own bias (a GPU that heats over a round's compiles and steps) favours one
+    variant; with one round the order is as asked."""
+    return list(variants) if r % 2 == 0 else list(reversed(variants))
 
 
 def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[str], base: dict, budget,
@@ -453,8 +461,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "(train_ms); each row also carries train_cold_ms, one step after a barrier")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds over the variants of each (model, shape, mode): each variant compiled and timed "
-                    "once per round, the rounds in turn, its times the median over rounds (each kept in "
-                    "*_ms_rounds), so a drift of the machine over the sweep falls on every variant alike")
+                    "once per round, every other round in reverse order (round_order), its times the median "
+                    "over rounds (each kept in *_ms_rounds), so a drift of the machine over the sweep or over a "
+                    "round falls on every variant alike")
     ap.add_argument("--force", default=None, help="force this template in the overlap variant, or "
                     "TEMPLATE@{config as JSON} that configuration of it "
                     "(dry run default: signal_reorder, since on CPU the predictor keeps the baseline)")

@@ -83,6 +83,16 @@ def test_activation_checkpointing_matches_default_and_fx_cache_hits(results):
         assert len(r["train_ms_rounds"]) == 2 and r["train_ms"] == pytest.approx(sum(r["train_ms_rounds"]) / 2)
 
 
+def test_rounds_alternate_the_order_of_the_variants():
+    variants = ["default", "overlap", "async_tp", "nocomm"]
+    orders = [e2e.round_order(variants, r) for r in range(4)]
+    assert orders[0] == orders[2] == variants and orders[1] == orders[3] == variants[::-1]
+    # over any two rounds in a row every variant's mean place in its round is the same
+    for pair in (orders[:2], orders[1:3]):
+        assert {v: sum(o.index(v) for o in pair) for v in variants} == dict.fromkeys(variants, len(variants) - 1)
+    assert e2e.round_order(variants, 0) is not variants  # a copy: the caller's list is not reordered
+
+
 def test_rounds_merge_into_one_row_per_configuration():
     ok = {"variant": "overlap", "train_ms": 10.0, "tokens_per_s": 100.0, "prefill_ms": 4.0,
           "prefill_tokens_per_s": 50.0, "sites": ["s"], "ms": 10.0}
