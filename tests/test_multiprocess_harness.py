@@ -75,3 +75,16 @@ def test_kept_ranks_run_each_run_in_a_fresh_child_and_start_again_after_a_failur
     with pytest.raises(DistributedFailure, match="exited with status"):
         run_distributed(_dies_on_rank0, world_size=2, reuse=True, timeout_s=60)
     assert run_distributed(_pid_and_state, world_size=2, args=(var,), reuse=True)[0][-1] == 2
+
+
+def test_the_failure_reported_is_the_cause_not_its_echoes():
+    from overlap_compile.testing.multiprocess import DIED, _returned
+
+    echo = "RuntimeError: Connection closed by peer"
+    # a rank that died is the cause, though its peer's echo came first
+    with pytest.raises(DistributedFailure, match=r"failed on rank 1:\n" + DIED + r"[^\n]*\n\(ranks \[0\] failed too\)"):
+        _returned("t", {}, {0: echo, 1: f"{DIED} with status 768 before it reported"})
+    # else the first failure reported, whatever its rank
+    with pytest.raises(DistributedFailure, match=r"failed on rank 1:\nValueError: on purpose"):
+        _returned("t", {}, {1: "ValueError: on purpose", 0: echo})
+    assert _returned("t", {1: "b", 0: "a"}, {}) == ["a", "b"]

@@ -112,35 +112,52 @@ def run_distributed(fn: Callable | str, world_size: int = 2, args: tuple = (), k
     return _returned(target, results, errors)
 
 
+ERROR_GRACE_S = 2.0  # after a rank's failure, how long the others' reports are still read
+DIED = "process exited"  # how a rank whose process died without reporting is reported
+
+
 def _collect(target: str, procs: list, queue: Any, timeout_s: float, results: dict, errors: dict) -> None:
-    """Fill ``results`` / ``errors`` (rank -> payload) from ``queue`` until every rank reported or
-    one failed (the others may now wait in a collective it will never join); a rank whose process
-    died is an error; past ``timeout_s`` raises DistributedFailure naming the ranks still out."""
+    """Fill ``results`` / ``errors`` (rank -> payload) from ``queue`` until every rank reported, or
+    ERROR_GRACE_S after the first failure (the others may now wait in a collective it will never
+    join). The grace lets a failure's cause arrive beside its echoes: a rank that died is reported
+    by its parent a moment after its peers report the connection it closed. A rank whose process
+    died is an error; past ``timeout_s`` with no failure raises DistributedFailure naming the ranks
+    still out."""
     world_size = len(procs)
     deadline = time.monotonic() + timeout_s
+    grace_end = None
     while len(results) + len(errors) < world_size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        now = time.monotonic()
+        if errors and grace_end is None:
+            grace_end = now + ERROR_GRACE_S
+        if grace_end is not None and now >= grace_end:
+            return
+        if now >= deadline:
             raise DistributedFailure(
                 f"{target}: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not finish "
-                f"within {timeout_s:.0f}s" + (f"; errors so far: {errors}" if errors else "")
+                f"within {timeout_s:.0f}s"
             )
+        wait = min(deadline, grace_end if grace_end is not None else deadline) - now
         try:
-            rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            rank, ok, payload = queue.get(timeout=min(wait, 1.0 if grace_end is None else 0.1))
         except queue_mod.Empty:
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in errors]
             if dead:
-                errors.update({i: f"process exited with code {procs[i].exitcode}" for i in dead})
+                errors.update({i: f"{DIED} with code {procs[i].exitcode}" for i in dead})
             continue
         (results if ok else errors)[rank] = payload
-        if errors:
-            return
 
 
 def _returned(target: str, results: dict, errors: dict) -> list[Any]:
+    """The ranks' results in rank order, or DistributedFailure with the failure that caused the
+    others: a rank whose process died (its peers' errors are the connection it closed), else the
+    first reported (``errors`` keeps the order they came in)."""
     if errors:
-        first = min(errors)
-        raise DistributedFailure(f"{target} failed on rank {first}:\n{errors[first]}")
+        died = [r for r, e in errors.items() if e.startswith(DIED)]
+        first = died[0] if died else next(iter(errors))
+        others = sorted(set(errors) - {first})
+        also = f"\n(ranks {others} failed too)" if others else ""
+        raise DistributedFailure(f"{target} failed on rank {first}:\n{errors[first]}{also}")
     return [results[r] for r in range(len(results))]
 
 
@@ -217,7 +234,7 @@ def _kept_worker(rank: int, world: int, tasks: Any, queue: Any) -> None:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         if status:
-            queue.put((rank, False, f"process exited with status {status} before it reported"))
+            queue.put((rank, False, f"{DIED} with status {status} before it reported"))
 
 
 class _KeptRanks:
