@@ -111,11 +111,10 @@ _launch = FastLaunch(wait_kernel) if HAVE_TRITON else None  # the compiled kerne
 
 def bound_us(timeout_ms: int) -> int:
     """A wait's bound as every bounded-wait kernel takes it: microseconds, an int32 for any bound
-    up to config.MAX_SIGNAL_TIMEOUT_MS, so one compiled variant serves every bound. The JIT types
-    an int by its value: in nanoseconds a bound up to 2.1 s was an int32 and a longer one an int64,
-    so a run whose first calls used the other kind compiled and loaded a second variant mid-run while
-    its peers waited (p2p_ring's one-GPU race, warmed up with 1 s bounds and timed with 10 s ones,
-    hit its bound at ring step 0 whenever the Triton cache was cold)."""
+    up to config.MAX_SIGNAL_TIMEOUT_MS, so one compiled variant serves every bound. (The JIT types
+    an int by its value: in nanoseconds a bound past 2.1 s is an int64 and a shorter one an int32,
+    and a run that met the other kind compiled and loaded a second variant mid-run, its peers
+    already waiting.)"""
     ms = int(timeout_ms)
     if not 0 < ms <= MAX_SIGNAL_TIMEOUT_MS:
         raise ValueError(f"a wait's bound must be 1 to {MAX_SIGNAL_TIMEOUT_MS} ms (signal_timeout_ms), "

@@ -125,21 +125,20 @@ def _collect(target: str, procs: list, queue: Any, timeout_s: float, results: di
     still out."""
     world_size = len(procs)
     deadline = time.monotonic() + timeout_s
-    grace_end = None
+    grace = False
     while len(results) + len(errors) < world_size:
-        now = time.monotonic()
-        if errors and grace_end is None:
-            grace_end = now + ERROR_GRACE_S
-        if grace_end is not None and now >= grace_end:
-            return
-        if now >= deadline:
+        if errors and not grace:
+            grace, deadline = True, min(deadline, time.monotonic() + ERROR_GRACE_S)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if errors:
+                return
             raise DistributedFailure(
-                f"{target}: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not finish "
+                f"{target}: ranks {sorted(set(range(world_size)) - set(results))} did not finish "
                 f"within {timeout_s:.0f}s"
             )
-        wait = min(deadline, grace_end if grace_end is not None else deadline) - now
         try:
-            rank, ok, payload = queue.get(timeout=min(wait, 1.0 if grace_end is None else 0.1))
+            rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in errors]
             if dead:
