@@ -87,8 +87,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root
 
 from benchmarks.e2e_report import (  # noqa: E402,F401  (compare, markdown, verdict: also e2e.* for the tests)
     ATTRIBUTION, compare, markdown, one_line, read_partial, run_file, verdict, write)
-from benchmarks.e2e_run import failure_kind, fresh_kernel_caches, run_config, second_compile_hits  # noqa: E402
-from benchmarks.timing import Budget  # noqa: E402
+from benchmarks.e2e_run import (  # noqa: E402
+    failure_kind, fresh_kernel_caches, prepare, run_config, second_compile_hits, time_together)
+from benchmarks.e2e_run import finish as finish_config  # noqa: E402  (finish: this file's, the run's end)
+from benchmarks.timing import Budget, round_order  # noqa: E402,F401  (round_order: also e2e.* for the tests)
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
@@ -263,6 +265,12 @@ def worker(args_dict: dict) -> list[dict]:
             # always does: on CPU (torch 2.13) a no_grad compile of the DTensor block, then its
             # inductor training compile, made the overlap training compile fail in the partitioner
             for ckpt in [c == "on" for c in a.ckpt.split(",")] if not seqs or "train" in a.phases.split(",") else []:
+                if a.interleave:
+                    for got in run_interleaved(a, model_name, shape, variants, compile_mode, ckpt, base, budget,
+                                               device, dtype, cache_checked):
+                        rows.append(got)
+                        emit(got)
+                    continue
                 rounds: dict[str, list[dict]] = {}
                 for r in range(a.repeat):
                     for variant in round_order(variants, r):
@@ -281,14 +289,6 @@ def worker(args_dict: dict) -> list[dict]:
                     rows.append(got)
                     emit(got)
     return rows
-
-
-def round_order(variants: list[str], r: int) -> list[str]:
-    """The variants in round ``r``: as asked in even rounds, reversed in odd ones. Over two rounds
-    every variant sits at the same mean place in its round, so neither a drift of the machine over
-    the sweep nor a place's own bias (a GPU that heats over a round's compiles and steps) favours one
-    variant; with one round the order is as asked."""
-    return list(variants) if r % 2 == 0 else list(reversed(variants))
 
 
 def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[str], base: dict, budget,
@@ -338,17 +338,10 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
                 device: str, dtype, cache_checked: set | None) -> dict:
     """One configuration's row: its measurement, or why it was skipped (the time budget) or
     failed. ``cache_checked``: the models whose FX-cache hit was checked (None: not this round)."""
-    from benchmarks.models import FAMILY
-
     rank0 = dist.get_rank() == 0
     inflight = run_file(a.out, a.run_id, "inflight") if getattr(a, "out", None) else None
     cfg = {**base, **schema_keys(model_name, shape, variant, compile_mode, ckpt, a.force)}
-    if variant == "async_tp" and FAMILY[model_name] == "moe":
-        return {**cfg, "skipped": "async-TP fuses TP all-gather/reduce-scatter matmuls; "
-                                  "an EP block has none (its collectives are all-to-all)"}
-    if variant == "nocomm_nopad" and FAMILY[model_name] != "moe":
-        return {**cfg, "skipped": "nocomm_nopad removes expert capacity padding; a dense block has none"}
-    skip = budget.should_skip()
+    skip = not_applicable(model_name, variant) or budget.should_skip()
     if skip:
         return {**cfg, "skipped": skip}
     t0 = time.monotonic()
@@ -375,8 +368,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
             cache_checked.add(model_name)
             rows[-1]["fxgraph_cache_hit"] = second_compile_hits(model_name, shape, compile_mode, a.force, device, dtype)
     except Exception as e:  # recorded, the sweep goes on
-        rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
-                     "trace": traceback.format_exc()[-3000:]})
+        rows.append(_error_row(cfg, e))
     finally:  # a failed variant must not leave its memory to the next
         gc.collect()
         if torch.cuda.is_available():
@@ -386,6 +378,79 @@ def run_variant(a, model_name: str, shape: dict, variant: str, compile_mode: str
     if rank0 and inflight and os.path.exists(inflight):
         os.remove(inflight)
     return rows[-1]
+
+
+def not_applicable(model_name: str, variant: str) -> str | None:
+    """Why the variant does not apply to the model (a skipped row), else None."""
+    from benchmarks.models import FAMILY
+
+    if variant == "async_tp" and FAMILY[model_name] == "moe":
+        return "async-TP fuses TP all-gather/reduce-scatter matmuls; an EP block has none (its collectives are all-to-all)"
+    if variant == "nocomm_nopad" and FAMILY[model_name] != "moe":
+        return "nocomm_nopad removes expert capacity padding; a dense block has none"
+    return None
+
+
+def run_interleaved(a, model_name: str, shape: dict, variants: list[str], compile_mode: str, ckpt: bool, base: dict,
+                    budget, device: str, dtype, cache_checked: set) -> list[dict]:
+    """``--interleave``: the variants of one (model, shape, mode, ckpt) prepared one after another
+    in one process, each on a model of its own and its peak memory counted from its own start
+    (e2e_run.prepare), then timed side by side, one sample of each per round
+    (e2e_run.time_together). A variant that does not apply or fails to prepare is its row; the
+    others are timed. The FX-cache check (``--check-cache``) runs after the timing: it resets
+    Dynamo, which would drop the group's compiled code."""
+    from overlap_compile.compile_caches import no_compile_caches
+
+    rows: dict[str, dict] = {}
+    cfgs = {v: {**base, **schema_keys(model_name, shape, v, compile_mode, ckpt, a.force)} for v in variants}
+    skip = budget.should_skip()
+    if skip:
+        return [{**cfgs[v], "skipped": skip} for v in variants]
+    t0 = time.monotonic()
+    phases = [p for p in a.phases.split(",") if not (getattr(a, "seqs", None) and p == "prefill")]
+    prepared = []
+    torch._dynamo.reset()
+    kernels = fresh_kernel_caches() if a.fresh_caches else contextlib.nullcontext()
+    # every variant's graphs stay compiled beside the others' on the same code objects
+    limit = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 8 * len(variants))}
+    with no_compile_caches(), kernels, torch._dynamo.config.patch(limit):
+        for variant in variants:
+            why = not_applicable(model_name, variant)
+            if why:
+                rows[variant] = {**cfgs[variant], "skipped": why}
+                continue
+            try:
+                with contextlib.ExitStack() as stack:
+                    prepared.append(prepare(model_name, shape, variant, compile_mode, ckpt, phases, a.steps, a.force,
+                                            device, dtype, stack, warm_calls=2, beside_others=True))
+            except Exception as e:  # recorded, the others go on
+                rows[variant] = _error_row(cfgs[variant], e)
+        try:
+            time_together(prepared, a.iters, a.train_calls)
+            for p in prepared:
+                got = finish_config(p)
+                rows[p.variant] = {**cfgs[p.variant], **got, "ms": got.get("train_ms", got.get("prefill_ms"))}
+        except Exception as e:
+            for p in prepared:
+                rows[p.variant] = _error_row(cfgs[p.variant], e)
+    del prepared
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    over = rows.get("overlap")
+    if over is not None and "error" not in over and "skipped" not in over and (
+            a.check_cache == "all" or (a.check_cache == "first" and model_name not in cache_checked)):
+        cache_checked.add(model_name)
+        over["fxgraph_cache_hit"] = second_compile_hits(model_name, shape, compile_mode, a.force, device, dtype)
+    out = [rows[v] for v in variants]
+    agree(out, device)
+    budget.took(time.monotonic() - t0)
+    return out
+
+
+def _error_row(cfg: dict, e: BaseException) -> dict:
+    return {**cfg, "error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
+            "trace": traceback.format_exc()[-3000:]}
 
 
 ROUND_TIMES = ("train_ms", "train_cold_ms", "prefill_ms")
@@ -464,6 +529,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "once per round, every other round in reverse order (round_order), its times the median "
                     "over rounds (each kept in *_ms_rounds), so a drift of the machine over the sweep or over a "
                     "round falls on every variant alike")
+    ap.add_argument("--interleave", action="store_true",
+                    help="the variants of each (model, shape, mode) compiled one after another in one process and "
+                    "kept, then timed side by side: one sample of each per round, every other round in reverse "
+                    "order (timing.time_interleaved); each row's times the median of its samples (kept in "
+                    "*_ms_rounds) and its speedups and gap closed the medians of the rounds' own. A GPU's clocks "
+                    "under its power cap follow its temperature, which moves over minutes of compiles: variants "
+                    "timed minutes apart differ by more than the smaller gaps. Not with models their framework "
+                    "compiles in place (torchtitan: --isolate)")
     ap.add_argument("--force", default=None, help="force this template in the overlap variant, or "
                     "TEMPLATE@{config as JSON} that configuration of it "
                     "(dry run default: signal_reorder, since on CPU the predictor keeps the baseline)")
@@ -500,6 +573,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         for v in vals.split(","):
             if v not in allowed:
                 raise SystemExit(f"{opt}: {v!r} is not one of {', '.join(allowed)}")
+    if a.interleave and (a.isolate or a.repeat > 1):
+        raise SystemExit("--interleave times the variants side by side in one process: not with --isolate (a process "
+                         "per variant) or --repeat (rounds of whole configurations); its rounds are --iters")
     if a.steps < 1 or a.iters < 1 or a.repeat < 1 or a.train_calls < 1:
         raise SystemExit(f"--steps ({a.steps}), --iters ({a.iters}), --repeat ({a.repeat}) and --train-calls "
                          f"({a.train_calls}) must be >= 1")

@@ -128,9 +128,9 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
     report = oc.Report()
     records = RecordsSince(report)
     step_begin = torch.compiler.cudagraph_mark_step_begin if compile_mode == "reduce-overhead" else (lambda: None)
-    with framework_mode(built, compile_mode), variant_context(variant), \
+    with framework_mode(built, compile_mode), variant_context(variant) as (_, options), \
             torch._dynamo.config.patch({} if dynamic else static_compile()):
-        fn, overrides = compiled(built.model, variant, compile_mode, force, report, built.compile_with)
+        fn, overrides = compiled(built.model, variant, compile_mode, force, report, built.compile_with, options)
 
         def prefill(x):
             step_begin()

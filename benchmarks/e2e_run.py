@@ -7,16 +7,19 @@ every rank; e2e_report.py turns the rows into comparisons, tables and files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
+import statistics
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.plot import E2E_BOUNDS
-from benchmarks.timing import op_graph_calls_since, op_graph_counts, time_ms
+from benchmarks.timing import op_graph_calls_since, op_graph_counts, time_interleaved, time_ms
 
 
 class Checkpointed(torch.nn.Module):
@@ -41,19 +44,24 @@ SIZE_CHANGES = {"nocomm_nopad": {"capacity_factor": 1.0}}
 
 @contextlib.contextmanager
 def variant_context(variant: str):
-    """What the variant changes around torch.compile; yields the nocomm pass (its counts) or None."""
+    """What the variant changes around torch.compile. Yields ``(nocomm pass or None, Inductor
+    options)``: the options its torch.compile takes as well (``compiled``), so that its compiled
+    code is its own: Dynamo keys compiled code by the backend, and two plain torch.compile calls
+    with the same mode are the same backend to it, whatever Inductor's options were around them
+    (a variant compiled beside torch.compile's own, as interleaved timing keeps them, would
+    otherwise run the other's code)."""
     if variant == "async_tp":
         from benchmarks.async_tp import async_tp
 
         with async_tp():
-            yield None
+            yield None, {"_micro_pipeline_tp": True}
     elif variant in E2E_BOUNDS:  # every bound runs without communication
         from benchmarks.nocomm import nocomm
 
         with nocomm() as p:
-            yield p
+            yield p, {"post_grad_custom_post_pass": p}
     else:
-        yield None
+        yield None, {}
 
 
 def forced_options(force: str | None) -> dict:
@@ -94,9 +102,12 @@ class RecordsSince:
         self.start = len(oc.last_report().records)
 
 
-def compiled(model, variant: str, compile_mode: str, force: str | None, report, compile_with=None):
+def compiled(model, variant: str, compile_mode: str, force: str | None, report, compile_with=None,
+             options: dict | None = None):
     """The callable a step runs and the overlap options it runs under. ``compile_with``: the
-    model's framework compiles it in place, with the backend named as users name it."""
+    model's framework compiles it in place, with the backend named as users name it. ``options``:
+    the Inductor options of the variant (``variant_context``), given to torch.compile with the
+    mode's own (torch.compile takes a mode or options, not both)."""
     mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
     if compile_with is not None:
         overrides = forced_options(force) if variant == "overlap" else {}
@@ -116,6 +127,8 @@ def compiled(model, variant: str, compile_mode: str, force: str | None, report, 
             # the options are read when Dynamo hands over each graph: keep them for every call
             fn = torch.compile(model, backend=backend)
         return fn, overrides
+    if options:
+        return torch.compile(model, options={**torch._inductor.list_mode_options(compile_mode), **options}), {}
     return torch.compile(model, **mode_kw), {}
 
 
@@ -177,15 +190,48 @@ def mean_over_ranks(v: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
+@dataclasses.dataclass
+class Prepared:
+    """One configuration compiled, its losses taken and its calls warmed up (``prepare``): the
+    row so far, the calls its timing makes (``train_step``: one training step, ``prefill``: one
+    forward; None for a phase not run) and what ``finish`` reads once the timing is done."""
+    row: dict
+    train_step: Callable[[], Any] | None
+    prefill: Callable[[], Any] | None
+    watch: "CompileWatch"
+    report: Any
+    train_graphs: int
+    variant: str
+    calls_before: Any = None
+
+
 def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, phases: list[str],
                steps: int, iters: int, force: str | None, device: str, dtype, train_calls: int = 3) -> dict:
+    """One configuration on its own: prepared, timed, finished; its row."""
+    with contextlib.ExitStack() as stack:
+        p = prepare(model_name, shape, variant, compile_mode, ckpt, phases, steps, force, device, dtype, stack)
+        time_alone(p, iters, train_calls)
+    return finish(p)
+
+
+def prepare(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, phases: list[str],
+            steps: int, force: str | None, device: str, dtype, stack: contextlib.ExitStack,
+            warm_calls: int = 0, beside_others: bool = False) -> Prepared:
+    """Build the model, compile it as the variant compiles it, run ``steps`` training steps (the
+    losses compared with the default variant's) and the first prefill (its compile), then
+    ``warm_calls`` more of each (so that a peak read now is the steady one: interleaved timing).
+    The variant's contexts are entered on ``stack``: its compiles take what they change, and a
+    compiled call made after ``stack`` closes runs the same code (the variants that patch
+    Inductor's options pass them to torch.compile too: ``compiled``). ``beside_others``: other
+    variants stay alive beside this one (interleaved timing), which a model its framework
+    compiles in place, naming the backend, cannot do: a clear error then."""
     import overlap_compile as oc
     from benchmarks.models import build
     from overlap_compile.runtime import cublas_workspaces
 
     row: dict = {}
-    # what earlier configurations of the process left allocated (compiled code, caches) is not this
-    # one's: its peak counts from here
+    # what earlier configurations of the process left allocated (compiled code, caches, the other
+    # variants of an interleaved group) is not this one's: its peak counts from here
     base = 0
     if torch.cuda.is_available():
         gc.collect()
@@ -197,7 +243,12 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
         # in a process of its own
         cublas_workspaces.release()
         base = torch.cuda.memory_allocated()
+    row["mem_base_gib"] = base / 2**30
     built = build(model_name, {**shape, **SIZE_CHANGES.get(variant, {})}, device, dtype, seed=0)
+    if beside_others and built.compile_with is not None:
+        raise ValueError(f"{model_name} is compiled in place by its framework, which names the backend: its "
+                         "variants cannot live side by side in one process (interleaved timing); time it "
+                         "one variant at a time, in processes of their own (e2e.py --isolate)")
     if hasattr(built.model, "moe"):  # what the bound changed is visible in its row
         row["capacity_factor"] = built.model.moe.cf
     model = Checkpointed(built.model) if ckpt else built.model
@@ -206,90 +257,151 @@ def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ck
     watch = CompileWatch()
     # CUDA-graph trees reuse output memory across replays: a new step must be announced
     step_begin = torch.compiler.cudagraph_mark_step_begin if compile_mode == "reduce-overhead" else (lambda: None)
-    recompiles = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     records = RecordsSince(report)
-    with framework_mode(built, compile_mode), variant_context(variant) as nocomm_pass:
-        fn, overrides = compiled(model, variant, compile_mode, force, report, built.compile_with)
-        finalize_grads = built.finalize_grads
-        if nocomm_pass is not None:  # the bounds: no gradient all-reduce outside the graphs either
-            from benchmarks.nocomm import without_eager_all_reduce
+    stack.enter_context(framework_mode(built, compile_mode))
+    nocomm_pass, options = stack.enter_context(variant_context(variant))
+    fn, overrides = compiled(model, variant, compile_mode, force, report, built.compile_with, options)
+    finalize_grads = built.finalize_grads
+    if nocomm_pass is not None:  # the bounds: no gradient all-reduce outside the graphs either
+        from benchmarks.nocomm import without_eager_all_reduce
 
-            finalize_grads = without_eager_all_reduce(finalize_grads, nocomm_pass.replaced)
+        finalize_grads = without_eager_all_reduce(finalize_grads, nocomm_pass.replaced)
+        row["nocomm_replaced"] = nocomm_pass.replaced  # the same Counter: what later compiles replace counts too
 
-        def train_step() -> torch.Tensor:
-            step_begin()
-            with oc.config.patch(**overrides):
-                y = fn(built.x)
-                loss = built.to_local(y).float().pow(2).mean()
-                loss.backward()
-            finalize_grads()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
+    def train_step() -> torch.Tensor:
+        step_begin()
+        with oc.config.patch(**overrides):
+            y = fn(built.x)
+            loss = built.to_local(y).float().pow(2).mean()
+            loss.backward()
+        finalize_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
-        def prefill():
-            step_begin()
-            with torch.no_grad(), oc.config.patch(**overrides):
-                return fn(built.x)
+    def prefill():
+        step_begin()
+        with torch.no_grad(), oc.config.patch(**overrides):
+            return fn(built.x)
 
-        if "train" in phases:
-            t0 = time.perf_counter()
-            losses = [train_step()]
-            sync()
-            first_s = time.perf_counter() - t0
-            losses += [train_step() for _ in range(steps - 1)]
-            row["losses"] = [mean_over_ranks(v) for v in losses]
-            watch.start_timed()
-            calls_before = op_graph_counts()  # over the timed steps, warm-up included
-            # a training loop's steady state: steps back to back, the next one queued while this
-            # one runs; one step after a barrier starts from an idle GPU, and its first collective
-            # waits for the slower rank's host to get there, a wait nocomm never pays
-            row["train_ms"] = time_ms(train_step, iters, warmup=2, calls=train_calls)
-            row["train_calls"] = train_calls
-            row["train_cold_ms"] = time_ms(train_step, iters, warmup=0, calls=1)
-            row["op_graph_calls"] = op_graph_calls_since(calls_before)
-            recompiles += watch.compiled_since_mark()
-            row["compile_s"] = max(0.0, first_s - row["train_ms"] / 1e3)
-            row["tokens_per_s"] = built.tokens / (row["train_ms"] / 1e3)
-        if built.compile_with is not None:
-            records.collect()
-        train_graphs = len(report.records)  # the graphs compiled so far are the training step's
-        if "prefill" in phases:
-            t0 = time.perf_counter()
+    if "train" in phases:
+        t0 = time.perf_counter()
+        losses = [train_step()]
+        sync()
+        row["compile_s"] = time.perf_counter() - t0  # less one step's time once it is timed (finish)
+        losses += [train_step() for _ in range(steps - 1)]
+        row["losses"] = [mean_over_ranks(v) for v in losses]
+        for _ in range(warm_calls):
+            train_step()
+        row["tokens"] = built.tokens
+    if built.compile_with is not None:
+        records.collect()
+    train_graphs = len(report.records)  # the graphs compiled so far are the training step's
+    if "prefill" in phases:
+        t0 = time.perf_counter()
+        prefill()
+        sync()
+        row["prefill_compile_s"] = time.perf_counter() - t0
+        for _ in range(warm_calls):
             prefill()
-            sync()
-            first_s = time.perf_counter() - t0
-            watch.start_timed()
-            row["prefill_ms"] = time_ms(prefill, iters, warmup=2)
-            recompiles += watch.compiled_since_mark()
-            row["prefill_compile_s"] = max(0.0, first_s - row["prefill_ms"] / 1e3)
-            row["prefill_tokens_per_s"] = built.tokens / (row["prefill_ms"] / 1e3)
-        if built.compile_with is not None:
-            records.collect()
-    row.update(watch.summary(recompiles))
-    if nocomm_pass is not None:
-        row["nocomm_replaced"] = dict(nocomm_pass.replaced)
-    if torch.cuda.is_available():
-        from overlap_compile.runtime import op_graphs, symm
+        row["tokens"] = built.tokens
+    if built.compile_with is not None:
+        records.collect()
+    if warm_calls:
+        sync()
+        _read_memory(row, variant, base)
+    return Prepared(row, train_step if "train" in phases else None, prefill if "prefill" in phases else None,
+                    watch, report, train_graphs, variant)
 
-        # the overlap variant's peak counts what the library holds: its symmetric buffers that torch
-        # maps outside the caching allocator (kept for the life of the process, so alive at that
-        # peak too), and beside it the template ops' graph pool (reserved for their replays). The
-        # variants after it in a process leave them out: not theirs (e2e releases nothing between).
-        ours = variant == "overlap"
-        row["symm_outside_gib"] = symm.bytes_outside_allocator() / 2**30 if ours else 0.0
-        row["mem_base_gib"] = base / 2**30
-        row["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 + row["symm_outside_gib"]
-        if ours:
-            row["op_graphs_gib"] = op_graphs.pool_bytes(torch.cuda.current_device()) / 2**30
-            row["op_graphs_declined"] = len(op_graphs.declined())  # sites whose buffers never settled
-    if variant == "overlap":
+
+def time_alone(p: Prepared, iters: int, train_calls: int) -> None:
+    """Time one prepared configuration by itself (``time_ms``): a training loop's steps back to
+    back (``train_ms``), one step after a barrier (``train_cold_ms``), prefill (``prefill_ms``)."""
+    p.watch.start_timed()
+    p.calls_before = op_graph_counts()  # over the timed steps, warm-up included
+    if p.train_step is not None:
+        # a training loop's steady state: steps back to back, the next one queued while this
+        # one runs; one step after a barrier starts from an idle GPU, and its first collective
+        # waits for the slower rank's host to get there, a wait nocomm never pays
+        p.row["train_ms"] = time_ms(p.train_step, iters, warmup=2, calls=train_calls)
+        p.row["train_calls"] = train_calls
+        p.row["train_cold_ms"] = time_ms(p.train_step, iters, warmup=0, calls=1)
+    if p.prefill is not None:
+        p.row["prefill_ms"] = time_ms(p.prefill, iters, warmup=2)
+
+
+def time_together(prepared: list[Prepared], iters: int, train_calls: int) -> None:
+    """Time prepared configurations side by side (``timing.time_interleaved``: one sample of each
+    per round, the order reversed every other round), each phase in turn; each row's time is
+    the median of its samples, every sample kept in ``<phase>_ms_rounds`` (round i of every row
+    was taken side by side: ``e2e_report.compare`` takes ratios round by round), and the row
+    says ``interleaved``: the names of the group's variants."""
+    for p in prepared:
+        p.watch.start_timed()
+        p.calls_before = op_graph_counts()
+    names = [p.variant for p in prepared]
+    phases = (("train_ms", "train_step", train_calls, 2), ("train_cold_ms", "train_step", 1, 0),
+              ("prefill_ms", "prefill", 1, 2))
+    for key, call, calls, warmup in phases:
+        fns = {p.variant: getattr(p, call) for p in prepared if getattr(p, call) is not None}
+        if not fns:
+            continue
+        got = time_interleaved(fns, iters, warmup=warmup, calls=calls)
+        for p in prepared:
+            if p.variant in got:
+                p.row[key] = statistics.median(got[p.variant])
+                p.row[f"{key[:-3]}_ms_rounds"] = got[p.variant]
+                if key == "train_ms":
+                    p.row["train_calls"] = train_calls
+    for p in prepared:
+        p.row["interleaved"] = names
+
+
+def _read_memory(row: dict, variant: str, base: int) -> None:
+    """The configuration's peak so far (from its start), symmetric buffers of the overlap variant
+    included (``peak_mem_gib``)."""
+    if not torch.cuda.is_available():
+        return
+    from overlap_compile.runtime import op_graphs, symm
+
+    # the overlap variant's peak counts what the library holds: its symmetric buffers that torch
+    # maps outside the caching allocator (kept for the life of the process, so alive at that
+    # peak too), and beside it the template ops' graph pool (reserved for their replays). The
+    # variants after it in a process leave them out: not theirs (e2e releases nothing between).
+    ours = variant == "overlap"
+    row["symm_outside_gib"] = symm.bytes_outside_allocator() / 2**30 if ours else 0.0
+    row["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 + row["symm_outside_gib"]
+    if ours:
+        row["op_graphs_gib"] = op_graphs.pool_bytes(torch.cuda.current_device()) / 2**30
+        row["op_graphs_declined"] = len(op_graphs.declined())  # sites whose buffers never settled
+
+
+def finish(p: Prepared) -> dict:
+    """What is read once the timing is done: compile times less one call, tokens/s, recompiles
+    and op-graph calls over the timing, the nocomm pass's counts, the peak memory (unless
+    ``prepare`` read it), the overlap pass's sites; the row."""
+    row, report = p.row, p.report
+    if "train_ms" in row:
+        row["compile_s"] = max(0.0, row["compile_s"] - row["train_ms"] / 1e3)
+        row["tokens_per_s"] = row["tokens"] / (row["train_ms"] / 1e3)
+    if "prefill_ms" in row:
+        row["prefill_compile_s"] = max(0.0, row["prefill_compile_s"] - row["prefill_ms"] / 1e3)
+        row["prefill_tokens_per_s"] = row["tokens"] / (row["prefill_ms"] / 1e3)
+    row.pop("tokens", None)
+    if p.calls_before is not None and "train_ms" in row:
+        row["op_graph_calls"] = op_graph_calls_since(p.calls_before)
+    row.update(p.watch.summary(p.watch.compiled_since_mark()))
+    if "nocomm_replaced" in row:
+        row["nocomm_replaced"] = dict(row["nocomm_replaced"])
+    if "peak_mem_gib" not in row:
+        _read_memory(row, p.variant, int(row["mem_base_gib"] * 2**30))
+    if p.variant == "overlap":
         # "measured": the sites settled by measuring (passes/settle.py), or with
         # OVERLAP_COMPILE_SEARCH=measure every site's measured and predicted gain; comm_ms /
         # hidden_ms / chosen_ms: the predicted parts benchmarks/plan.py's forecast adds up
-        row["sites"] = [{"graph": s.graph, "phase": "train" if i < train_graphs else "prefill", "kind": s.kind,
+        row["sites"] = [{"graph": s.graph, "phase": "train" if i < p.train_graphs else "prefill", "kind": s.kind,
                          "template": s.template, "rewritten": s.rewritten, "reason": s.reason, "gemms": s.gemms,
                          "predicted_ms": s.predicted_ms, "measured": s.measured, "comm_ms": s.comm_ms,
                          "hidden_ms": s.hidden_ms, "chosen_ms": s.chosen_ms, "host_clock": s.host_clock,

@@ -4,8 +4,9 @@ diagnostics/occupancy_sweep): one place for medians, CUDA events, CUDA-graph cap
 ``time_ms(fn)``: warm-up, then per call the ranks meet at a barrier and the call is timed with
 CUDA events (the host clock on CPU dry runs); the median per rank, and the slowest rank's median
 is the result (all ranks return the same number). Without a process group (one-GPU benchmarks):
-this process's median. ``time_pair(fa, fb)``: two callables timed in alternating rounds, with the
-median of the rounds' ratios (host-launched calls whose host speed drifts). ``graphed(fn)``: fn captured in a CUDA graph
+this process's median. ``time_interleaved(fns)``: several callables timed side by side, one
+sample each per round, the order reversed every other round; ``time_pair(fa, fb)``: two of them,
+with the median of the rounds' ratios (host-launched calls whose host speed drifts). ``graphed(fn)``: fn captured in a CUDA graph
 (after warm-up on a side stream), returned as its replay; ``calls`` captures that many calls in one
 graph (gemm.py times kernels that way, without launch gaps). ``host_ms_per_call(fn, calls)``: the
 host's own time per call of back-to-back calls (host_profile.py). ``Budget``: rank 0's clock decides
@@ -81,34 +82,50 @@ def _sample_ms(fn, calls: int, cuda: bool, group: bool) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
-def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:
-    """``fa`` and ``fb`` timed in alternating rounds (A B, then B A): per round each is timed as
-    ``time_ms`` times a sample (barrier, ``calls`` back-to-back calls), the slowest rank's time
-    counts, and the round's ratio is B's time over A's. Returns the medians ``a_ms``, ``b_ms`` and
-    ``ratio`` (B / A: A's speedup over B) and ``rounds``. Where the host launches the calls (a
-    call of a fraction of a millisecond), the host's speed drifts between configurations timed
-    minutes apart; rounds side by side see the same drift, so their ratio does not."""
-    if calls < 1 or iters < 1:
-        raise ValueError(f"time_pair: iters and calls must be >= 1, got {iters} and {calls}")
+def round_order(names: list, r: int) -> list:
+    """``names`` in round ``r``: as given in even rounds, reversed in odd ones. Over two rounds
+    every one sits at the same mean place, so neither a drift of the machine nor a place's own
+    bias (a GPU that heats over a round) favours one; with one round the order is as given."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict[str, list[float]]:
+    """Each of ``fns`` (name -> callable) timed once per round, in the round's order (as given in
+    even rounds, reversed in odd ones), ``iters`` rounds after ``warmup`` calls of each: per name
+    its samples in round order, each one as ``time_ms`` times a sample (barrier, ``calls``
+    back-to-back calls) and the slowest rank's. Configurations timed minutes apart see a machine
+    that has drifted (the host's speed; a GPU's clocks under its power cap, which follow its
+    temperature); samples side by side see the same drift, so ratios taken per round do not."""
+    if calls < 1 or iters < 1 or not fns:
+        raise ValueError(f"time_interleaved: iters and calls must be >= 1 and fns not empty, got {iters}, {calls}, "
+                         f"{len(fns)} callables")
     cuda = torch.cuda.is_available()
     group = dist.is_initialized()
+    names = list(fns)
     for _ in range(warmup):
-        fa()
-        fb()
+        for name in names:
+            fns[name]()
     if cuda:
         torch.cuda.synchronize()
-    a, b = [], []
+    got: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters):
-        if i % 2:
-            b.append(_sample_ms(fb, calls, cuda, group))
-            a.append(_sample_ms(fa, calls, cuda, group))
-        else:
-            a.append(_sample_ms(fa, calls, cuda, group))
-            b.append(_sample_ms(fb, calls, cuda, group))
-    t = torch.tensor([a, b], dtype=torch.float64, device="cuda" if cuda else "cpu")
+        for name in round_order(names, i):
+            got[name].append(_sample_ms(fns[name], calls, cuda, group))
     if group:
+        t = torch.tensor([got[name] for name in names], dtype=torch.float64, device="cuda" if cuda else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    a, b = t.tolist()
+        got = dict(zip(names, t.tolist()))
+    return got
+
+
+def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:
+    """``fa`` and ``fb`` timed in alternating rounds (time_interleaved: A B, then B A); the
+    round's ratio is B's time over A's. Returns the medians ``a_ms``, ``b_ms`` and ``ratio`` (B / A:
+    A's speedup over B) and ``rounds``. Where the host launches the calls (a call of a fraction of
+    a millisecond), the host's speed drifts between configurations timed minutes apart; rounds
+    side by side see the same drift, so their ratio does not."""
+    got = time_interleaved({"a": fa, "b": fb}, iters, warmup, calls)
+    a, b = got["a"], got["b"]
     return {"a_ms": statistics.median(a), "b_ms": statistics.median(b),
             "ratio": statistics.median(y / x for x, y in zip(a, b)), "rounds": iters}
 

@@ -20,27 +20,34 @@ def _args(**overrides) -> dict:
     return {**vars(a), **overrides}
 
 
-def everything(plain: dict, ckpt: dict):
-    """On every rank: the eager model check, then the two training sweeps."""
+def everything(plain: dict, ckpt: dict, interleaved: dict):
+    """On every rank: the eager model check, then the three sweeps."""
     import torch
 
     from benchmarks.models.equivalence import megatron_vs_dtensor
 
     check = megatron_vs_dtensor(e2e.CPU_SHAPES["tiny"], "cpu", torch.float32)
-    return check, e2e.worker(plain), e2e.worker(ckpt)
+    return check, e2e.worker(plain), e2e.worker(ckpt), e2e.worker(interleaved)
+
+
+INTERLEAVED = ["default", "overlap", "nocomm"]
 
 
 @pytest.fixture(scope="module")
 def results():
     plain = _args(models="llama_dtensor,llama_megatron")
     ckpt = _args(models="llama_megatron", ckpt="on", check_cache="first", repeat=2)  # two rounds of variants
-    per_rank = run_distributed(everything, world_size=2, args=(plain, ckpt), timeout_s=600)
-    _, rows, ckpt_rows = per_rank[0]
-    return [c for c, _, _ in per_rank], e2e.compare(rows, 1e-4), e2e.compare(ckpt_rows, 1e-4)
+    # the variants side by side in one process, timed one sample each per round
+    interleaved = _args(models="llama_megatron", variants=",".join(INTERLEAVED), phases="train,prefill", steps=2,
+                        iters=3, interleave=True)
+    per_rank = run_distributed(everything, world_size=2, args=(plain, ckpt, interleaved), timeout_s=600)
+    _, rows, ckpt_rows, interleaved_rows = per_rank[0]
+    return ([c for c, _, _, _ in per_rank], e2e.compare(rows, 1e-4), e2e.compare(ckpt_rows, 1e-4),
+            e2e.compare(interleaved_rows, 1e-4))
 
 
 def test_megatron_block_equals_dtensor_block(results):
-    checks, rows, _ = results
+    checks, rows, _, _ = results
     for check in checks:  # output, input gradient and every weight gradient (norms after finalize_grads)
         assert check["max_rel"] <= 1e-5, check
     by = {(r["model"], r["variant"]): r for r in rows}
@@ -50,7 +57,7 @@ def test_megatron_block_equals_dtensor_block(results):
 
 
 def test_training_with_overlap_matches_default(results):
-    _, rows, _ = results
+    _, rows, _, _ = results
     assert [r.get("error") for r in rows] == [None] * 4, [r.get("error") for r in rows]
     by = {(r["model"], r["variant"]): r for r in rows}
     for model in ("llama_dtensor", "llama_megatron"):
@@ -71,7 +78,7 @@ def test_training_with_overlap_matches_default(results):
 
 
 def test_activation_checkpointing_matches_default_and_fx_cache_hits(results):
-    _, _, rows = results
+    _, _, rows, _ = results
     assert [r.get("error") for r in rows] == [None, None], [r.get("error") for r in rows]
     ov = next(r for r in rows if r["variant"] == "overlap")
     assert ov["ckpt"] and ov["rewritten"] > 0 and ov["loss_matches_default"]
@@ -81,6 +88,65 @@ def test_activation_checkpointing_matches_default_and_fx_cache_hits(results):
     assert [r["rounds"] for r in rows] == [2, 2]
     for r in rows:
         assert len(r["train_ms_rounds"]) == 2 and r["train_ms"] == pytest.approx(sum(r["train_ms_rounds"]) / 2)
+
+
+def test_interleaved_variants_run_their_own_code_side_by_side(results):
+    _, _, _, rows = results
+    assert [r.get("error") for r in rows] == [None] * 3, [r.get("error") for r in rows]
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        assert r["interleaved"] == INTERLEAVED
+        # one sample per round of every phase, the row's time their median
+        for phase in ("train", "train_cold", "prefill"):
+            got = r[f"{phase}_ms_rounds"]
+            assert len(got) == 3 and r[f"{phase}_ms"] == sorted(got)[1], (phase, got)
+    # compiled beside torch.compile's own, each variant ran its own code: the bound replaced the
+    # collectives of its graphs, and torch.compile's and overlap's losses (with communication)
+    # are the same and differ from the bound's (each rank's shard alone)
+    assert sum(v for k, v in by["nocomm"]["nocomm_replaced"].items() if "eager" not in k) > 0
+    assert "nocomm_replaced" not in by["default"] and "nocomm_replaced" not in by["overlap"]
+    assert by["overlap"]["rewritten"] > 0 and by["overlap"]["loss_matches_default"]
+    assert by["nocomm"]["losses"] != pytest.approx(by["default"]["losses"], rel=1e-3)
+    assert by["overlap"]["failure_modes"] == [] and by["overlap"]["recompiles_timed"] == 0
+    # speedups are the medians of the rounds' own ratios, the gap closed follows from two of them
+    d, o, b = (by[v] for v in INTERLEAVED)
+    ratio = sorted(x / y for x, y in zip(d["train_ms_rounds"], o["train_ms_rounds"]))[1]
+    assert o["train_speedup"] == pytest.approx(ratio)
+    s_b = sorted(x / y for x, y in zip(d["train_ms_rounds"], b["train_ms_rounds"]))[1]
+    assert o["train_gap_closed"] == pytest.approx((1 - 1 / ratio) / (1 - 1 / s_b))
+
+
+def test_speedup_takes_ratios_round_by_round_only_for_rows_timed_side_by_side():
+    from benchmarks.e2e_report import speedup
+
+    group = ["default", "overlap"]
+    d = {"train_ms": 10.0, "train_ms_rounds": [10.0, 20.0, 10.0], "interleaved": group}
+    r = {"train_ms": 10.0, "train_ms_rounds": [8.0, 16.0, 10.0], "interleaved": group}
+    assert speedup(d, r, "train_ms") == pytest.approx(1.25)  # rounds 1.25, 1.25, 1.0: their median
+    # the same samples from rounds that were not side by side (--repeat), or of another group: medians
+    for other in ({k: v for k, v in r.items() if k != "interleaved"}, {**r, "interleaved": ["default", "nocomm"]}):
+        assert speedup(d, other, "train_ms") == 1.0
+    assert speedup(d, {**r, "train_ms_rounds": [8.0, 16.0]}, "train_ms") == 1.0  # rounds that do not pair up
+
+
+def test_interleaved_timing_reverses_the_order_every_other_round():
+    from benchmarks.timing import time_interleaved
+
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    got = time_interleaved(fns, iters=4, warmup=1, calls=2)
+    assert order[:3] == ["a", "b", "c"]  # the warm-up
+    rounds = [order[3 + 6 * i: 3 + 6 * (i + 1)][::2] for i in range(4)]  # each sample: calls=2 back to back
+    assert rounds == [["a", "b", "c"], ["c", "b", "a"]] * 2
+    assert sorted(got) == ["a", "b", "c"] and all(len(v) == 4 and min(v) >= 0 for v in got.values())
+    with pytest.raises(ValueError, match="iters and calls must be >= 1"):
+        time_interleaved(fns, iters=0)
+
+
+def test_interleave_refuses_isolate_and_repeat():
+    for extra in (["--isolate"], ["--repeat", "2"]):
+        with pytest.raises(SystemExit, match="--interleave times the variants side by side"):
+            e2e.parse(["--dry-run", "--interleave", *extra])
 
 
 def test_rounds_alternate_the_order_of_the_variants():

@@ -466,8 +466,8 @@ def run_variant(a, model_name: str, shape: dict, variant: str, device: str, dtyp
     step_begin = torch.compiler.cudagraph_mark_step_begin if a.mode == "reduce-overhead" else (lambda: None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with no_compile_caches(), inductor_config.patch(post_grad_custom_pre_pass=recorder), \
-            framework_mode(built, a.mode), variant_context(variant) as nocomm_pass:
-        fn, overrides = compiled(built.model, variant, a.mode, a.force, report, built.compile_with)
+            framework_mode(built, a.mode), variant_context(variant) as (nocomm_pass, options):
+        fn, overrides = compiled(built.model, variant, a.mode, a.force, report, built.compile_with, options)
         finalize = built.finalize_grads
         if nocomm_pass is not None:  # the bound: no eager gradient all-reduce either
             from benchmarks.nocomm import without_eager_all_reduce
