@@ -139,6 +139,24 @@ def test_forecast_check_cells():
     assert "| f.json | m | default | train | 60% |" in text and "backward, summed over 1 cells" in text
 
 
+def test_forecast_check_takes_rows_timed_side_by_side_round_by_round():
+    """Rows of e2e.py --interleave: the measured share from the rounds' own ratios
+    (e2e_report.speedup), not from the medians, which come from different rounds."""
+    from benchmarks.diagnostics import forecast_check
+
+    group = ["default", "overlap", "nocomm"]
+    rounds = {"default": [15.0, 16.0, 17.0], "overlap": [14.7, 15.68, 16.66], "nocomm": [14.5, 15.5, 16.5]}
+    rows = [{**r, "interleaved": group, "train_ms_rounds": rounds[r["variant"]],
+             # medians from other rounds than each other's: 16.0 / 14.0 / 15.9 would say overlap beats the bound
+             "train_ms": {"default": 16.0, "overlap": 14.0, "nocomm": 15.9}[r["variant"]]} for r in _e2e_rows()]
+    train = next(c for c in forecast_check.check(rows, "f.json") if c["phase"] == "train")
+    # every round: overlap 2% under torch.compile, the bound ~3.1-3.3% under it
+    s_o = 1 / 0.98
+    s_b = sorted(d / b for d, b in zip(rounds["default"], rounds["nocomm"]))[1]
+    assert train["measured_share"] == pytest.approx((1 - 1 / s_o) / (1 - 1 / s_b))
+    assert train["measured_hidden_ms"] == pytest.approx(16.0 * 0.02)
+
+
 ZOO = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "e2e-*-w2-*-zoo-*.json")))
 
 

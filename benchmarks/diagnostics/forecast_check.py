@@ -6,7 +6,8 @@ rows alone (CPU, no GPU): per (model, compile mode, phase) and per site.
     python benchmarks/diagnostics/forecast_check.py FILE... --exclude 'e2e-*-zoo-8b.json:titan_*'
 
 Measured, per cell (the rows of one file with the same model, shape, compile mode and ckpt):
-``comm`` = torch.compile ("default" variant) - nocomm, ``hidden`` = torch.compile - overlap,
+``comm`` = torch.compile ("default" variant) - nocomm, ``hidden`` = torch.compile - overlap (rows
+timed side by side, e2e.py --interleave: from the rounds' own ratios, e2e_report.speedup),
 ``share`` = hidden / comm (e2e.py's "gap closed"). Forecast, from the overlap row's sites: the
 sites' collectives at the profile's curves (``comm_ms``), what the rewritten sites are predicted
 to save (``hidden_ms``), the credit for compute moved beside collectives left as written
@@ -58,6 +59,19 @@ def _key(r: dict) -> tuple:
 def _median_ms(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return statistics.median(vals) if vals else None
+
+
+def _side_by_side(default: list[dict], over: list[dict], nocomm: list[dict], k: str) -> tuple | None:
+    """(hidden ms, comm ms) in units of torch.compile's median, from e2e_report.speedup's ratios
+    taken round by round, where the three rows were timed side by side (``interleaved``); else None."""
+    from benchmarks.e2e_report import speedup
+
+    if len(default) != 1 or len(over) != 1 or len(nocomm) != 1 or not over[0].get("interleaved"):
+        return None
+    d, o, b = default[0], over[0], nocomm[0]
+    if k not in o or k not in b or not (d.get("interleaved") == o["interleaved"] == b.get("interleaved")):
+        return None
+    return d[k] * (1 - 1 / speedup(d, o, k)), d[k] * (1 - 1 / speedup(d, b, k))
 
 
 def _profile(device: str | None):
@@ -151,6 +165,9 @@ def check(rows: list[dict], source: str = "", profile=None) -> list[dict]:
             fc = forecast(sites, prof, world, dtype)
             meas_comm = ind - bound if bound is not None else None
             meas_hidden = ind - ovl
+            side = _side_by_side(variants["default"], over, nocomm, k)
+            if side is not None:  # timed side by side (e2e --interleave): from the rounds' own ratios
+                meas_hidden, meas_comm = side
             per_graph = {}
             for name, g in fc.items():
                 if name == "all":
