@@ -300,6 +300,8 @@ def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[
     from benchmarks import e2e_dynamic
     from benchmarks.models import FAMILY
 
+    if a.interleave:
+        return run_seqs_side_by_side(a, model_name, shape, compile_mode, base, budget, device, dtype)
     out = []
     for dynamic in {"on": [True], "off": [False], "both": [True, False]}[a.dynamic]:
         for variant in variants:
@@ -331,6 +333,47 @@ def run_seqs(a, model_name: str, shape: dict, compile_mode: str, variants: list[
             agree(rows, device)
             budget.took(time.monotonic() - t0)
             out += rows
+    return out
+
+
+def run_seqs_side_by_side(a, model_name: str, shape: dict, compile_mode: str, base: dict, budget, device: str,
+                          dtype) -> list[dict]:
+    """``--seqs`` with ``--interleave``: torch.compile and overlap, dynamic and static, alive side
+    by side and timed together at each length (e2e_dynamic.run_lengths_side_by_side); the rows
+    as run_seqs makes them, in its order (dynamic first, then static; variants as asked)."""
+    from benchmarks import e2e_dynamic
+    from benchmarks.models import FAMILY
+
+    cfgs = {(v, d): {**base, **schema_keys(model_name, shape, v, compile_mode, False, a.force), "dynamic": d}
+            for v, d in e2e_dynamic.COMPILES}
+    order = [(v, d) for d in (True, False) for v in ("default", "overlap")]
+    skip = "dynamic prefill: dense blocks only" if FAMILY[model_name] != "llama" else budget.should_skip()
+    if skip:
+        return [{**cfgs[c], "skipped": skip} for c in order]
+    t0 = time.monotonic()
+    torch._dynamo.reset()
+    limit = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 4 * (len(a.seqs) + 2))}
+    try:
+        from overlap_compile.compile_caches import no_compile_caches
+
+        with no_compile_caches(), torch._dynamo.config.patch(limit):
+            got = e2e_dynamic.run_lengths_side_by_side(model_name, shape, compile_mode, a.seqs, a.static_seqs, a.iters,
+                                                       a.force, device, dtype, a.loss_rtol)
+    except Exception as e:  # building the models or their eager references failed
+        got = {c: [{"error": f"{type(e).__name__}: {e}"[:2000], "failure": failure_kind(e),
+                    "trace": traceback.format_exc()[-3000:]}] for c in order}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out = []
+    for c in order:
+        rows = [{**cfgs[c], **r, **({"ms": r["prefill_ms"]} if "prefill_ms" in r else {}),
+                 **({"shape": e2e_dynamic.shape_label(shape["name"], r["seq"], c[1]),
+                     "sizes": {**shape, "seq": r["seq"]}} if "seq" in r else {})} for r in got[c]]
+        agree(rows, device)
+        out += rows
+    budget.took(time.monotonic() - t0)
     return out
 
 
@@ -576,6 +619,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.interleave and (a.isolate or a.repeat > 1):
         raise SystemExit("--interleave times the variants side by side in one process: not with --isolate (a process "
                          "per variant) or --repeat (rounds of whole configurations); its rounds are --iters")
+    if a.interleave and a.seqs and (a.dynamic != "both" or set(a.variants.split(",")) != {"default", "overlap"}):
+        raise SystemExit("--seqs with --interleave times torch.compile and overlap, each compiled dynamic and static, "
+                         "side by side: it needs --dynamic both and --variants default,overlap")
     if a.steps < 1 or a.iters < 1 or a.repeat < 1 or a.train_calls < 1:
         raise SystemExit(f"--steps ({a.steps}), --iters ({a.iters}), --repeat ({a.repeat}) and --train-calls "
                          f"({a.train_calls}) must be >= 1")

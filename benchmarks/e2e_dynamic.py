@@ -194,6 +194,131 @@ def run_lengths(model_name: str, shape: dict, variant: str, compile_mode: str, d
     return rows
 
 
+COMPILES = (("default", True), ("overlap", True), ("default", False), ("overlap", False))  # (variant, dynamic)
+
+
+def run_lengths_side_by_side(model_name: str, shape: dict, compile_mode: str, seqs: list[int], static_seqs: list[int],
+                             iters: int, force: str | None, device: str, dtype, rtol: float) -> dict[tuple, list[dict]]:
+    """``e2e.py --seqs ... --interleave``: torch.compile and the overlap backend, each compiled
+    dynamic and static (``COMPILES``), all four alive, each on a model of its own (same weights);
+    at every length the four (the static ones at ``static_seqs``) are checked against eager and
+    timed side by side, one sample of each per round (timing.time_interleaved), so the static
+    and the dynamic speedup come from the same rounds. The static compiles are torch.compile's
+    ``dynamic=False`` (a compile per length, no reset: the dynamic ones stay). Returns
+    (variant, dynamic) -> rows as ``run_lengths`` makes them, the overlap rows' ``paired`` from
+    the rounds beside torch.compile compiled the same way."""
+    import statistics
+
+    import overlap_compile as oc
+    from overlap_compile.templates.bucketed import choices_made, clear_choices
+
+    from benchmarks.e2e_run import CompileWatch, compiled, failure_kind, sync
+    from benchmarks.models import build
+    from benchmarks.timing import time_interleaved
+
+    world = dist.get_world_size()
+    runnable = [s for s in seqs if not why_not(s, world)]
+    out: dict[tuple, list[dict]] = {c: [] for c in COMPILES}
+    if not runnable:
+        for (v, dyn) in COMPILES:
+            out[(v, dyn)] = [{"seq": s, "dynamic": dyn, "skipped": why_not(s, world)} for s in seqs
+                             if dyn or s in static_seqs]
+        return out
+    step_begin = torch.compiler.cudagraph_mark_step_begin if compile_mode == "reduce-overhead" else (lambda: None)
+    calls, reports, built_first = {}, {}, None
+    for c in COMPILES:
+        built = build(model_name, {**shape, "seq": max(runnable)}, device, dtype, seed=0)
+        if built.compile_with is not None:
+            raise ValueError(f"{model_name} is compiled in place by its framework: its four compiles cannot live side "
+                             "by side (run --seqs without --interleave)")
+        built_first = built_first or built
+        reports[c] = oc.Report()
+        fn, overrides = compiled(built.model, c[0], compile_mode, force, reports[c], None, None,
+                                 dynamic=None if c[1] else False)
+
+        def call(x, fn=fn, overrides=overrides):
+            step_begin()
+            with torch.no_grad(), (oc.config.patch(**overrides) if overrides else contextlib.nullcontext()):
+                return fn(x)
+
+        calls[c] = call
+    dim = sequence_dim(built_first.x, model_name)
+
+    def static(c=None):  # a static compile's calls: a new length compiles again, never goes dynamic
+        return torch._dynamo.config.patch(static_compile()) if c is None or not c[1] else contextlib.nullcontext()
+
+    for s in seqs:
+        active = [c for c in COMPILES if c[1] or s in static_seqs]
+        if why_not(s, world):
+            for c in active:
+                out[c].append({"seq": s, "dynamic": c[1], "skipped": why_not(s, world)})
+            continue
+        x = input_at(built_first.x, dim, s)
+        with torch.no_grad():
+            ref = built_first.to_local(built_first.model(x))
+        rows, inputs, first = {}, {}, {}
+        try:
+            clear_choices()
+            for c in active:
+                rows[c] = {"seq": s, "dynamic": c[1], "sizes_seq_built": max(runnable)}
+                xc = x.detach().clone() if not hasattr(x, "device_mesh") else input_at(built_first.x, dim, s)
+                if c[1]:
+                    torch._dynamo.mark_dynamic(xc, dim)
+                inputs[c] = xc
+                first[c] = len(reports[c].records)
+                watch = CompileWatch()
+                t0 = time.perf_counter()
+                with static(c):
+                    y = calls[c](xc)
+                    sync()
+                rows[c]["prefill_first_s"] = time.perf_counter() - t0
+                rows[c]["max_rel"] = rel_err(built_first.to_local(y), ref)
+                rows[c].update(watch.summary(0))
+                rows[c]["compiles"] = rows[c]["dynamo_graphs"]  # graphs compiled at this length
+                del y
+            fns = {c: (lambda c=c: calls[c](inputs[c])) for c in active}
+            rounds = iters * (PAIRED_ROUNDS_PER_ITER if s <= DECODE_MAX else 1)
+            timed = CompileWatch()
+            with static():
+                got = time_interleaved(fns, rounds, warmup=2, calls=CALLS_PER_SAMPLE)
+            recompiles = timed.compiled_since_mark()
+            names = [f"{v}/{'dynamic' if dyn else 'static'}" for v, dyn in active]
+            for c in active:  # a replay too (reduce-overhead: the CUDA graph's, not the warm-up run's)
+                with static(c):
+                    rows[c]["max_rel"] = max(rows[c]["max_rel"], rel_err(built_first.to_local(calls[c](inputs[c])), ref))
+                r = rows[c]
+                r["prefill_ms"] = statistics.median(got[c])
+                r["prefill_ms_rounds"] = got[c]
+                r["interleaved"] = names
+                if recompiles:
+                    r["failure_modes"] = r.get("failure_modes", []) + [f"recompile during timed steps x{recompiles}"]
+                    r["recompiles_timed"] = recompiles
+                r.update(out_rtol=rtol, correct=r["max_rel"] <= rtol,
+                         prefill_tokens_per_s=shape["batch"] * s / (r["prefill_ms"] / 1e3))
+                ref_c = ("default", c[1])
+                if c[0] == "overlap" and ref_c in got:
+                    mine, theirs = got[c], got[ref_c]
+                    r["paired"] = {"a_ms": statistics.median(mine), "b_ms": statistics.median(theirs),
+                                   "ratio": statistics.median(b / a for a, b in zip(mine, theirs)), "rounds": rounds}
+                    new = reports[c].records[first[c]:]
+                    if new:  # the graphs compiled at this length: their sites, symbolic ones with buckets
+                        r["sites"] = [site_row(site) for rec in new for site in rec.sites]
+                        r["rewritten"] = sum(site["rewritten"] for site in r["sites"])
+                        r["pass_s"] = sum(rec.pass_seconds for rec in new)
+                    if c[1]:  # what the bucketed ops ran at this length: (M, template); static ones make none
+                        r["bucket_choices"] = [list(t) for t in sorted({(m, t) for m, t, _ in choices_made()})]
+        except Exception as e:  # the rows so far stay; the sweep goes on with the next configuration
+            import traceback
+
+            for c in active:
+                out[c].append({**rows.get(c, {"seq": s, "dynamic": c[1]}), "error": f"{type(e).__name__}: {e}"[:2000],
+                               "failure": failure_kind(e), "trace": traceback.format_exc()[-3000:]})
+            break
+        for c in active:
+            out[c].append(rows[c])
+    return out
+
+
 def paired_reference(built, variant: str, compile_mode: str, x, step_begin):
     """The overlap compile's reference: torch.compile's own compile of the same model, compiled
     the same way (dynamic or static) at ``x``'s length and alive beside it, so the two are timed

@@ -103,11 +103,12 @@ class RecordsSince:
 
 
 def compiled(model, variant: str, compile_mode: str, force: str | None, report, compile_with=None,
-             options: dict | None = None):
+             options: dict | None = None, dynamic: bool | None = None):
     """The callable a step runs and the overlap options it runs under. ``compile_with``: the
     model's framework compiles it in place, with the backend named as users name it. ``options``:
     the Inductor options of the variant (``variant_context``), given to torch.compile with the
-    mode's own (torch.compile takes a mode or options, not both)."""
+    mode's own (torch.compile takes a mode or options, not both). ``dynamic``: torch.compile's
+    (False: a static compile, a backend of its own beside a dynamic one of the same variant)."""
     mode_kw = {} if compile_mode == "default" else {"mode": compile_mode}
     if compile_with is not None:
         overrides = forced_options(force) if variant == "overlap" else {}
@@ -125,11 +126,12 @@ def compiled(model, variant: str, compile_mode: str, force: str | None, report, 
         overrides = forced_options(force)
         with oc.config.patch(**overrides):
             # the options are read when Dynamo hands over each graph: keep them for every call
-            fn = torch.compile(model, backend=backend)
+            fn = torch.compile(model, backend=backend, dynamic=dynamic)
         return fn, overrides
     if options:
-        return torch.compile(model, options={**torch._inductor.list_mode_options(compile_mode), **options}), {}
-    return torch.compile(model, **mode_kw), {}
+        return torch.compile(model, options={**torch._inductor.list_mode_options(compile_mode), **options},
+                             dynamic=dynamic), {}
+    return torch.compile(model, **mode_kw, dynamic=dynamic), {}
 
 
 class CompileWatch:

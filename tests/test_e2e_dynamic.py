@@ -13,13 +13,34 @@ from overlap_compile.testing.multiprocess import run_distributed
 SEQS = (16, 24, 5, 40)  # 5: not a multiple of the world size
 
 
-@pytest.fixture(scope="module")
-def rows():
+def _sweeps(*args: dict) -> list:
+    return [e2e.worker(a) for a in args]
+
+
+def _parse(*extra: str):
     a = e2e.parse(["--dry-run", "--dynamic", "both", "--seqs", ",".join(map(str, SEQS)), "--models",
-                   "megatron_fused_8b", "--phases", "prefill", "--iters", "1", "--no-check-models"])
+                   "megatron_fused_8b", "--phases", "prefill", "--iters", "1", "--no-check-models", *extra])
     a.out = None  # no partial-results file from tests
-    got = run_distributed(e2e.worker, world_size=2, args=(vars(a),), timeout_s=600)[0]
-    return e2e.compare(got, a.loss_rtol)
+    return a
+
+
+@pytest.fixture(scope="module")
+def sweeps():
+    """One distributed run: the configurations one after another, then the four compiles side by
+    side (``--interleave``)."""
+    alone, together = _parse(), _parse("--interleave")
+    got = run_distributed(_sweeps, world_size=2, args=(vars(alone), vars(together)), timeout_s=600)[0]
+    return [e2e.compare(g, alone.loss_rtol) for g in got]
+
+
+@pytest.fixture(scope="module")
+def rows(sweeps):
+    return sweeps[0]
+
+
+@pytest.fixture(scope="module")
+def rows_side_by_side(sweeps):
+    return sweeps[1]
 
 
 def _row(rows, variant, dynamic, seq):
@@ -127,6 +148,46 @@ def test_rule_for_decode_lengths_reads_the_paired_rounds():
     del dyn["paired"], dyn["paired_speedup"]  # no paired rounds: the row's own speedup
     ok, _ = e2e_dynamic.summary(rows)
     assert not ok and dyn["rule"] == ">= 0.99x torch.compile dynamic"
+
+
+def test_side_by_side_the_four_compiles_are_timed_in_the_same_rounds(rows_side_by_side):
+    """--interleave: torch.compile and overlap, dynamic and static, alive together; every output
+    equal to eager's, the dynamic compiles made once and the static ones once per length without
+    a reset, and each overlap row's paired ratio the median of the rounds' own, from the same
+    rounds as the other three rows'."""
+    rows = rows_side_by_side
+    assert not [r for r in rows if "error" in r], [e2e.one_line(r) for r in rows if "error" in r]
+    for variant in ("default", "overlap"):
+        for dynamic in (True, False):
+            first = None
+            for seq in (16, 24, 40):
+                r = _row(rows, variant, dynamic, seq)
+                assert r["correct"] is True, e2e.one_line(r)
+                assert len(r["interleaved"]) == 4 and r["prefill_ms"] > 0
+                first = r["compiles"] if first is None else first
+                if dynamic and seq != 16:
+                    assert r["compiles"] == 0, e2e.one_line(r)  # no graph compiled after the first length
+                if not dynamic:
+                    assert r["compiles"] >= 1, e2e.one_line(r)  # the static compile made its own at every length
+            assert "not a multiple" in _row(rows, variant, dynamic, 5)["skipped"]
+    for dynamic in (True, False):
+        for seq in (16, 24, 40):
+            ov, ref = _row(rows, "overlap", dynamic, seq), _row(rows, "default", dynamic, seq)
+            mine, theirs = ov["prefill_ms_rounds"], ref["prefill_ms_rounds"]
+            assert len(mine) == len(theirs) == e2e_dynamic.PAIRED_ROUNDS_PER_ITER  # decode-sized: more rounds
+            assert ov["paired"]["ratio"] == pytest.approx(sorted(b / a for a, b in zip(mine, theirs))[1])
+            assert ov["prefill_speedup"] == pytest.approx(ov["paired"]["ratio"])  # e2e_report.speedup, same rounds
+    sites = _row(rows, "overlap", True, 16)["sites"]
+    assert any(s["template"] == "bucketed" for s in sites)
+    assert not any(s["template"] == "bucketed" for s in _row(rows, "overlap", False, 16)["sites"])
+    ok, lines = e2e_dynamic.summary(rows)
+    assert any("paired rounds" in line for line in lines)
+
+
+def test_side_by_side_needs_both_compiles_of_both_variants():
+    for extra in (["--dynamic", "on"], ["--variants", "default,overlap,nocomm"]):
+        with pytest.raises(SystemExit, match="--seqs with --interleave"):
+            e2e.parse(["--dry-run", "--seqs", "16,24", "--interleave", *extra])
 
 
 @pytest.mark.parametrize("template", ["p2p_ring", "tile_fused"])
