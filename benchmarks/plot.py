@@ -107,13 +107,22 @@ def e2e_bars(rows: list[dict]) -> dict:
     return out
 
 
-def e2e_gaps(bars: dict) -> dict:
-    """shape -> method label -> gap closed, for one (model, compile mode, phase) of ``e2e_bars``;
-    only shapes with both an inductor and a nocomm time."""
+def e2e_gaps(bars: dict, rows: list[dict] | None = None, cell: tuple | None = None) -> dict:
+    """shape -> method label -> gap closed, for one (model, compile mode, phase) ``cell`` of
+    ``e2e_bars``; only shapes with both an inductor and a nocomm time. From the medians, except
+    where a row of ``rows`` carries its own (``<phase>_gap_closed``, e2e_report.compare's: from the
+    rounds' ratios for variants timed side by side), so a plot says what the table says."""
+    own = {}
+    if rows is not None and cell is not None:
+        model, compile_mode, phase = cell
+        for r in rows:
+            g = r.get(f"{phase}_gap_closed")
+            if r.get("kind") == model and r.get("compile_mode", r.get("mode")) == compile_mode and g is not None:
+                own[(str(r["shape"]), _e2e_label(r))] = g
     out: dict = {}
     for shape, ms in bars.items():
         if "inductor" in ms and "nocomm" in ms:
-            out[shape] = {m: gap_closed(ms["inductor"], t, ms["nocomm"]) for m, t in ms.items()
+            out[shape] = {m: own.get((shape, m), gap_closed(ms["inductor"], t, ms["nocomm"])) for m, t in ms.items()
                           if m != "inductor" and m not in E2E_BOUNDS}
     return out
 
@@ -179,7 +188,7 @@ def plot_e2e(rows: list[dict], out_dir: str, stem: str) -> list[str]:
     paths = []
     for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
         methods = _e2e_order({m for d in shapes.values() for m in d})
-        labels, gaps = list(shapes), e2e_gaps(shapes)
+        labels, gaps = list(shapes), e2e_gaps(shapes, rows, (model, compile_mode, phase))
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) * len(methods) / 4), 4))
         width = 0.8 / max(len(methods), 1)
         for i, m in enumerate(methods):
@@ -206,7 +215,7 @@ def e2e_summary(rows: list[dict]) -> dict:
         shape, ms = next(iter(shapes.items()))
         if "inductor" not in ms:
             continue
-        gaps = e2e_gaps({shape: ms}).get(shape, {})
+        gaps = e2e_gaps({shape: ms}, rows, (model, compile_mode, phase)).get(shape, {})
         out[model].append((f"{compile_mode}, {phase}", {m: t / ms["inductor"] for m, t in ms.items()}, gaps))
     return dict(out)
 
@@ -249,7 +258,7 @@ def markdown_e2e(rows: list[dict]) -> str:
     for (model, compile_mode, phase), shapes in sorted(e2e_bars(rows).items()):
         methods = _e2e_order({m for d in shapes.values() for m in d})
         closing = [m for m in methods if m != "inductor" and m not in E2E_BOUNDS]
-        gaps = e2e_gaps(shapes)
+        gaps = e2e_gaps(shapes, rows, (model, compile_mode, phase))
         lines += [f"\n**{model}, {compile_mode}, {phase}** (ms; gap closed = (inductor - method) / "
                   "(inductor - nocomm))\n",
                   "| shape | " + " | ".join(methods) + " | " + " | ".join(f"gap closed {m}" for m in closing) + " |",
