@@ -204,6 +204,7 @@ class Prepared:
     report: Any
     train_graphs: int
     variant: str
+    base: int = 0  # bytes allocated when the configuration started: its peak counts from there
     calls_before: Any = None
 
 
@@ -315,7 +316,7 @@ def prepare(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt:
         sync()
         _read_memory(row, variant, base)
     return Prepared(row, train_step if "train" in phases else None, prefill if "prefill" in phases else None,
-                    watch, report, train_graphs, variant)
+                    watch, report, train_graphs, variant, base)
 
 
 def time_alone(p: Prepared, iters: int, train_calls: int) -> None:
@@ -398,7 +399,7 @@ def finish(p: Prepared) -> dict:
     if "nocomm_replaced" in row:
         row["nocomm_replaced"] = dict(row["nocomm_replaced"])
     if "peak_mem_gib" not in row:
-        _read_memory(row, p.variant, int(row["mem_base_gib"] * 2**30))
+        _read_memory(row, p.variant, p.base)
     if p.variant == "overlap":
         # "measured": the sites settled by measuring (passes/settle.py), or with
         # OVERLAP_COMPILE_SEARCH=measure every site's measured and predicted gain; comm_ms /
