@@ -56,7 +56,9 @@ share of the distance to the bound they cover, (inductor - variant) / (inductor 
 A failing variant is recorded with its error, never fatal. Configurations run model by model,
 then compile mode, then variant, in the order asked (``--repeat N``: the variants of each model and
 mode in turn N times, every other round in reverse order, each one's times the median over its
-rounds, so a drift of the machine over the sweep or over a round falls on all of them alike); ``--time-budget`` stops starting those that
+rounds, so a drift of the machine over the sweep or over a round falls on all of them alike;
+``--interleave``: the variants compiled one after another and kept, then timed side by side, one
+sample each per round, run_interleaved); ``--time-budget`` stops starting those that
 would not fit (the longest one so far is the estimate) and lists them as skipped. Rows follow the benchmark schema (kind = model,
 method = inductor | overlap | async_tp | nocomm, mode = eager | cuda_graph, ms = train step) and go to
 <out>/e2e-<device>-w<world>-torch<v>-<date>.json (benchmarks/results_io.py), with a markdown table and PNGs (benchmarks/plot.py)
