@@ -32,6 +32,9 @@ def test_dry_run_rows_are_real_numbers():
             v = r[field]
             assert isinstance(v, float) and math.isfinite(v) and v >= 0, (field, v, r["variant"], r["phase"])
         assert r["peak"] >= r["steady"] > 0 and r["peak"] >= r["first"] > 0
+        # the phase's peak is the largest of its windows' (first, warm-up, steady), named by peak_in
+        assert r["peak_in"] in ("first", "warmup", "steady")
+        assert r["peak_in"] == "warmup" or r["peak"] == r[r["peak_in"]]
     overlap = [r for r in rows if r["variant"] != "inductor"]
     assert all(r["templates"].get("signal_reorder") for r in overlap)  # the dry run forces it
     assert all(r["config"]["reorder_for_peak_memory"] for r in rows if r["variant"] == "overlap_reorder")
@@ -62,3 +65,15 @@ def test_live_at_peak_replays_the_trace_and_groups_by_site():
     assert live_at_peak(trace, start=5)["sites"][0] == {"site": "cabc.py:7 call", "mib": 5, "count": 2, "before": 1}
     assert got["sites"] == [{"site": "kernels.py:42 run", "mib": 10, "count": 2, "before": 0},
                             {"site": "cabc.py:7 call", "mib": 4, "count": 1, "before": 0}]
+
+
+def test_markdown_names_the_calls_that_held_the_peak():
+    """--at-peak: the live set is the phase's own peak's, whichever calls it came in (under
+    reduce-overhead the CUDA-graph trees' warm-up and recording calls), and the table says which."""
+    row = {"model": "m", "compile_mode": "reduce-overhead", "phase": "train", "variant": "overlap", "rank": 0,
+           "peak_in": "warmup", "templates": {}, "measured_sites": 0, **{c: 1.0 for c in ma.TABLE},
+           "at_peak": {"peak_mib": 4771.0, "sites": [{"site": "base.py:258 op", "mib": 224.0, "count": 1, "before": 0}]}}
+    text = ma.markdown([row])
+    assert "4771 MiB allocated at the phase's peak, in its warmup calls" in text
+    assert "| site | MiB | blocks | of them allocated before the warmup calls |" in text
+    assert "| `base.py:258 op` | 224.0 | 1 | 0 |" in text

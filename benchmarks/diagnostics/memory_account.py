@@ -306,21 +306,22 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             if built.compile_with is not None:
                 records.collect()
             before = len(report.records)
-            peaks = []
+            peaks, windows = {}, {}
             for name, calls in (("first", 1), ("warmup", a.warmup), ("steady", a.steps)):
                 meter.reset()
-                if name == "steady":
-                    row["_window"] = (tracer.mark(), None)
+                mark = tracer.mark()
                 for _ in range(calls):
                     call()
-                peak, reserved = meter.peak()
-                if name == "steady":
-                    row["_window"] = (row["_window"][0], tracer.mark())
-                peaks.append((peak, reserved))
+                peaks[name] = meter.peak()
+                windows[name] = (mark, tracer.mark())
                 if name != "warmup":
-                    row[name] = peak
-            row["peak"] = max(p for p, _ in peaks)
-            row["reserved"] = max(r for _, r in peaks)
+                    row[name] = peaks[name][0]
+            # the live set at the phase's own peak, in whichever calls it came (under reduce-overhead
+            # the CUDA-graph trees' warm-up and recording calls can hold more than the steady ones)
+            row["peak_in"] = max(peaks, key=lambda n: peaks[n][0])
+            row["_window"] = windows[row["peak_in"]]
+            row["peak"] = peaks[row["peak_in"]][0]
+            row["reserved"] = max(r for _, r in peaks.values())
             row["symm"], row["symm_buffers"] = symm_held()
             row.update(pools(device))
             if built.compile_with is not None:
@@ -333,7 +334,7 @@ def run_variant(a, model_name: str, shape: dict, variant: str, mode: str, device
             row["templates"] = dict(collections.Counter(s.template for s in sites))
             rows.append(row)
     tracer.stop()
-    for row in rows:  # what was live at the steady calls' peak, wherever it was allocated
+    for row in rows:  # what was live at the phase's peak, wherever it was allocated
         start, end = row.pop("_window")
         if tracer.trace:
             row["at_peak"] = live_at_peak(tracer.trace, start, end)
@@ -425,11 +426,13 @@ def markdown(rows: list[dict]) -> str:
         cells += [f"{r[c]:.3f}" for c in TABLE] + [f"{r[c]:.3f}" if c in r else "-" for c in ("vs", "vs_steady")]
         cells.append(sites)
         lines.append("| " + " | ".join(cells) + " |")
-    for r in rows:  # what was live at the steady peak, rank 0 (--at-peak)
+    for r in rows:  # what was live at the phase's peak, rank 0 (--at-peak)
         if r.get("at_peak") and r["rank"] == 0:
+            calls = r.get("peak_in", "steady")
             lines += ["", f"**{r['model']}, {r['compile_mode']}, {r['phase']}, {r['variant']}**: "
-                          f"{r['at_peak']['peak_mib']:.0f} MiB allocated at the steady calls' peak, counted from "
-                          f"the variant's start; live then, by allocation site:", "", "| site | MiB | blocks | of them allocated before the steady calls |", "|---|---|---|---|"]
+                          f"{r['at_peak']['peak_mib']:.0f} MiB allocated at the phase's peak, in its {calls} calls, counted "
+                          f"from the variant's start; live then, by allocation site:", "",
+                      f"| site | MiB | blocks | of them allocated before the {calls} calls |", "|---|---|---|---|"]
             lines += [f"| `{x['site']}` | {x['mib']:.1f} | {x['count']} | {x['before']} |" for x in r["at_peak"]["sites"]]
     return "\n".join(lines)
 
@@ -467,7 +470,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds after which no further variant starts (default 270 on GPUs, none on a dry run)")
     ap.add_argument("--at-peak", action="store_true",
                     help="CUDA: record the allocator's history from each variant's start and list what was live at "
-                         "its steady calls' peak, by allocation site (row 'at_peak'; markdown beside the table)")
+                         "its peak (in the first, warm-up or steady calls, whichever held most: row 'peak_in'), by "
+                         "allocation site (row 'at_peak'; markdown beside the table)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world 2, tiny shapes")
     ap.add_argument("--world", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
