@@ -205,7 +205,10 @@ class Prepared:
     train_graphs: int
     variant: str
     base: int = 0  # bytes allocated when the configuration started: its peak counts from there
-    calls_before: Any = None
+    # the first prefill and its warm-up, where not yet made (``time_alone`` makes it after the
+    # training steps are timed, as a process running one configuration would)
+    start_prefill: Callable[[int], None] | None = None
+    recompiles: int = 0  # graphs compiled during the timed calls
 
 
 def run_config(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt: bool, phases: list[str],
@@ -302,37 +305,52 @@ def prepare(model_name: str, shape: dict, variant: str, compile_mode: str, ckpt:
     if built.compile_with is not None:
         records.collect()
     train_graphs = len(report.records)  # the graphs compiled so far are the training step's
-    if "prefill" in phases:
+
+    def start_prefill(warm: int) -> None:
+        """The first prefill (its compile), then ``warm`` more."""
         t0 = time.perf_counter()
         prefill()
         sync()
         row["prefill_compile_s"] = time.perf_counter() - t0
-        for _ in range(warm_calls):
+        for _ in range(warm):
             prefill()
         row["tokens"] = built.tokens
-    if built.compile_with is not None:
-        records.collect()
-    if warm_calls:
+        if built.compile_with is not None:
+            records.collect()
+
+    p = Prepared(row, train_step if "train" in phases else None, prefill if "prefill" in phases else None,
+                 watch, report, train_graphs, variant, base, start_prefill if "prefill" in phases else None)
+    if warm_calls:  # side by side: every call compiled and warm before any is timed, the peak read now
+        if p.start_prefill is not None:
+            p.start_prefill(warm_calls)
+            p.start_prefill = None
         sync()
         _read_memory(row, variant, base)
-    return Prepared(row, train_step if "train" in phases else None, prefill if "prefill" in phases else None,
-                    watch, report, train_graphs, variant, base)
+    return p
 
 
 def time_alone(p: Prepared, iters: int, train_calls: int) -> None:
     """Time one prepared configuration by itself (``time_ms``): a training loop's steps back to
-    back (``train_ms``), one step after a barrier (``train_cold_ms``), prefill (``prefill_ms``)."""
-    p.watch.start_timed()
-    p.calls_before = op_graph_counts()  # over the timed steps, warm-up included
+    back (``train_ms``), one step after a barrier (``train_cold_ms``), then the first prefill
+    (its compile) and prefill (``prefill_ms``)."""
     if p.train_step is not None:
+        p.watch.start_timed()
+        calls_before = op_graph_counts()  # over the timed steps, warm-up included
         # a training loop's steady state: steps back to back, the next one queued while this
         # one runs; one step after a barrier starts from an idle GPU, and its first collective
         # waits for the slower rank's host to get there, a wait nocomm never pays
         p.row["train_ms"] = time_ms(p.train_step, iters, warmup=2, calls=train_calls)
         p.row["train_calls"] = train_calls
         p.row["train_cold_ms"] = time_ms(p.train_step, iters, warmup=0, calls=1)
+        p.row["op_graph_calls"] = op_graph_calls_since(calls_before)
+        p.recompiles += p.watch.compiled_since_mark()
     if p.prefill is not None:
+        if p.start_prefill is not None:
+            p.start_prefill(0)
+            p.start_prefill = None
+        p.watch.start_timed()
         p.row["prefill_ms"] = time_ms(p.prefill, iters, warmup=2)
+        p.recompiles += p.watch.compiled_since_mark()
 
 
 def time_together(prepared: list[Prepared], iters: int, train_calls: int) -> None:
@@ -343,7 +361,7 @@ def time_together(prepared: list[Prepared], iters: int, train_calls: int) -> Non
     says ``interleaved``: the names of the group's variants."""
     for p in prepared:
         p.watch.start_timed()
-        p.calls_before = op_graph_counts()
+    calls_before = op_graph_counts()  # the template ops' calls: the overlap variant's
     names = [p.variant for p in prepared]
     phases = (("train_ms", "train_step", train_calls, 2), ("train_cold_ms", "train_step", 1, 0),
               ("prefill_ms", "prefill", 1, 2))
@@ -358,8 +376,12 @@ def time_together(prepared: list[Prepared], iters: int, train_calls: int) -> Non
                 p.row[f"{key[:-3]}_ms_rounds"] = got[p.variant]
                 if key == "train_ms":
                     p.row["train_calls"] = train_calls
+    calls = op_graph_calls_since(calls_before)
     for p in prepared:
         p.row["interleaved"] = names
+        p.recompiles += p.watch.compiled_since_mark()
+        if p.train_step is not None and p.variant == "overlap":
+            p.row["op_graph_calls"] = calls
 
 
 def _read_memory(row: dict, variant: str, base: int) -> None:
@@ -393,9 +415,7 @@ def finish(p: Prepared) -> dict:
         row["prefill_compile_s"] = max(0.0, row["prefill_compile_s"] - row["prefill_ms"] / 1e3)
         row["prefill_tokens_per_s"] = row["tokens"] / (row["prefill_ms"] / 1e3)
     row.pop("tokens", None)
-    if p.calls_before is not None and "train_ms" in row:
-        row["op_graph_calls"] = op_graph_calls_since(p.calls_before)
-    row.update(p.watch.summary(p.watch.compiled_since_mark()))
+    row.update(p.watch.summary(p.recompiles))
     if "nocomm_replaced" in row:
         row["nocomm_replaced"] = dict(row["nocomm_replaced"])
     if "peak_mem_gib" not in row:
