@@ -214,7 +214,7 @@ def run_lengths_side_by_side(model_name: str, shape: dict, compile_mode: str, se
 
     from benchmarks.e2e_run import CompileWatch, compiled, failure_kind, sync
     from benchmarks.models import build
-    from benchmarks.timing import time_interleaved
+    from benchmarks.timing import op_graph_progress, time_interleaved
 
     world = dist.get_world_size()
     runnable = [s for s in seqs if not why_not(s, world)]
@@ -279,8 +279,8 @@ def run_lengths_side_by_side(model_name: str, shape: dict, compile_mode: str, se
             fns = {c: (lambda c=c: calls[c](inputs[c])) for c in active}
             rounds = iters * (PAIRED_ROUNDS_PER_ITER if s <= DECODE_MAX else 1)
             timed = CompileWatch()
-            with static():
-                got = time_interleaved(fns, rounds, warmup=2, calls=CALLS_PER_SAMPLE)
+            with static():  # side by side the ops' buffers move with the others' calls: until their graphs settle
+                got = time_interleaved(fns, rounds, warmup=2, calls=CALLS_PER_SAMPLE, settle=op_graph_progress)
             recompiles = timed.compiled_since_mark()
             names = [f"{v}/{'dynamic' if dyn else 'static'}" for v, dyn in active]
             for c in active:  # a replay too (reduce-overhead: the CUDA graph's, not the warm-up run's)

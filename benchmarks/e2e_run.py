@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.plot import E2E_BOUNDS
-from benchmarks.timing import op_graph_calls_since, op_graph_counts, time_interleaved, time_ms
+from benchmarks.timing import op_graph_calls_since, op_graph_counts, op_graph_progress, time_interleaved, time_ms
 
 
 class Checkpointed(torch.nn.Module):
@@ -369,7 +369,8 @@ def time_together(prepared: list[Prepared], iters: int, train_calls: int) -> Non
         fns = {p.variant: getattr(p, call) for p in prepared if getattr(p, call) is not None}
         if not fns:
             continue
-        got = time_interleaved(fns, iters, warmup=warmup, calls=calls)
+        # side by side the ops' buffers move with the others' calls: warm up until their graphs settle
+        got = time_interleaved(fns, iters, warmup=warmup, calls=calls, settle=op_graph_progress)
         for p in prepared:
             if p.variant in got:
                 p.row[key] = statistics.median(got[p.variant])

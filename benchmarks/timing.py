@@ -12,7 +12,8 @@ graph (gemm.py times kernels that way, without launch gaps). ``host_ms_per_call(
 host's own time per call of back-to-back calls (host_profile.py). ``Budget``: rank 0's clock decides
 for every rank whether the next configuration still fits a time budget. ``op_graph_counts()`` /
 ``op_graph_calls_since(before)``: how the template ops' host-launched calls went between two
-points (runtime.op_graphs; moe.py's and e2e.py's rows).
+points (runtime.op_graphs; moe.py's and e2e.py's rows); ``op_graph_progress()``: whether they are
+still capturing.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import collections
 import math
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,14 @@ def op_graph_calls_since(before: collections.Counter) -> dict:
     """outcome -> host-launched template op calls since ``before`` (op_graph_counts())."""
     now = op_graph_counts()
     return {k: now[k] - before[k] for k in OP_GRAPH_CALLS}
+
+
+def op_graph_progress() -> tuple[int, int]:
+    """(captures, eager calls of sites not declined) of runtime.op_graphs so far: unchanged over a
+    round of calls when every template op call replayed a graph or belongs to a site that captures
+    no more (time_interleaved's ``settle``)."""
+    c = op_graph_counts()
+    return c["captured"], c["eager"] - c["declined"]
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 5, calls: int = 1) -> float:
@@ -89,22 +99,32 @@ def round_order(names: list, r: int) -> list:
     return list(names) if r % 2 == 0 else list(reversed(names))
 
 
-def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict[str, list[float]]:
+def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1,
+                     settle: Callable[[], Any] | None = None, max_warmup: int = 30) -> dict[str, list[float]]:
     """Each of ``fns`` (name -> callable) timed once per round, in the round's order (as given in
     even rounds, reversed in odd ones), ``iters`` rounds after ``warmup`` calls of each: per name
     its samples in round order, each one as ``time_ms`` times a sample (barrier, ``calls``
     back-to-back calls) and the slowest rank's. Configurations timed minutes apart see a machine
     that has drifted (the host's speed; a GPU's clocks under its power cap, which follow its
-    temperature); samples side by side see the same drift, so ratios taken per round do not."""
+    temperature); samples side by side see the same drift, so ratios taken per round do not.
+    ``settle``: a state to wait for before timing (e.g. op_graphs' captures so far): warm-up rounds
+    go on until one leaves it unchanged on every rank, at most ``max_warmup``. Calls side by side
+    move each other's buffers, so a callable whose replays need its buffers back (runtime.op_graphs)
+    takes more rounds to settle than it would alone."""
     if calls < 1 or iters < 1 or not fns:
         raise ValueError(f"time_interleaved: iters and calls must be >= 1 and fns not empty, got {iters}, {calls}, "
                          f"{len(fns)} callables")
     cuda = torch.cuda.is_available()
     group = dist.is_initialized()
     names = list(fns)
-    for _ in range(warmup):
-        for name in names:
+    r = 0
+    while r < warmup or (settle is not None and r < max_warmup):
+        before = settle() if settle is not None else None
+        for name in round_order(names, r):
             fns[name]()
+        r += 1
+        if settle is not None and r >= warmup and _same_everywhere(before == settle(), cuda, group):
+            break
     if cuda:
         torch.cuda.synchronize()
     got: dict[str, list[float]] = {name: [] for name in names}
@@ -116,6 +136,15 @@ def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         got = dict(zip(names, t.tolist()))
     return got
+
+
+def _same_everywhere(flag: bool, cuda: bool, group: bool) -> bool:
+    """``flag`` on every rank (all ranks then go on alike)."""
+    if not group:
+        return flag
+    t = torch.tensor([0 if flag else 1], device="cuda" if cuda else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() == 0
 
 
 def time_pair(fa, fb, iters: int = 20, warmup: int = 3, calls: int = 1) -> dict:

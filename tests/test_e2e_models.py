@@ -143,6 +143,33 @@ def test_interleaved_timing_reverses_the_order_every_other_round():
         time_interleaved(fns, iters=0)
 
 
+def test_interleaved_warm_up_waits_for_a_settled_round():
+    """``settle``: warm-up rounds go on until one leaves the state unchanged (op graphs that stop
+    capturing), at least ``warmup`` and at most ``max_warmup``, then the timed rounds."""
+    from benchmarks.timing import time_interleaved
+
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    moving = iter([1, 2, 3])  # the state moves over the first three rounds, then stays
+    state = {"v": 0}
+
+    def settle():
+        return state["v"]
+
+    def step():  # each call of "a" in the first rounds moves the state
+        calls.append("a")
+        state["v"] = next(moving, 3)
+
+    fns["a"] = step
+    time_interleaved(fns, iters=1, warmup=1, settle=settle)
+    assert calls.count("a") == 4 + 1  # rounds 1-3 moved it, round 4 did not: then one timed round
+    calls.clear()
+    state["v"] = 0
+    fns["a"] = lambda: (calls.append("a"), state.__setitem__("v", state["v"] + 1))  # never settles
+    time_interleaved(fns, iters=1, warmup=1, settle=settle, max_warmup=5)
+    assert calls.count("a") == 5 + 1
+
+
 def test_interleave_refuses_isolate_and_repeat():
     for extra in (["--isolate"], ["--repeat", "2"]):
         with pytest.raises(SystemExit, match="--interleave times the variants side by side"):
