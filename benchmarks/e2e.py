@@ -441,8 +441,8 @@ def run_interleaved(a, model_name: str, shape: dict, variants: list[str], compil
     """``--interleave``: the variants of one (model, shape, mode, ckpt) prepared one after another
     in one process, each on a model of its own and its peak memory counted from its own start
     (e2e_run.prepare), then timed side by side, one sample of each per round
-    (e2e_run.time_together). A variant that does not apply or fails to prepare is its row; the
-    others are timed. The FX-cache check (``--check-cache``) runs after the timing: it resets
+    (e2e_run.time_together). A variant that does not apply is its row; where one fails to prepare,
+    on any rank, the group is timed one variant after another instead (``_one_at_a_time``). The FX-cache check (``--check-cache``) runs after the timing: it resets
     Dynamo, which would drop the group's compiled code."""
     from overlap_compile.compile_caches import no_compile_caches
 
@@ -470,6 +470,14 @@ def run_interleaved(a, model_name: str, shape: dict, variants: list[str], compil
                                             device, dtype, stack, warm_calls=2, beside_others=True))
             except Exception as e:  # recorded, the others go on
                 rows[variant] = _error_row(cfgs[variant], e)
+        failed = next((rows[v] for v in variants if "error" in rows.get(v, {})), None)
+        anywhere = torch.tensor([0 if failed is None else 1], device=device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # every rank takes the same way on
+        if anywhere.item():
+            failed = failed or {"variant": "another rank", "error": "its preparation failed", "failure": "error"}
+            prepared.clear()
+            return _one_at_a_time(a, model_name, shape, variants, compile_mode, ckpt, base, budget, device, dtype,
+                                  cache_checked, failed)
         try:
             time_together(prepared, a.iters, a.train_calls)
             for p in prepared:
@@ -490,6 +498,23 @@ def run_interleaved(a, model_name: str, shape: dict, variants: list[str], compil
     out = [rows[v] for v in variants]
     agree(out, device)
     budget.took(time.monotonic() - t0)
+    return out
+
+
+def _one_at_a_time(a, model_name: str, shape: dict, variants: list[str], compile_mode: str, ckpt: bool, base: dict,
+                   budget, device: str, dtype, cache_checked: set, failed: dict) -> list[dict]:
+    """A group whose preparation side by side failed (torch 2.11's CUDA-graph trees failed an
+    internal assertion, ``len(node.tensor_weakrefs) == len(node.stack_traces)``, with a
+    Megatron-style block under reduce-overhead): its variants timed one after another instead,
+    each row saying why (``interleave_failed``), so no cell goes missing."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    why = f"{failed['variant']}: {failed['error'].splitlines()[0][:300] if failed['error'] else failed['failure']}"
+    out = []
+    for variant in variants:
+        got = run_variant(a, model_name, shape, variant, compile_mode, ckpt, base, budget, device, dtype, cache_checked)
+        out.append({**got, "interleave_failed": why})
     return out
 
 

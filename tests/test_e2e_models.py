@@ -170,6 +170,34 @@ def test_interleaved_warm_up_waits_for_a_settled_round():
     assert calls.count("a") == 5 + 1
 
 
+def _interleaved_with_a_failing_preparation(args: dict):
+    """e2e's worker with the side-by-side preparation of the nocomm variant failing (as torch
+    2.11's CUDA-graph trees did for a Megatron-style block under reduce-overhead)."""
+    from benchmarks import e2e as e2e_module
+
+    real = e2e_module.prepare
+
+    def failing(model_name, shape, variant, *rest, **kw):
+        if variant == "nocomm":
+            raise AssertionError("a CUDA-graph trees assertion")
+        return real(model_name, shape, variant, *rest, **kw)
+
+    e2e_module.prepare = failing
+    try:
+        return e2e_module.worker(args)
+    finally:
+        e2e_module.prepare = real
+
+
+def test_a_group_that_fails_side_by_side_is_timed_one_at_a_time():
+    args = _args(models="llama_megatron", variants="default,nocomm", steps=1, interleave=True)
+    rows = run_distributed(_interleaved_with_a_failing_preparation, world_size=2, args=(args,), timeout_s=600)[0]
+    assert [r["variant"] for r in rows] == ["default", "nocomm"]
+    for r in rows:  # every cell measured, one variant after another, each saying why
+        assert "error" not in r and r["train_ms"] > 0 and "interleaved" not in r, e2e.one_line(r)
+        assert r["interleave_failed"] == "nocomm: AssertionError: a CUDA-graph trees assertion"
+
+
 def test_interleave_refuses_isolate_and_repeat():
     for extra in (["--isolate"], ["--repeat", "2"]):
         with pytest.raises(SystemExit, match="--interleave times the variants side by side"):
