@@ -92,7 +92,7 @@ from benchmarks.e2e_report import (  # noqa: E402,F401  (compare, markdown, verd
 from benchmarks.e2e_run import (  # noqa: E402
     failure_kind, fresh_kernel_caches, prepare, run_config, second_compile_hits, time_together)
 from benchmarks.e2e_run import finish as finish_config  # noqa: E402  (finish: this file's, the run's end)
-from benchmarks.timing import Budget, round_order  # noqa: E402,F401  (round_order: also e2e.* for the tests)
+from benchmarks.timing import Budget, on_every_rank, round_order  # noqa: E402,F401  (round_order: also e2e.* for the tests)
 
 # tiny CPU shapes: 8 heads so that world 2..8 all divide them; E=4 experts for world 2 and 4
 CPU_SHAPES = {
@@ -471,9 +471,7 @@ def run_interleaved(a, model_name: str, shape: dict, variants: list[str], compil
             except Exception as e:  # recorded, the others go on
                 rows[variant] = _error_row(cfgs[variant], e)
         failed = next((rows[v] for v in variants if "error" in rows.get(v, {})), None)
-        anywhere = torch.tensor([0 if failed is None else 1], device=device)
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # every rank takes the same way on
-        if anywhere.item():
+        if not on_every_rank(failed is None):  # every rank takes the same way on
             failed = failed or {"variant": "another rank", "error": "its preparation failed", "failure": "error"}
             prepared.clear()
             return _one_at_a_time(a, model_name, shape, variants, compile_mode, ckpt, base, budget, device, dtype,

@@ -123,7 +123,7 @@ def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1
         for name in round_order(names, r):
             fns[name]()
         r += 1
-        if settle is not None and r >= warmup and _same_everywhere(before == settle(), cuda, group):
+        if settle is not None and r >= warmup and on_every_rank(before == settle()):
             break
     if cuda:
         torch.cuda.synchronize()
@@ -138,11 +138,12 @@ def time_interleaved(fns: dict, iters: int = 20, warmup: int = 3, calls: int = 1
     return got
 
 
-def _same_everywhere(flag: bool, cuda: bool, group: bool) -> bool:
-    """``flag`` on every rank (all ranks then go on alike)."""
-    if not group:
+def on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank of the default group (this process's own without one),
+    so that all ranks go on the same way."""
+    if not dist.is_initialized():
         return flag
-    t = torch.tensor([0 if flag else 1], device="cuda" if cuda else "cpu")
+    t = torch.tensor([0 if flag else 1], device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item() == 0
 
