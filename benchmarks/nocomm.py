@@ -9,7 +9,7 @@ compiles and nothing else.
 
 Replacements (``_c10d_functional`` and, where torch has them, ``_c10d_functional_autograd``):
 
-    all_gather_into_tensor(x, n, g)         -> oc_nocomm.repeat_rows(x, n)     n copies of the shard
+    all_gather_into_tensor(x, n, g)         -> oc_nocomm.repeat_rows(x, n)     n copies of the shard (one cat)
     reduce_scatter_tensor(x, op, n, g)      -> oc_nocomm.chunk_rows(x, n, r)   this rank's chunk r of dim 0
     all_reduce(x, op, g), broadcast(x, s, g) -> oc_nocomm.copy(x)
     all_to_all_single(x, out, in, g)        -> oc_nocomm.take_rows(x, out)     sum(out) rows (x's, cycled)
@@ -66,7 +66,9 @@ def _define_ops() -> Any:
         return x.repeat(reps, *[1] * (x.dim() - 1))[:want].contiguous()
 
     impls = {
-        "repeat_rows": lambda x, n: x.repeat(n, *[1] * (x.dim() - 1)),
+        # one batched copy of contiguous pieces: Tensor.repeat's strided copy runs at a third of
+        # the bandwidth (benchmarks/diagnostics/standin_copies.py), a bound short by that much more
+        "repeat_rows": lambda x, n: torch.cat([x] * n),
         "chunk_rows": lambda x, n, index: x[index * (x.shape[0] // n):(index + 1) * (x.shape[0] // n)].clone(
             memory_format=torch.contiguous_format),
         "copy": lambda x: x.clone(memory_format=torch.contiguous_format),

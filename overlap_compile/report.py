@@ -237,15 +237,15 @@ _SUMMED = ("comm_ms", "hidden_ms", "deferred_ms", "band_ms", "standin_ms", "site
 
 def standin_bytes(kind: str, gemms: list, world: int, itemsize: int) -> int:
     """Bytes (read + written) of the one local kernel that stands for a site's collective in the
-    comm-free bound (benchmarks/nocomm.py): an all-gather's repeated rows (the shard read, the
-    whole output written), a reduce-scatter's own chunk copied (read + written), an all-reduce's
-    or all-to-all's copy; an MoE section has two all-to-alls. ``gemms``: the site's (M, N, K)."""
+    comm-free bound (benchmarks/nocomm.py): an all-gather's W copies of the shard (each read and
+    written), a reduce-scatter's own chunk copied (read + written), an all-reduce's or
+    all-to-all's copy; an MoE section has two all-to-alls. ``gemms``: the site's (M, N, K)."""
     if not gemms or world < 1:
         return 0
     m, n, k = (int(v) for v in gemms[0])
     full = m * (k if kind in ("allgather_gemm", "moe") else n) * itemsize  # the collective's whole buffer
     if kind == "allgather_gemm":
-        return full + full // world
+        return 2 * full
     if kind == "gemm_reducescatter":
         return 2 * full // world
     return (4 if kind == "moe" else 2) * full
@@ -275,7 +275,7 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
     - ``standin_ms`` / ``gap_share``: e2e.py's "gap closed" compares with a comm-free bound in which
       each collective becomes one local copy kernel (benchmarks/nocomm.py), so the bound is short
       of the step without communication by those copies; ``gap_share`` = hidden over (comm -
-      copies) forecasts that metric. ``standin_ms`` needs ``profile`` (its HBM bandwidth) and each
+      copies) forecasts that metric. ``standin_ms`` needs ``profile`` (its copy bandwidth) and each
       site's world size and dtype (``world_size`` / ``dtype`` stand in where a site lacks them);
       without them it is 0 and ``gap_share`` equals ``hidden_share``.
 
@@ -283,7 +283,7 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
     HardwareProfile or a profile name (predictor.loaded_profile)."""
     from .predictor.models import ITEMSIZE
 
-    mem_gbps = _mem_gbps(profile)
+    copy_gbps = _copy_gbps(profile)
     out: dict = {}
     for s in sites:
         get = s.get if isinstance(s, dict) else lambda k, s=s: getattr(s, k, None)
@@ -314,9 +314,9 @@ def forecast(sites: list, profile: Any = None, world_size: int | None = None, dt
             best = min(v for k, v in predicted.items() if k != "baseline" and v is not None)
             g["band_ms"] += max(0.0, min(comm, as_written - best))
         world, dt = get("world_size") or world_size, get("dtype") or dtype
-        if mem_gbps and world and comm > 0:
+        if copy_gbps and world and comm > 0:
             nbytes = standin_bytes(get("kind") or "", get("gemms") or [], int(world), ITEMSIZE.get(str(dt), 2))
-            g["standin_ms"] += min(comm, nbytes / (mem_gbps * 1e9) * 1e3)
+            g["standin_ms"] += min(comm, nbytes / (copy_gbps * 1e9) * 1e3)
     out["all"] = {k: sum(g[k] for g in out.values()) for k in _SUMMED}
     for g in out.values():
         c = g["comm_ms"]
@@ -340,11 +340,13 @@ def _measured_gain(measured: dict | None, template: str | None, config: dict | N
     return base - ms
 
 
-def _mem_gbps(profile: Any) -> float | None:
-    """The profile's HBM bandwidth (GB/s), from a HardwareProfile or a profile name; None when
-    there is none or the name is unknown."""
+def _copy_gbps(profile: Any) -> float | None:
+    """The profile's copy bandwidth (GB/s, predictor.models.copy_gbps), from a HardwareProfile or a
+    profile name; None when there is none or the name is unknown."""
     if profile is None:
         return None
+    from .predictor.models import copy_gbps
+
     if isinstance(profile, str):
         from .predictor import loaded_profile
 
@@ -352,8 +354,7 @@ def _mem_gbps(profile: Any) -> float | None:
             profile = loaded_profile(profile)
         except Exception:  # an unknown name or a file gone since: no stand-in term
             return None
-    gemm = getattr(profile, "gemm", None)
-    return float(gemm.mem_gbps) if gemm is not None else None
+    return copy_gbps(profile) if getattr(profile, "gemm", None) is not None else None
 
 
 def forecast_line(total: dict) -> str:

@@ -690,6 +690,11 @@ def test_profile_command_smoke_on_fake_group(group, tmp_path):
     p = predictor.load_profile(out)
     assert p.name == "smoke" and sorted(p.curves["all_reduce"]) == [2, 4]
     assert any("copy_engine" in n for n in p.raw["notes"])
+    # a copy kernel's bandwidth, measured: what the models price a pass through memory at
+    from overlap_compile.predictor.models import copy_gbps, hbm_ms
+
+    assert p.raw["gemm"]["copy_gbps"] > 0 and copy_gbps(p) == p.raw["gemm"]["copy_gbps"]
+    assert hbm_ms(p, 1e9) == pytest.approx(1e3 / p.raw["gemm"]["copy_gbps"])
 
 
 def test_profile_command_without_cuda_says_how_to_run(capsys, monkeypatch):

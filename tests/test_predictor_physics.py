@@ -84,7 +84,7 @@ def test_copy_engine_all_to_all_is_gemm_bound_plus_placement_and_handshake():
     site = Site("gemm_alltoall", ((16384, 4096, 4096),), 2, "bfloat16")
     s = ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, p, Ctx(mode="cuda_graph"))
     half = models.slice_ms(site, p, 8192)
-    place = 2 * 8192 * 4096 * 2 / (p.gemm.mem_gbps * 1e9) * 1e3
+    place = 2 * 8192 * 4096 * 2 / (models.copy_gbps(p) * 1e9) * 1e3  # a copy kernel's bandwidth
     assert s.total_ms == pytest.approx(2 * half + place + 0.01)
     slower = h200(contention={"gemm_slowdown_copy_engine": 1.1}, peer_sync_ms=0.01)
     assert ring_model.p2p_ring(site, {"slices": 1, "bidirectional": False, "transport": "p2p"}, slower,
@@ -131,7 +131,7 @@ def test_priority_stream_places_chunked_all_to_all_on_the_comm_stream():
     p = h200()
     site = Site("gemm_alltoall", ((8192, 4096, 2048),), 4, "bfloat16")
     assert ps_model.ps_place_ms(site, p, 1) == 0.0
-    assert ps_model.ps_place_ms(site, p, 4) == pytest.approx(2 * 8192 * 4096 * 2 / 4 / (p.gemm.mem_gbps * 1e9) * 1e3)
+    assert ps_model.ps_place_ms(site, p, 4) == pytest.approx(2 * 8192 * 4096 * 2 / 4 / (models.copy_gbps(p) * 1e9) * 1e3)
     assert ps_model.ps_place_ms(Site("gemm_allreduce", ((8192, 4096, 2048),), 4, "bfloat16"), p, 4) == 0.0
 
 

@@ -178,8 +178,15 @@ def nccl_call_ms(site: Site, profile: HardwareProfile, curve: str) -> float:
 
 
 def hbm_ms(profile: HardwareProfile, nbytes: float) -> float:
-    """An elementwise pass moving ``nbytes`` through HBM (reads + writes) at ``gemm.mem_gbps``."""
-    return nbytes / (profile.gemm.mem_gbps * 1e9) * 1e3
+    """A copy or elementwise pass moving ``nbytes`` through HBM (reads + writes) at the bandwidth a
+    copy kernel reaches (``gemm.copy_gbps``, measured; on H200 about 85% of the HBM's peak,
+    benchmarks/diagnostics/standin_copies.py). Profiles without it: ``gemm.mem_gbps``, the peak."""
+    return nbytes / (copy_gbps(profile) * 1e9) * 1e3
+
+
+def copy_gbps(profile: HardwareProfile) -> float:
+    """GB/s (read + written) of a device-to-device copy kernel on the profile's GPU."""
+    return profile_extra(profile, "copy_gbps", profile.gemm.mem_gbps, "gemm")
 
 
 def profile_extra(profile: HardwareProfile, key: str, default: float, section: str | None = None) -> float:

@@ -89,7 +89,8 @@ def build_profile(*, name: str, gpu: str, sm_count: int, smem_per_sm: int, regs_
                   gemm_rows: list[dict], peak: float, mem_gbps: float, kernels: list[dict],
                   curves: dict[str, dict[int, list[tuple[int, float]]]], nccl_sms: dict[str, int],
                   launch_ms: dict[str, float], contention: dict[str, float], topology: dict,
-                  notes: list[str], command: str, op_overhead_ms: dict | None = None) -> dict:
+                  notes: list[str], command: str, op_overhead_ms: dict | None = None,
+                  copy_gbps: float | None = None) -> dict:
     """The profile dict from measurements (validated by the caller through save_profile)."""
     # default efficiency: median achieved fraction of peak over the large measured GEMMs
     effs = []
@@ -113,6 +114,7 @@ def build_profile(*, name: str, gpu: str, sm_count: int, smem_per_sm: int, regs_
             "peak_tflops": {"bfloat16": peak, "float16": peak, "float32": round(peak / 16, 1)},
             "efficiency": {"bfloat16": eff, "float16": eff, "float32": 0.8},
             "mem_gbps": mem_gbps,
+            **({"copy_gbps": copy_gbps} if copy_gbps else {}),
             "floor_ms": 0.005,
             "table": gemm_rows,
             "kernels": kernels,

@@ -53,6 +53,11 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
     for r, ms in zip(rows, agreed):
         r["ms"] = round(ms, 5)
 
+    # 1b. a copy kernel's bandwidth (the models' price of a pass through memory: predictor.models.hbm_ms)
+    nbytes = COPY_BYTES if bench.cuda else 4 * MiB  # the CPU smoke run: a token size
+    copy_gbps = agree([measure_copy_gbps(bench, device, dtype, nbytes)], group, device, op="min")[0]
+    progress.step("copy bandwidth")
+
     # 2. collectives per world size (sub-groups of the first w ranks)
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {c: {} for c in COLLECTIVES}
     graph_ok = True
@@ -112,7 +117,21 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
         op_overhead = measure_op_overhead(bench, group, device, dtype, notes)
     progress.step("op overhead")
     return {"gemm_rows": rows, "curves": curves, "launch_ms": launch, "contention": contention, "notes": notes,
-            "op_overhead_ms": op_overhead}
+            "op_overhead_ms": op_overhead, "copy_gbps": copy_gbps}
+
+
+COPY_BYTES = 256 * MiB  # past the L2 of any GPU the models price
+
+
+def measure_copy_gbps(bench: Bench, device: str, dtype: Any, nbytes: int = COPY_BYTES) -> float:
+    """GB/s (read + written) of a contiguous clone of ``nbytes``, 8 calls per CUDA graph where one
+    captures (kernel time; host-launched elsewhere)."""
+    import torch
+
+    x = torch.empty(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device).normal_()
+    g = bench.capture(x.clone, 8)
+    ms = bench.time(g.replay, 1) / 8 if g is not None else bench.time(x.clone)
+    return round(2 * nbytes / (ms * 1e-3) / 1e9, 1)
 
 
 # ---- entry point -------------------------------------------------------------------------------
@@ -174,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..predictor.seed import GPU_KERNELS
 
     kernels = [] if args.smoke else [dict(k) for k in GPU_KERNELS]
-    total = gemm_steps(sets, kernels) + len(worlds) * len(COLLECTIVES) * len(sizes) + 3
+    total = gemm_steps(sets, kernels) + len(worlds) * len(COLLECTIVES) * len(sizes) + 4
     progress = Progress(total, enabled=rank == 0)
     try:
         with warnings.catch_warnings():
@@ -195,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     d = build_profile(
         name=name, **facts, gemm_rows=res["gemm_rows"], kernels=kernels, curves=res["curves"],
         nccl_sms={c: 0 for c in COLLECTIVES} if args.smoke else nccl_sms_from_env(notes), launch_ms=res["launch_ms"],
-        contention=res["contention"], op_overhead_ms=res["op_overhead_ms"],
+        contention=res["contention"], op_overhead_ms=res["op_overhead_ms"], copy_gbps=res["copy_gbps"],
         topology=topology_of(world, device), notes=notes + [f"world size {world}, took {time.time() - started:.0f}s"],
         command=command.strip(),
     )
