@@ -127,7 +127,7 @@ def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
     collectives' time the pass predicted to hide (a site left as written with compute beside its
     collective counts nothing), and of the gap to the nocomm bound, whose stand-in copy kernels
     (a reduce-scatter's: its own half of the 8192 x 4096 bf16 rows read and written, at the h200
-    profile's HBM bandwidth) come off the collectives' time, beside the measured gap closed."""
+    profile's copy bandwidth) come off the collectives' time, beside the measured gap closed."""
     rows = _rows()
     site = {"graph": "forward", "kind": "gemm_reducescatter", "rewritten": True, "measured": None,
             "gemms": [[8192, 4096, 2048]],
@@ -141,8 +141,9 @@ def test_e2e_compare_carries_the_predicted_hidden_share_per_phase():
     assert overlap["train_forecast_hidden"] == pytest.approx(0.1 / 0.4)
     assert overlap["prefill_forecast_hidden"] == pytest.approx(0.5)
     from overlap_compile.predictor import load_profile
+    from overlap_compile.predictor.models import copy_gbps
 
-    copy = 2 * (8192 // 2) * 4096 * 2 / (load_profile("h200").gemm.mem_gbps * 1e9) * 1e3
+    copy = 2 * (8192 // 2) * 4096 * 2 / (copy_gbps(load_profile("h200")) * 1e9) * 1e3
     assert overlap["train_forecast_gap"] == pytest.approx(0.1 / (0.4 - 2 * copy))
     assert overlap["prefill_forecast_gap"] == pytest.approx(0.1 / (0.2 - copy))
     assert "| 25% / 50% |" in e2e.markdown(rows)

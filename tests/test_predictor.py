@@ -233,10 +233,10 @@ def test_worked_partition_on_h200(group):
         t_p += g * wave
         t_m = max(t_p, t_m) + comm(w, w + g, i == 5)
         w += g
-    # + the un-reorder of the received [8192, 8192] bf16 tiles: 2 HBM passes at the profile's bandwidth
+    # + the un-reorder of the received [8192, 8192] bf16 tiles: 2 HBM passes at the profile's copy bandwidth
     # when it is materialised (the site_match graph returns the result as it is) ...
     assert not site.output_fuses
-    reorder = 2 * 8192 * 8192 * 2 / (p.gemm.mem_gbps * 1e9) * 1e3
+    reorder = 2 * 8192 * 8192 * 2 / (models.copy_gbps(p) * 1e9) * 1e3
     assert sched.total_ms == pytest.approx(t_m + reorder)
     # ... and nothing when the readers read the tile order in place (pointwise / reductions)
     fused = sr_model.signal_reorder(dataclasses.replace(site, output_fuses=True), cfg, p, Ctx())
