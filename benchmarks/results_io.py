@@ -41,14 +41,18 @@ def result_stem(out: str, benchmark: str, device: str, world: int, torch_version
 
 def write_rows(rows: list[dict], out: str, benchmark: str, device: str, world: int,
                torch_version: str | None = None, date: str | None = None, suffix: str = "",
-               default: Callable[[Any], Any] | None = None) -> str:
+               default: Callable[[Any], Any] | None = None, table: str | None = None) -> str:
     """Write ``rows`` as a JSON list (indent 1) to ``result_stem(...) + ".json"``, creating ``out``
-    if needed; returns the path. ``default``: json.dump's hook for values JSON cannot hold."""
-    path = result_stem(out, benchmark, device, world, torch_version, date, suffix) + ".json"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    if needed; returns the path. ``default``: json.dump's hook for values JSON cannot hold;
+    ``table``: a markdown table of them, written beside (``.md``)."""
+    stem = result_stem(out, benchmark, device, world, torch_version, date, suffix)
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
         json.dump(rows, f, indent=1, default=default)
-    return path
+    if table is not None:
+        with open(stem + ".md", "w") as f:
+            f.write(table)
+    return stem + ".json"
 
 
 def run_file(out: str, benchmark: str, run_id: str, what: str) -> str:

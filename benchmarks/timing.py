@@ -178,6 +178,32 @@ def graphed(fn, calls: int = 1, warmup: int = 3):
     return g.replay
 
 
+def kernel_and_host_timers(fn, rep_ms: int, calls: int = 10) -> dict[str, Callable[[], float]]:
+    """Two ways of timing ``fn`` on one GPU, each a callable returning ms per call (do_bench's
+    median): ``cuda_graph``, replayed from a graph of ``calls`` calls (kernel time), and ``eager``,
+    host-launched. A diagnostic calls them in alternating rounds."""
+    from triton.testing import do_bench
+
+    graph = graphed(fn, calls=calls, warmup=2)
+    return {"cuda_graph": lambda: do_bench(graph, warmup=10, rep=rep_ms, return_mode="median") / calls,
+            "eager": lambda: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")}
+
+
+def one_gpu() -> tuple[torch.device, str, Any, str]:
+    """(device, its name, its built-in profile (h200 where none matches), today's ISO date): what a
+    one-GPU diagnostic runs on and names its rows by."""
+    import datetime
+
+    from overlap_compile.predictor import load_profile
+    from overlap_compile.predictor.profile import builtin_for_device
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("this diagnostic needs a CUDA GPU")
+    dev = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(dev)
+    return dev, name, load_profile(builtin_for_device(name) or "h200"), datetime.date.today().isoformat()
+
+
 def host_ms_per_call(fn, calls: int) -> float:
     """Wall time per call of ``calls`` back-to-back calls, on the host only: the loop is timed
     before the GPU catches up (5 warm-up calls, then a synchronisation and, under a process group,

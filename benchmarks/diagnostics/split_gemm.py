@@ -19,7 +19,6 @@ Rows (one schema, results_io) go to <out>/split_gemm-<device>-w1-torch<v>-<date>
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -84,26 +83,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from triton.testing import do_bench
 
-    from benchmarks.results_io import result_stem, write_rows
-    from benchmarks.timing import graphed
-    from overlap_compile.predictor import load_profile
-    from overlap_compile.predictor.profile import builtin_for_device
+    from benchmarks.results_io import write_rows
+    from benchmarks.timing import kernel_and_host_timers, one_gpu
 
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    dev = torch.device("cuda", 0)
-    device = torch.cuda.get_device_name(dev)
-    profile = load_profile(builtin_for_device(device) or "h200")
-    date = datetime.date.today().isoformat()
+    dev, device, profile, date = one_gpu()
     pieces_list = [int(p) for p in args.pieces.split(",")]
     shapes = list(shapes_to_time(args.shapes, args.world).items())[: args.limit or None]
     rows = []
-
-    def timers(fn):
-        graph = graphed(fn, calls=10, warmup=2)
-        return {"cuda_graph": lambda: do_bench(graph, warmup=10, rep=args.rep, return_mode="median") / 10,
-                "eager": lambda: do_bench(fn, warmup=10, rep=args.rep, return_mode="median")}
 
     for (m, n, k), labels in shapes:
         g = torch.Generator(device=dev).manual_seed(m + 3 * n + 7 * k)
@@ -111,7 +98,7 @@ def main() -> None:
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=g)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         want = torch.mm(a, b)
-        variants = {1: timers(lambda: torch.mm(a, b, out=out))}
+        variants = {1: kernel_and_host_timers(lambda: torch.mm(a, b, out=out), args.rep)}
         for p in pieces_list:
             if m % p:
                 continue
@@ -126,7 +113,7 @@ def main() -> None:
             if not torch.equal(out, want):  # same kernel on fewer rows: bitwise equal per row expected
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 assert err < 1e-2, f"{m}x{n}x{k} in {p} pieces: relative error {err:.2e}"
-            variants[p] = timers(split)
+            variants[p] = kernel_and_host_timers(split, args.rep)
         for mode in ("cuda_graph", "eager"):
             got = {p: [] for p in variants}
             for _ in range(args.repeat):
@@ -146,10 +133,8 @@ def main() -> None:
         del a, b, out, want
         torch.cuda.empty_cache()
 
-    path = write_rows(rows, args.out, "split_gemm", device, 1, date=date)
     table = markdown(rows)
-    with open(result_stem(args.out, "split_gemm", device, 1, date=date) + ".md", "w") as f:
-        f.write(table)
+    path = write_rows(rows, args.out, "split_gemm", device, 1, date=date, table=table)
     print(f"\nwrote {path}\n\n{table}")
 
 

@@ -20,7 +20,6 @@ schema, results_io) go to <out>/standin_copies-<device>-w1-torch<v>-<date>.json,
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -77,25 +76,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from triton.testing import do_bench
 
-    from benchmarks.results_io import result_stem, write_rows
-    from benchmarks.timing import graphed
-    from overlap_compile.predictor import load_profile
+    from benchmarks.results_io import write_rows
+    from benchmarks.timing import kernel_and_host_timers, one_gpu
     from overlap_compile.predictor.models import hbm_ms
-    from overlap_compile.predictor.profile import builtin_for_device
 
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    dev = torch.device("cuda", 0)
-    device = torch.cuda.get_device_name(dev)
-    profile = load_profile(builtin_for_device(device) or "h200")
-    date = datetime.date.today().isoformat()
+    dev, device, profile, date = one_gpu()
     rows, seen = [], set()
-
-    def timers(fn):
-        graph = graphed(fn, calls=10, warmup=2)
-        return {"cuda_graph": lambda: do_bench(graph, warmup=10, rep=args.rep, return_mode="median") / 10,
-                "eager": lambda: do_bench(fn, warmup=10, rep=args.rep, return_mode="median")}
 
     for block in blocks(args.limit):
         for world in (int(w) for w in args.worlds.split(",")):
@@ -109,7 +96,7 @@ def main() -> None:
             for name, (coll, fn, _) in cands.items():
                 if coll == "all_gather":
                     assert torch.equal(fn(), want), f"{name} at {shape}, W={world}: not W copies of the shard"
-            timed = {name: timers(fn) for name, (_, fn, _) in cands.items()}
+            timed = {name: kernel_and_host_timers(fn, args.rep) for name, (_, fn, _) in cands.items()}
             for mode in ("cuda_graph", "eager"):
                 got = {name: [] for name in timed}
                 for _ in range(args.repeat):
@@ -129,10 +116,8 @@ def main() -> None:
             del x, want, cands, timed
             torch.cuda.empty_cache()
 
-    path = write_rows(rows, args.out, "standin_copies", device, 1, date=date)
     table = markdown(rows)
-    with open(result_stem(args.out, "standin_copies", device, 1, date=date) + ".md", "w") as f:
-        f.write(table)
+    path = write_rows(rows, args.out, "standin_copies", device, 1, date=date, table=table)
     print(f"\nwrote {path}\n\n{table}")
 
 
