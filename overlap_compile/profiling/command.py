@@ -27,6 +27,9 @@ from .collectives import collective_fns, measure_contention, time_collective
 from .gemms import gemm_steps, measure_gemms
 
 
+COPY_BYTES = 256 * MiB  # a copy past the L2 of any GPU the models price
+
+
 def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: list[int], dtype: Any,
             progress: Progress, iters: int = 5, kernels: list[dict] | None = None,
             gemm_limit: int | None = None) -> dict:
@@ -118,9 +121,6 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
     progress.step("op overhead")
     return {"gemm_rows": rows, "curves": curves, "launch_ms": launch, "contention": contention, "notes": notes,
             "op_overhead_ms": op_overhead, "copy_gbps": copy_gbps}
-
-
-COPY_BYTES = 256 * MiB  # past the L2 of any GPU the models price
 
 
 def measure_copy_gbps(bench: Bench, device: str, dtype: Any, nbytes: int = COPY_BYTES) -> float:
