@@ -49,7 +49,7 @@ symmetric memory enabled for the group; CUDA only; benchmarks/async_tp.py), ``no
 torch.compile with every collective of the post-grad graphs replaced by a local op of the same
 output, and the eager gradient all-reduce of a hand-written model (mixtral_ep's finalize_grads) a
 no-op, benchmarks/nocomm.py; its losses differ by design and are not compared; its rows carry
-``nocomm_replaced``), ``nocomm_nopad`` (MoE models only: nocomm with capacity factor 1.0, so the
+``nocomm_replaced`` and ``nocomm_standins``, which stand-ins it ran), ``nocomm_nopad`` (MoE models only: nocomm with capacity factor 1.0, so the
 expert GEMMs compute no padding slots; the ceiling of an overlap that hid every byte and skipped
 the padding for free; its losses are not compared either; MoE rows carry ``capacity_factor``). ``train_gap_closed`` / ``prefill_gap_closed`` on the other variants' rows: the
 share of the distance to the bound they cover, (inductor - variant) / (inductor - nocomm).

@@ -41,6 +41,9 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")  # the latter: torch 2.11's autograd forms
+# which stand-ins a bound ran, kept on its rows (``nocomm_standins``): 1, rows without the key, ran
+# each all-gather's as Tensor.repeat (a strided copy at a third of the copy bandwidth); 2: one cat
+STANDINS = 2
 
 
 def _define_ops() -> Any:

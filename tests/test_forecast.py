@@ -139,6 +139,12 @@ def test_forecast_check_cells():
     assert err["train"]["gap_share"][2] == 1
     text = forecast_check.table(cells, sites=True) + forecast_check.summary(cells)
     assert "| f.json | m | default | train | 60% |" in text and "backward, summed over 1 cells" in text
+    # these rows carry no nocomm_standins: a bound from before its all-gather stand-in was one cat
+    assert train["bound_standins"] == 1 and "before its all-gather stand-in was one cat" in text
+    from benchmarks.nocomm import STANDINS
+
+    now = [{**r, "nocomm_standins": STANDINS} if r["variant"] == "nocomm" else r for r in _e2e_rows()]
+    assert "before its all-gather stand-in" not in forecast_check.table(forecast_check.check(now, "f.json"))
 
 
 def test_forecast_check_takes_rows_timed_side_by_side_round_by_round():

@@ -190,6 +190,7 @@ def test_e2e_nocomm_rows(gloo_results):
     bound = by["nocomm"]
     assert (bound["method"], bound["mode"]) == ("nocomm", "eager") and bound["train_ms"] > 0 and bound["prefill_ms"] > 0
     assert bound["nocomm_replaced"]["all_gather_into_tensor"] > 0 and bound["nocomm_replaced"]["reduce_scatter_tensor"] > 0
+    assert bound["nocomm_standins"] == nocomm.STANDINS  # which stand-ins this bound ran
     assert len(bound["losses"]) == 2 and "loss_matches_default" not in bound  # its losses are not compared
     ok, notes = e2e.verdict(rows, 1e-4)
     assert ok, notes
