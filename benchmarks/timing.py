@@ -13,7 +13,9 @@ host's own time per call of back-to-back calls (host_profile.py). ``Budget``: ra
 for every rank whether the next configuration still fits a time budget. ``op_graph_counts()`` /
 ``op_graph_calls_since(before)``: how the template ops' host-launched calls went between two
 points (runtime.op_graphs; moe.py's and e2e.py's rows); ``op_graph_progress()``: whether they are
-still capturing.
+still capturing. ``on_every_rank(flag)``: the ranks' verdict, the same on all of them.
+``kernel_and_host_timers(fn, rep_ms)`` and ``one_gpu()``: the one-GPU diagnostics' CUDA-graph and
+host-launched timers, and their device, profile and date.
 """
 from __future__ import annotations
 

@@ -24,10 +24,7 @@ from .bench import Bench, Progress, agree
 from .build import (build_profile, gpu_facts, load_shape_sets, nccl_sms_from_env, peak_tflops, topology_of,
                     world_sizes)
 from .collectives import collective_fns, measure_contention, time_collective
-from .gemms import gemm_steps, measure_gemms
-
-
-COPY_BYTES = 256 * MiB  # a copy past the L2 of any GPU the models price
+from .gemms import gemm_steps, measure_copy_gbps, measure_gemms
 
 
 def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: list[int], dtype: Any,
@@ -57,8 +54,7 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
         r["ms"] = round(ms, 5)
 
     # 1b. a copy kernel's bandwidth (the models' price of a pass through memory: predictor.models.hbm_ms)
-    nbytes = COPY_BYTES if bench.cuda else 4 * MiB  # the CPU smoke run: a token size
-    copy_gbps = agree([measure_copy_gbps(bench, device, dtype, nbytes)], group, device, op="min")[0]
+    copy_gbps = agree([measure_copy_gbps(bench, device, dtype)], group, device, op="min")[0]
     progress.step("copy bandwidth")
 
     # 2. collectives per world size (sub-groups of the first w ranks)
@@ -121,17 +117,6 @@ def measure(group: Any, device: str, *, sets: dict, sizes: list[int], worlds: li
     progress.step("op overhead")
     return {"gemm_rows": rows, "curves": curves, "launch_ms": launch, "contention": contention, "notes": notes,
             "op_overhead_ms": op_overhead, "copy_gbps": copy_gbps}
-
-
-def measure_copy_gbps(bench: Bench, device: str, dtype: Any, nbytes: int = COPY_BYTES) -> float:
-    """GB/s (read + written) of a contiguous clone of ``nbytes``, 8 calls per CUDA graph where one
-    captures (kernel time; host-launched elsewhere)."""
-    import torch
-
-    x = torch.empty(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device).normal_()
-    g = bench.capture(x.clone, 8)
-    ms = bench.time(g.replay, 1) / 8 if g is not None else bench.time(x.clone)
-    return round(2 * nbytes / (ms * 1e-3) / 1e9, 1)
 
 
 # ---- entry point -------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The profile's GEMM table: cuBLAS (``torch.mm``) on every shape of the operator sets and their
-row splits, and signal_reorder's Triton kernels on the unsplit shapes."""
+row splits, and signal_reorder's Triton kernels on the unsplit shapes; and the section's copy
+bandwidth (``measure_copy_gbps``), the models' price of a pass through memory."""
 from __future__ import annotations
 
 import math
 import time
 from typing import Any, Callable
 
+from ..predictor.profile import MiB
 from .bench import Bench, Progress
 from .build import gemm_shapes
 
@@ -96,3 +98,18 @@ def measure_gemms(bench: "Bench", device: str, *, sets: dict, dtype: Any, progre
             for c, (m, n, k), _ in jobs if (c, m, n, k) in best]
     k_rows = [r for r in rows if r["config"] is not None] if err is None else []
     return [r for r in rows if r["config"] is None], k_rows, err
+
+
+COPY_BYTES = 256 * MiB  # a copy past the L2 of any GPU the models price
+
+
+def measure_copy_gbps(bench: Bench, device: str, dtype: Any) -> float:
+    """GB/s (read + written) of a contiguous clone of COPY_BYTES, 8 calls per CUDA graph where one
+    captures (kernel time); on CPU (the smoke run) 4 MiB, host-launched."""
+    import torch
+
+    nbytes = COPY_BYTES if bench.cuda else 4 * MiB
+    x = torch.empty(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device).normal_()
+    g = bench.capture(x.clone, 8)
+    ms = bench.time(g.replay, 1) / 8 if g is not None else bench.time(x.clone)
+    return round(2 * nbytes / (ms * 1e-3) / 1e9, 1)
